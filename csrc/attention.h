@@ -1,0 +1,58 @@
+// Paged attention over the KV cache: decode (one query token per sequence, split-KV)
+// and prefill (causal, variable length, tensor cores).
+#pragma once
+#include "common.h"
+
+namespace nanograph {
+
+struct PagedKv {
+  // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+  const bf16* k_cache;
+  const bf16* v_cache;
+  const int32_t* block_tables;  // [num_seqs, block_table_stride]
+  int block_table_stride;
+  const int32_t* context_lens;  // [num_seqs]: tokens in the cache for each sequence, new ones included
+  int block_size;
+  int num_kv_heads;
+  int head_dim;
+};
+
+struct DecodeAttentionArgs {
+  const bf16* q;  // [num_seqs, q_stride]; head h at q + s * q_stride + h * head_dim
+  int q_stride;
+  PagedKv kv;
+  bf16* out;  // [num_seqs, num_q_heads * head_dim]
+  int num_seqs;
+  int num_q_heads;
+  // Upper bound on context_lens: sizes the grid. A graph captured with a bound replays for any
+  // lengths up to it, because the kernels read the actual lengths from device memory.
+  int max_context_len;
+  float scale;
+  float* workspace;  // decode_attention_workspace_bytes(...) bytes
+};
+
+size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
+                                        int max_context_len);
+
+// A row with context length 0 writes zeros.
+void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
+struct PrefillAttentionArgs {
+  const bf16* q;  // [total_q, q_stride]; head h of token t at q + t * q_stride + h * head_dim
+  int q_stride;
+  PagedKv kv;
+  // cu_seqlens_q: [num_seqs + 1] prefix sums of query tokens per sequence. Query token i of
+  // sequence s sits at position context_lens[s] - q_len(s) + i: tokens before it (a cached
+  // prefix or earlier chunks) are read from the cache, never recomputed.
+  const int32_t* cu_seqlens_q;
+  bf16* out;  // [total_q, num_q_heads * head_dim]
+  int num_seqs;
+  int total_q;
+  int max_q_len;  // upper bound on q_len(s); sizes the grid
+  int num_q_heads;
+  float scale;
+};
+
+void paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream_t stream);
+
+}  // namespace nanograph

@@ -1,0 +1,52 @@
+// Shared helpers for the CUDA core: error checking, bf16 conversions and the
+// compile-time dispatch used to turn runtime sizes into template parameters.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace nanograph {
+
+using bf16 = __nv_bfloat16;
+
+class CudaError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+inline void cuda_check(cudaError_t err, const char* expr, const char* file, int line) {
+  if (err != cudaSuccess) {
+    throw CudaError(std::string(file) + ":" + std::to_string(line) + ": " + expr + " failed: " +
+                    cudaGetErrorString(err));
+  }
+}
+
+#define CUDA_CHECK(expr) ::nanograph::cuda_check((expr), #expr, __FILE__, __LINE__)
+// After every launch: reports bad launch configurations at the call site.
+#define CUDA_CHECK_LAUNCH() ::nanograph::cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+
+inline void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, { body using constexpr HEAD_DIM })
+#define DISPATCH_HEAD_DIM(value, NAME, ...)                                               \
+  [&] {                                                                                  \
+    if ((value) == 64) {                                                                 \
+      constexpr int NAME = 64;                                                           \
+      return __VA_ARGS__();                                                              \
+    } else if ((value) == 128) {                                                         \
+      constexpr int NAME = 128;                                                          \
+      return __VA_ARGS__();                                                              \
+    }                                                                                    \
+    throw std::invalid_argument("unsupported head_dim " + std::to_string(value) +        \
+                                "; supported: 64, 128");                                 \
+  }()
+
+}  // namespace nanograph

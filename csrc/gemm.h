@@ -1,0 +1,35 @@
+// Linear layers through cuBLASLt: y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out,
+// fp32 accumulation. The heuristic is chosen once per shape and cached; the workspace is fixed
+// at construction so that calls can be captured into a CUDA graph.
+#pragma once
+#include "common.h"
+
+#include <map>
+#include <memory>
+#include <tuple>
+
+namespace nanograph {
+
+class Gemm {
+ public:
+  explicit Gemm(size_t workspace_bytes = 32u << 20);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
+  // bias: [N] or nullptr.
+  void linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
+              cudaStream_t stream);
+
+ private:
+  struct Plan;
+  Plan& plan_for(int M, int N, int K, bool has_bias);
+
+  void* handle_ = nullptr;  // cublasLtHandle_t
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_;
+  std::map<std::tuple<int, int, int, bool>, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace nanograph

@@ -1,0 +1,17 @@
+// RMSNorm and fused residual-add + RMSNorm, fp32 statistics, bf16 in and out.
+#pragma once
+#include "common.h"
+
+namespace nanograph {
+
+// x, out: [rows, dim]; weight: [dim]. out = x * rsqrt(mean(x^2) + eps) * weight.
+void rmsnorm(const bf16* x, const bf16* weight, bf16* out, int rows, int dim, float eps,
+             cudaStream_t stream);
+
+// In place, as in HF transformers' decoder layers:
+//   residual = bf16(x + residual);  x = rmsnorm(residual) * weight.
+// x, residual: [rows, dim]; weight: [dim].
+void add_rmsnorm(bf16* x, bf16* residual, const bf16* weight, int rows, int dim, float eps,
+                 cudaStream_t stream);
+
+}  // namespace nanograph

@@ -1,0 +1,107 @@
+// Binding helpers: tensor inspection, validation and the torch stream.
+#include "tensor.h"
+
+#include <sstream>
+#include <stdexcept>
+
+namespace nanograph::py_ext {
+
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::vector<Binder>& binders() {
+  static std::vector<Binder> all;
+  return all;
+}
+
+}  // namespace
+
+int64_t Tensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+Tensor cuda_tensor(py::handle obj, const char* name, const char* dtype) {
+  if (obj.is_none() || !py::hasattr(obj, "data_ptr")) {
+    throw py::type_error(std::string(name) + " must be a torch.Tensor");
+  }
+  Tensor t;
+  t.name = name;
+  py::object device = obj.attr("device");
+  if (device.attr("type").cast<std::string>() != "cuda") {
+    throw py::value_error(std::string(name) + " must be a CUDA tensor, got device " +
+                          py::str(device).cast<std::string>());
+  }
+  t.device = device.attr("index").cast<int>();
+  std::string full_dtype = py::str(obj.attr("dtype")).cast<std::string>();  // "torch.bfloat16"
+  t.dtype = full_dtype.substr(full_dtype.find('.') + 1);
+  if (t.dtype != dtype) {
+    throw py::type_error(std::string(name) + " must have dtype torch." + dtype + ", got " +
+                         full_dtype);
+  }
+  if (!obj.attr("is_contiguous")().cast<bool>()) {
+    throw py::value_error(std::string(name) + " must be contiguous (call .contiguous())");
+  }
+  for (py::handle s : obj.attr("shape")) t.shape.push_back(s.cast<int64_t>());
+  t.ptr = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+  return t;
+}
+
+Tensor optional_cuda_tensor(py::handle obj, const char* name, const char* dtype) {
+  if (obj.is_none()) {
+    Tensor t;
+    t.name = name;
+    return t;
+  }
+  return cuda_tensor(obj, name, dtype);
+}
+
+void expect_shape(const Tensor& t, const std::vector<int64_t>& expected) {
+  bool ok = t.shape.size() == expected.size();
+  for (size_t i = 0; ok && i < expected.size(); ++i) {
+    ok = expected[i] < 0 || expected[i] == t.shape[i];
+  }
+  if (!ok) {
+    throw py::value_error(t.name + " must have shape " + shape_str(expected) + " (-1: any), got " +
+                          shape_str(t.shape));
+  }
+}
+
+int same_device(const std::vector<const Tensor*>& tensors) {
+  int device = -1;
+  for (const Tensor* t : tensors) {
+    if (t->ptr == nullptr) continue;
+    if (device >= 0 && t->device != device) {
+      throw py::value_error("all tensors must be on one device; " + t->name + " is on cuda:" +
+                            std::to_string(t->device) + ", others on cuda:" +
+                            std::to_string(device));
+    }
+    device = t->device;
+  }
+  if (device >= 0) cudaSetDevice(device);
+  return device;
+}
+
+cudaStream_t torch_current_stream() {
+  py::object stream = py::module_::import("torch").attr("cuda").attr("current_stream")();
+  return reinterpret_cast<cudaStream_t>(stream.attr("cuda_stream").cast<uintptr_t>());
+}
+
+int register_binder(Binder binder) {
+  binders().push_back(binder);
+  return static_cast<int>(binders().size());
+}
+
+void run_binders(py::module_& m) {
+  for (Binder b : binders()) b(m);
+}
+
+}  // namespace nanograph::py_ext

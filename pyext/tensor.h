@@ -1,0 +1,57 @@
+// Binding helpers: read a torch tensor through its Python attributes (no libtorch link), check
+// it, and hand raw pointers to the core. Every binding validates shapes, dtypes and devices
+// here so that the kernels in csrc/ can trust their arguments.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace nanograph::py_ext {
+
+namespace py = pybind11;
+
+struct Tensor {
+  std::string name;
+  void* ptr = nullptr;
+  std::vector<int64_t> shape;
+  std::string dtype;  // "bfloat16", "float32", "int32", ...
+  int device = -1;    // CUDA device index
+
+  int dim() const { return static_cast<int>(shape.size()); }
+  int64_t size(int i) const { return shape.at(i < 0 ? i + dim() : i); }
+  int64_t numel() const;
+  template <class T>
+  T* data() const { return static_cast<T*>(ptr); }
+};
+
+// Reads `obj` (a torch.Tensor) and requires it to be a contiguous CUDA tensor of `dtype`.
+Tensor cuda_tensor(py::handle obj, const char* name, const char* dtype);
+
+// Same, but None gives a Tensor with ptr == nullptr.
+Tensor optional_cuda_tensor(py::handle obj, const char* name, const char* dtype);
+
+// Requires t.shape == expected, where -1 matches any size. The error names the tensor.
+void expect_shape(const Tensor& t, const std::vector<int64_t>& expected);
+
+// Requires all tensors to live on the same device; returns it and makes it current.
+int same_device(const std::vector<const Tensor*>& tensors);
+
+// The stream torch is using on the current device, so results are ordered with torch's work.
+cudaStream_t torch_current_stream();
+
+using Binder = void (*)(py::module_&);
+int register_binder(Binder binder);
+void run_binders(py::module_& m);
+
+}  // namespace nanograph::py_ext
+
+// Defines a function that adds bindings to the module; it runs when the module is imported.
+#define NANOGRAPH_BINDINGS(fn)                                                  \
+  static void fn(pybind11::module_& m);                                        \
+  static const int fn##_registered = ::nanograph::py_ext::register_binder(fn); \
+  static void fn(pybind11::module_& m)

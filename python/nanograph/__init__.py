@@ -1,0 +1,6 @@
+"""nanograph: a small, fast LLM inference engine with a C++/CUDA core."""
+from ._core import CORE_ERROR, core_available, gpu_available
+
+__version__ = "0.1.0"
+
+__all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__"]
