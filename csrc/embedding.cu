@@ -1,0 +1,45 @@
+// Token embedding lookup: out[t, :] = table[ids[t], :], or a zero row when ids[t] is outside
+// [0, vocab).
+//
+// Layouts: ids [num_tokens] int32; table [vocab, hidden] bf16; out [num_tokens, hidden] bf16;
+// hidden is a multiple of 8 so every row is a whole number of 16-byte vectors.
+// Launch: one CTA per token, threads striding over the row's 16-byte vectors. The kernel is a
+// pure copy, so the only thing that matters is wide, coalesced loads and stores.
+#include "embedding.h"
+
+namespace nanograph {
+
+namespace {
+
+constexpr int kThreads = 128;
+
+__global__ void __launch_bounds__(kThreads)
+    embedding_kernel(const int32_t* __restrict__ ids, const uint4* __restrict__ table,
+                     uint4* __restrict__ out, int vecs_per_row, int vocab) {
+  const int token = blockIdx.x;
+  const int id = ids[token];
+  uint4* dst = out + static_cast<int64_t>(token) * vecs_per_row;
+  if (id < 0 || id >= vocab) {
+    for (int v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const uint4* src = table + static_cast<int64_t>(id) * vecs_per_row;
+  for (int v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = __ldg(src + v);
+}
+
+}  // namespace
+
+void embedding(const int32_t* ids, const bf16* table, bf16* out, int num_tokens, int hidden,
+               int vocab, cudaStream_t stream) {
+  require(hidden > 0 && hidden % 8 == 0,
+          "embedding: hidden size " + std::to_string(hidden) +
+              " must be a positive multiple of 8 (rows are copied as 16-byte vectors)");
+  require(reinterpret_cast<uintptr_t>(table) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
+          "embedding: table and out must be 16-byte aligned (allocate them with torch/cudaMalloc)");
+  if (num_tokens == 0) return;
+  embedding_kernel<<<num_tokens, kThreads, 0, stream>>>(
+      ids, reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nanograph

@@ -1,0 +1,38 @@
+// Decode graph manager: one CUDA graph per batch bucket, captured once over static buffers with
+// cudaStreamBeginCapture/EndCapture and replayed with cudaGraphLaunch every step.
+#pragma once
+#include "common.h"
+
+#include <functional>
+#include <map>
+#include <vector>
+
+namespace nanograph {
+
+// [1, 2, 4, 8, 16, 24, 32, ...] (multiples of 8 from 8) up to max_num_seqs, which is always the
+// last bucket.
+std::vector<int> default_decode_buckets(int max_num_seqs);
+
+class GraphManager {
+ public:
+  explicit GraphManager(std::vector<int> buckets);
+  ~GraphManager();
+  GraphManager(const GraphManager&) = delete;
+  GraphManager& operator=(const GraphManager&) = delete;
+
+  const std::vector<int>& buckets() const { return buckets_; }
+  // Smallest bucket >= batch, or -1 when the batch exceeds the largest bucket (run eagerly).
+  int bucket_for(int batch) const;
+
+  // Records body(bucket) on `stream` into the bucket's graph and instantiates it. `body` must
+  // enqueue work on `stream` only and must not allocate or synchronise.
+  void capture(int bucket, cudaStream_t stream, const std::function<void()>& body);
+  bool captured(int bucket) const { return graphs_.count(bucket) > 0; }
+  void replay(int bucket, cudaStream_t stream) const;
+
+ private:
+  std::vector<int> buckets_;
+  std::map<int, cudaGraphExec_t> graphs_;
+};
+
+}  // namespace nanograph

@@ -1,0 +1,236 @@
+// The decoder forward for one step. Per layer, for T new tokens:
+//   hidden = add_rmsnorm(hidden, residual)            (first layer: rmsnorm of the embedding)
+//   qkv    = hidden . Wqkv^T (+ bias)                 cuBLASLt
+//   qkv    = qk_norm + rope, K/V stored by slot       one kernel
+//   attn   = paged decode (one token/seq) or prefill attention
+//   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
+//   act    = silu(gate) * up of hidden . Wgate_up^T;  hidden = act . Wdown^T
+// then the final norm and lm_head on each sequence's last token only.
+// All per-step values are read from device buffers at fixed addresses, so a captured decode graph
+// replays for any batch contents.
+#include "model.h"
+
+#include "activation.h"
+#include "embedding.h"
+#include "norm.h"
+#include "rope.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace nanograph {
+
+namespace {
+
+// Copies the rows of each sequence's last new token: out[s] = in[cu_seqlens_q[s + 1] - 1].
+// a_out/b_out: [num_seqs, dim]; one CTA per sequence, 16-byte copies (dim % 8 == 0).
+__global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const int32_t* cu_seqlens_q,
+                                          bf16* a_out, bf16* b_out, int dim) {
+  const int s = blockIdx.x;
+  const int row = cu_seqlens_q[s + 1] - 1;
+  const int4* a_src = reinterpret_cast<const int4*>(a + static_cast<size_t>(row) * dim);
+  const int4* b_src = reinterpret_cast<const int4*>(b + static_cast<size_t>(row) * dim);
+  int4* a_dst = reinterpret_cast<int4*>(a_out + static_cast<size_t>(s) * dim);
+  int4* b_dst = reinterpret_cast<int4*>(b_out + static_cast<size_t>(s) * dim);
+  for (int i = threadIdx.x; i < dim / 8; i += blockDim.x) {
+    a_dst[i] = a_src[i];
+    b_dst[i] = b_src[i];
+  }
+}
+
+}  // namespace
+
+StepLayout::StepLayout(int num_tokens, int num_seqs, int block_table_width) {
+  input_ids = 0;
+  positions = input_ids + num_tokens;
+  slot_mapping = positions + num_tokens;
+  cu_seqlens_q = slot_mapping + num_tokens;
+  context_lens = cu_seqlens_q + num_seqs + 1;
+  block_tables = context_lens + num_seqs;
+  total = block_tables + num_seqs * block_table_width;
+}
+
+template <class T>
+T* Model::alloc(size_t count) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  allocations_.push_back(p);
+  return static_cast<T*>(p);
+}
+
+Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits& limits)
+    : config_(config), weights_(std::move(weights)), limits_(limits) {
+  const ModelConfig& c = config_;
+  require(static_cast<int>(weights_.layers.size()) == c.num_layers,
+          "weights have " + std::to_string(weights_.layers.size()) + " layers; config says " +
+              std::to_string(c.num_layers));
+  require(c.num_q_heads % c.num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads");
+  require(c.hidden_size % 8 == 0 && c.intermediate_size % 8 == 0,
+          "hidden_size and intermediate_size must be multiples of 8");
+  require(limits.max_num_tokens >= limits.max_num_seqs,
+          "max_num_batched_tokens (" + std::to_string(limits.max_num_tokens) +
+              ") must be at least max_num_seqs (" + std::to_string(limits.max_num_seqs) + ")");
+  require(limits.max_model_len <= c.max_position,
+          "max_model_len " + std::to_string(limits.max_model_len) + " exceeds the RoPE table (" +
+              std::to_string(c.max_position) + " positions)");
+  // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
+  block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;
+  qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
+
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied_, cudaEventDisableTiming));
+  const int T = limits.max_num_tokens;
+  const int S = limits.max_num_seqs;
+  const size_t meta = StepLayout(T, S, block_table_width_).total;
+  CUDA_CHECK(cudaMallocHost(&host_meta_, meta * sizeof(int32_t)));
+  std::fill(host_meta_, host_meta_ + meta, 0);
+  device_meta_ = alloc<int32_t>(meta);
+  residual_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
+  hidden_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
+  qkv_ = alloc<bf16>(static_cast<size_t>(T) * qkv_width_);
+  attn_ = alloc<bf16>(static_cast<size_t>(T) * c.num_q_heads * c.head_dim);
+  gate_up_ = alloc<bf16>(static_cast<size_t>(T) * 2 * c.intermediate_size);
+  act_ = alloc<bf16>(static_cast<size_t>(T) * c.intermediate_size);
+  last_hidden_ = alloc<bf16>(static_cast<size_t>(2) * S * c.hidden_size);
+  logits_ = alloc<bf16>(static_cast<size_t>(S) * c.vocab_size);
+  size_t workspace = 0;
+  for (int b = 1; b <= S; ++b) {
+    workspace = std::max(workspace, decode_attention_workspace_bytes(b, c.num_q_heads, c.head_dim,
+                                                                     limits.max_model_len));
+  }
+  attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
+}
+
+Model::~Model() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  graphs_.reset();
+  if (kv_cache_) cudaFree(kv_cache_);
+  for (void* p : allocations_) cudaFree(p);
+  if (host_meta_) cudaFreeHost(host_meta_);
+  if (meta_copied_) cudaEventDestroy(meta_copied_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+size_t Model::kv_bytes_per_block() const {
+  return static_cast<size_t>(config_.num_layers) * 2 * limits_.block_size * config_.num_kv_heads *
+         config_.head_dim * sizeof(bf16);
+}
+
+void Model::allocate_kv_cache(int num_blocks) {
+  require(num_blocks >= 1, "the KV cache needs at least one block");
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  graphs_.reset();  // captured graphs point into the old cache
+  if (kv_cache_) CUDA_CHECK(cudaFree(kv_cache_));
+  kv_cache_ = nullptr;
+  num_kv_blocks_ = 0;
+  CUDA_CHECK(cudaMalloc(&kv_cache_, kv_bytes_per_block() * num_blocks));
+  num_kv_blocks_ = num_blocks;
+}
+
+int32_t* Model::host_metadata() {
+  CUDA_CHECK(cudaEventSynchronize(meta_copied_));
+  return host_meta_;
+}
+
+void Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph) {
+  require(kv_cache_ != nullptr, "allocate the KV cache before running the model");
+  require(num_tokens >= 1 && num_tokens <= limits_.max_num_tokens,
+          "a step has " + std::to_string(num_tokens) + " tokens; max_num_batched_tokens is " +
+              std::to_string(limits_.max_num_tokens));
+  require(num_seqs >= 1 && num_seqs <= limits_.max_num_seqs,
+          "a step has " + std::to_string(num_seqs) + " sequences; max_num_seqs is " +
+              std::to_string(limits_.max_num_seqs));
+  const StepLayout layout(num_tokens, num_seqs, block_table_width_);
+  CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
+  const bool is_decode = num_tokens == num_seqs;
+  if (use_graph && is_decode && graphs_ && graphs_->captured(num_seqs)) {
+    graphs_->replay(num_seqs, stream_);
+  } else {
+    forward(num_tokens, num_seqs, max_q_len, is_decode);
+  }
+}
+
+size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
+  require(kv_cache_ != nullptr, "allocate the KV cache before capturing graphs");
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  size_t free_before = 0, free_after = 0, total = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  graphs_ = std::make_unique<GraphManager>(buckets);
+  std::vector<int> order = graphs_->buckets();
+  std::sort(order.rbegin(), order.rend());  // largest first: later graphs reuse its memory
+  for (int bucket : order) {
+    require(bucket <= limits_.max_num_seqs, "graph bucket " + std::to_string(bucket) +
+                                                " exceeds max_num_seqs " +
+                                                std::to_string(limits_.max_num_seqs));
+    // Warm the GEMM plans outside the capture; heuristics must not run while capturing.
+    forward(bucket, bucket, 1, true);
+    graphs_->capture(bucket, stream_, [&] { forward(bucket, bucket, 1, true); });
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  return free_before > free_after ? free_before - free_after : 0;
+}
+
+void Model::forward(int T, int S, int max_q_len, bool is_decode) {
+  const ModelConfig& c = config_;
+  const StepLayout layout(T, S, block_table_width_);
+  const int32_t* input_ids = device_meta_ + layout.input_ids;
+  const int32_t* positions = device_meta_ + layout.positions;
+  const int32_t* slot_mapping = device_meta_ + layout.slot_mapping;
+  const int32_t* cu_seqlens_q = device_meta_ + layout.cu_seqlens_q;
+  const int32_t* context_lens = device_meta_ + layout.context_lens;
+  const int32_t* block_tables = device_meta_ + layout.block_tables;
+  const int H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int q_width = c.num_q_heads * hd;
+  const size_t kv_layer_elems =
+      static_cast<size_t>(num_kv_blocks_) * limits_.block_size * c.num_kv_heads * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  cudaStream_t st = stream_;
+
+  embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
+  rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = weights_.layers[l];
+    if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
+    gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st);
+
+    bf16* k_cache = kv_cache_ + 2 * l * kv_layer_elems;
+    bf16* v_cache = k_cache + kv_layer_elems;
+    RopeKvArgs rope{qkv_, w.q_norm, w.k_norm, weights_.cos_sin, positions, slot_mapping,
+                    k_cache, v_cache, T, c.num_q_heads, c.num_kv_heads, hd, c.rms_norm_eps};
+    qk_norm_rope_kv_store(rope, st);
+
+    PagedKv kv{k_cache, v_cache, block_tables, block_table_width_, context_lens,
+               limits_.block_size, c.num_kv_heads, hd};
+    if (is_decode) {
+      DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
+                               limits_.max_model_len, scale, attn_workspace_};
+      paged_decode_attention(args, st);
+    } else {
+      PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,
+                                c.num_q_heads, scale};
+      paged_prefill_attention(args, st);
+    }
+    gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
+    add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
+    gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
+    silu_mul(gate_up_, act_, T, I, st);
+    gemm_.linear(act_, w.down, nullptr, hidden_, T, H, I, st);
+  }
+
+  bf16* last_hidden = hidden_;
+  bf16* last_residual = residual_;
+  if (!is_decode) {
+    last_hidden = last_hidden_;
+    last_residual = last_hidden_ + static_cast<size_t>(limits_.max_num_seqs) * H;
+    gather_last_tokens_kernel<<<S, 128, 0, st>>>(hidden_, residual_, cu_seqlens_q, last_hidden,
+                                                 last_residual, H);
+    CUDA_CHECK_LAUNCH();
+  }
+  add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
+  gemm_.linear(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, st);
+}
+
+}  // namespace nanograph

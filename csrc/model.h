@@ -1,0 +1,123 @@
+// The decoder forward (Qwen3, Llama family, Qwen2) over the paged KV cache, for one step's batch
+// described by device buffers. The model owns the KV cache, the activations, the step metadata
+// (pinned host copy + device copy) and the decode graphs.
+#pragma once
+#include "attention.h"
+#include "common.h"
+#include "gemm.h"
+#include "graph.h"
+
+#include <memory>
+#include <vector>
+
+namespace nanograph {
+
+struct ModelConfig {
+  int vocab_size;
+  int hidden_size;
+  int num_layers;
+  int num_q_heads;
+  int num_kv_heads;
+  int head_dim;
+  int intermediate_size;
+  float rms_norm_eps;
+  int max_position;  // rows of the cos/sin table
+};
+
+// Device pointers; the caller keeps the memory alive. Optional ones may be nullptr.
+struct LayerWeights {
+  const bf16* input_norm;  // [H]
+  const bf16* qkv;         // [(nq + 2 nkv) hd, H]
+  const bf16* qkv_bias;    // [(nq + 2 nkv) hd] or nullptr (Qwen2 has one)
+  const bf16* q_norm;      // [hd] or nullptr (Qwen3 has QK-norm)
+  const bf16* k_norm;      // [hd] or nullptr
+  const bf16* o_proj;      // [H, nq hd]
+  const bf16* post_norm;   // [H]
+  const bf16* gate_up;     // [2 I, H], gate rows first
+  const bf16* down;        // [H, I]
+};
+
+struct ModelWeights {
+  const bf16* embed;       // [V, H]
+  const bf16* final_norm;  // [H]
+  const bf16* lm_head;     // [V, H]; equal to embed when tied
+  const float* cos_sin;    // [max_position, hd]
+  std::vector<LayerWeights> layers;
+};
+
+struct EngineLimits {
+  int max_num_tokens;  // new tokens in one step (max_num_batched_tokens)
+  int max_num_seqs;
+  int max_model_len;
+  int block_size;
+};
+
+// Where each field of the step metadata sits in the int32 metadata buffer for a step of
+// `num_tokens` new tokens over `num_seqs` sequences; the fields are packed back to back so one
+// copy moves exactly the bytes the step uses.
+struct StepLayout {
+  int input_ids, positions, slot_mapping, cu_seqlens_q, context_lens, block_tables, total;
+  StepLayout(int num_tokens, int num_seqs, int block_table_width);
+};
+
+class Model {
+ public:
+  Model(const ModelConfig& config, ModelWeights weights, const EngineLimits& limits);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const ModelConfig& config() const { return config_; }
+  const EngineLimits& limits() const { return limits_; }
+  int block_table_width() const { return block_table_width_; }
+  cudaStream_t stream() const { return stream_; }
+  size_t kv_bytes_per_block() const;
+  int num_kv_blocks() const { return num_kv_blocks_; }
+  // Frees any previous cache; the cache is [layers][k|v][blocks][block_size][nkv][hd].
+  void allocate_kv_cache(int num_blocks);
+
+  // Pinned; StepLayout gives the fields. Waits until the previous step's copy has read it.
+  int32_t* host_metadata();
+  // One step: copies the step's metadata to the device (one async copy), then runs the forward
+  // (decode graph when captured and all sequences have one new token). Logits of each sequence's
+  // last new token land in logits()[0 : num_seqs]. Asynchronous on stream().
+  void step(int num_tokens, int num_seqs, int max_q_len, bool use_graph);
+  const bf16* logits() const { return logits_; }  // [max_num_seqs, vocab]
+
+  // Decode graphs: capture every bucket (largest first); returns the device bytes they took.
+  size_t capture_decode_graphs(const std::vector<int>& buckets);
+  int decode_bucket(int num_seqs) const { return graphs_ ? graphs_->bucket_for(num_seqs) : -1; }
+  const GraphManager* graphs() const { return graphs_.get(); }
+
+ private:
+  void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode);
+  template <class T>
+  T* alloc(size_t count);
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  EngineLimits limits_;
+  int block_table_width_;
+  int qkv_width_;
+  cudaStream_t stream_ = nullptr;
+  Gemm gemm_;
+  std::vector<void*> allocations_;
+
+  int32_t* host_meta_ = nullptr;
+  cudaEvent_t meta_copied_ = nullptr;
+  int32_t* device_meta_ = nullptr;
+  bf16* residual_ = nullptr;
+  bf16* hidden_ = nullptr;
+  bf16* qkv_ = nullptr;
+  bf16* attn_ = nullptr;
+  bf16* gate_up_ = nullptr;
+  bf16* act_ = nullptr;
+  bf16* last_hidden_ = nullptr;
+  bf16* logits_ = nullptr;
+  float* attn_workspace_ = nullptr;
+  bf16* kv_cache_ = nullptr;
+  int num_kv_blocks_ = 0;
+  std::unique_ptr<GraphManager> graphs_;
+};
+
+}  // namespace nanograph

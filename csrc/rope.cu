@@ -1,0 +1,142 @@
+// Per-head QK-RMSNorm (optional, Qwen3) + NeoX rotary embedding + K/V store into the paged cache.
+//
+// For each token t and head:
+//   q head:  q = rope(norm_q(q))             written back in place into qkv
+//   kv head: k = rope(norm_k(k))             written back into qkv and to k_cache[slot]
+//            v unchanged                     copied to v_cache[slot]      (slot = slot_mapping[t])
+// norm(x) = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight), fp32 statistics: HF Qwen3RMSNorm's
+// rounding. rope is computed in fp32 from the fp32 cos/sin row positions[t] and rounded once:
+//   x1' = x1 * cos - x2 * sin,  x2' = x2 * cos + x1 * sin,  x1 = x[:hd/2], x2 = x[hd/2:].
+// Slot -1 skips the cache store (the token's q and k are still rotated).
+//
+// Layouts: qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] bf16, q | k | v per token;
+//          cos_sin [max_position, head_dim] fp32 (cos | sin); positions, slot_mapping [num_tokens];
+//          k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] bf16, so element
+//          (slot, h, d) sits at (slot * num_kv_heads + h) * head_dim + d.
+//
+// Launch: a group of head_dim / 8 lanes per (token, head item); each lane owns 8 consecutive
+// elements (one 16-byte load), so a warp covers 2 heads at head_dim 128 and 4 at 64. Items run
+// token-major over num_q_heads + num_kv_heads heads (a kv item also carries its v head), so
+// neighbouring groups read neighbouring memory. A lane in the first half of the head pairs with
+// the lane head_dim / 16 above it (x[i] with x[i + hd/2]); one shuffle swaps the partner's
+// values and a group-wide shuffle reduction gives the RMS statistics. Every byte of q/k/v is
+// touched once, with no shared memory and no block-wide barriers: the kernel is bandwidth-bound.
+#include "rope.h"
+
+#include <climits>
+
+#include "bf16x8.cuh"
+
+namespace nanograph {
+
+namespace {
+
+constexpr int kVec = 8;  // bf16 elements per lane: one 16-byte access (bf16x8.cuh)
+constexpr int kThreads = 256;
+
+// In-place QK-norm + RoPE of one head's 8-element slice held by this lane.
+template <int HEAD_DIM, bool QK_NORM>
+__device__ __forceinline__ void norm_rope(Float8& x, const bf16* norm_weight,
+                                          const float* cos_sin_row, int lane_in_head,
+                                          unsigned group_mask, float eps) {
+  constexpr int kLanes = HEAD_DIM / kVec;
+  constexpr int kHalfLanes = kLanes / 2;
+  if constexpr (QK_NORM) {
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) sum_sq += x.v[i] * x.v[i];
+#pragma unroll
+    for (int offset = kHalfLanes; offset > 0; offset /= 2) {
+      sum_sq += __shfl_xor_sync(group_mask, sum_sq, offset, kLanes);
+    }
+    const float rstd = rsqrtf(sum_sq / HEAD_DIM + eps);
+    const Float8 w = load_bf16x8(norm_weight + lane_in_head * kVec);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) x.v[i] *= rstd;
+    round_to_bf16(x);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) x.v[i] *= w.v[i];
+    round_to_bf16(x);
+  }
+  const bool first_half = lane_in_head < kHalfLanes;
+  const int freq = (lane_in_head % kHalfLanes) * kVec;
+  float cos_v[kVec], sin_v[kVec];
+#pragma unroll
+  for (int i = 0; i < kVec; i += 4) {
+    *reinterpret_cast<float4*>(&cos_v[i]) = *reinterpret_cast<const float4*>(cos_sin_row + freq + i);
+    *reinterpret_cast<float4*>(&sin_v[i]) =
+        *reinterpret_cast<const float4*>(cos_sin_row + HEAD_DIM / 2 + freq + i);
+  }
+  // First half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin.
+  const float sign = first_half ? -1.f : 1.f;
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) {
+    const float partner = __shfl_xor_sync(group_mask, x.v[i], kHalfLanes, kLanes);
+    x.v[i] = x.v[i] * cos_v[i] + sign * partner * sin_v[i];
+  }
+}
+
+template <int HEAD_DIM, bool QK_NORM>
+__global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvArgs args) {
+  constexpr int kLanes = HEAD_DIM / kVec;
+  const int heads_per_token = args.num_q_heads + args.num_kv_heads;
+  const int item = (blockIdx.x * kThreads + threadIdx.x) / kLanes;  // fits int: see the launcher
+  if (item >= args.num_tokens * heads_per_token) return;
+  const int token = item / heads_per_token;
+  const int head = item % heads_per_token;
+  const int lane_in_head = threadIdx.x % kLanes;
+  // Groups never straddle a warp, and a group is wholly in or out of range.
+  const unsigned group_mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+
+  const int64_t row = static_cast<int64_t>(token) *
+                      (args.num_q_heads + 2 * args.num_kv_heads) * HEAD_DIM;
+  const int lane_offset = lane_in_head * kVec;
+  const float* cos_sin_row = args.cos_sin + static_cast<int64_t>(args.positions[token]) * HEAD_DIM;
+  const bool is_q = head < args.num_q_heads;
+
+  bf16* x_ptr = args.qkv + row + head * HEAD_DIM + lane_offset;
+  Float8 x = load_bf16x8(x_ptr);
+  norm_rope<HEAD_DIM, QK_NORM>(x, is_q ? args.q_norm_weight : args.k_norm_weight, cos_sin_row,
+                               lane_in_head, group_mask, args.eps);
+  store_bf16x8(x_ptr, x);
+  if (is_q) return;
+
+  const int slot = args.slot_mapping[token];
+  if (slot < 0) return;
+  const int kv_head = head - args.num_q_heads;
+  const int64_t cache_offset =
+      (static_cast<int64_t>(slot) * args.num_kv_heads + kv_head) * HEAD_DIM + lane_offset;
+  const bf16* v_ptr = args.qkv + row + (heads_per_token + kv_head) * HEAD_DIM + lane_offset;
+  store_bf16x8(args.k_cache + cache_offset, x);
+  *reinterpret_cast<uint4*>(args.v_cache + cache_offset) = *reinterpret_cast<const uint4*>(v_ptr);
+}
+
+}  // namespace
+
+void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream) {
+  require((args.q_norm_weight == nullptr) == (args.k_norm_weight == nullptr),
+          "qk_norm_rope_kv_store: give both q_norm_weight and k_norm_weight, or neither");
+  require(args.num_q_heads > 0 && args.num_kv_heads > 0,
+          "qk_norm_rope_kv_store: num_q_heads and num_kv_heads must be positive, got " +
+              std::to_string(args.num_q_heads) + " and " + std::to_string(args.num_kv_heads));
+  require(args.num_tokens >= 0, "qk_norm_rope_kv_store: num_tokens must be >= 0");
+  if (args.num_tokens == 0) return;
+  const bool qk_norm = args.q_norm_weight != nullptr;
+  DISPATCH_HEAD_DIM(args.head_dim, HEAD_DIM, [&] {
+    const int64_t threads = static_cast<int64_t>(args.num_tokens) *
+                            (args.num_q_heads + args.num_kv_heads) * (HEAD_DIM / kVec);
+    require(threads + kThreads <= INT_MAX,
+            "qk_norm_rope_kv_store: " + std::to_string(args.num_tokens) + " tokens x " +
+                std::to_string(args.num_q_heads + args.num_kv_heads) +
+                " heads is too many for one launch; split the batch");
+    const int blocks = static_cast<int>(ceil_div(static_cast<int>(threads), kThreads));
+    if (qk_norm) {
+      qk_norm_rope_kv_store_kernel<HEAD_DIM, true><<<blocks, kThreads, 0, stream>>>(args);
+    } else {
+      qk_norm_rope_kv_store_kernel<HEAD_DIM, false><<<blocks, kThreads, 0, stream>>>(args);
+    }
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace nanograph

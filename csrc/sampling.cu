@@ -1,0 +1,132 @@
+// Greedy sampling: out[r] = argmax_j logits[r, j], ties to the lowest index and NaN counted as
+// the largest value, exactly like torch.argmax.
+//
+// Layouts: logits [rows, vocab] bf16 with a row stride of `stride` elements (>= vocab; any value,
+// so a row may start at any 2-byte boundary); out [rows] int32.
+// Launch: one CTA of 1024 threads per row (a 152k vocabulary is ~300 KB per row; one CTA keeps
+// enough loads in flight to stream it). Each row is split into an unaligned head (< 8 elements,
+// read one by one), a body of 16-byte vectors (read four per thread at a time), and a tail
+// (< 8 elements), so every row is vectorised whatever its alignment. Each thread keeps its best
+// (value, index), then a warp-shuffle and a shared-memory pass reduce them. The per-element
+// work is one packed max per pair, which keeps the scan at memory speed.
+#include "sampling.h"
+
+#include <climits>
+
+namespace nanograph {
+
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kLoadsInFlight = 4;
+
+struct Best {
+  float value;
+  int index;  // kNone until the thread sees a value above -inf
+};
+
+constexpr int kNone = INT_MAX;
+
+// torch.argmax's order between two candidates: NaN above everything, then larger values, then
+// lower indices. Used to merge the threads' results.
+__device__ __forceinline__ void merge(Best& best, const Best& other) {
+  const bool nan = other.value != other.value;
+  const bool best_nan = best.value != best.value;
+  const bool wins = (nan || best_nan)
+                        ? nan && (!best_nan || other.index < best.index)
+                        : other.value > best.value ||
+                              (other.value == best.value && other.index < best.index);
+  if (wins) best = other;
+}
+
+// A thread visits its indices in increasing order, so a later value replaces the best only if
+// it is strictly larger (or the first NaN): ties keep the lower index.
+__device__ __forceinline__ bool improves(float value, const Best& best) {
+  return !(value <= best.value) && best.value == best.value;
+}
+
+__device__ __forceinline__ void scan_one(Best& best, bf16 x, int index) {
+  const float value = __bfloat162float(x);
+  if (improves(value, best)) best = {value, index};
+}
+
+// Eight consecutive values: the NaN-propagating packed max decides whether the vector can
+// improve the best at all, and only then is the position of its first maximum searched.
+__device__ __forceinline__ void scan_vec(Best& best, const uint4& raw, int first_index) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(pairs[0], pairs[1]), __hmax2_nan(pairs[2], pairs[3]));
+  const float vec_max = __bfloat162float(__hmax_nan(m.x, m.y));
+  if (!improves(vec_max, best)) return;
+  const bool nan = vec_max != vec_max;
+  const bf16* x = reinterpret_cast<const bf16*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float value = __bfloat162float(x[k]);
+    if (nan ? value != value : value == vec_max) {
+      best = {vec_max, first_index + k};
+      return;
+    }
+  }
+}
+
+// Leaves every lane of the warp with the warp's best.
+__device__ __forceinline__ void warp_merge(Best& best) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    merge(best, {__shfl_xor_sync(0xffffffffu, best.value, offset),
+                 __shfl_xor_sync(0xffffffffu, best.index, offset)});
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    argmax_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
+                  int32_t* __restrict__ out) {
+  const bf16* row = logits + blockIdx.x * stride;
+  const int misalignment = static_cast<int>((reinterpret_cast<uintptr_t>(row) % 16) / sizeof(bf16));
+  const int head = min(vocab, (8 - misalignment) % 8);
+  const int body_vecs = (vocab - head) / 8;
+  const int tail_start = head + body_vecs * 8;
+  const uint4* body = reinterpret_cast<const uint4*>(row + head);
+
+  Best best = {-INFINITY, kNone};
+  if (threadIdx.x < head) scan_one(best, row[threadIdx.x], threadIdx.x);
+  int v = threadIdx.x;
+  for (; v + (kLoadsInFlight - 1) * kThreads < body_vecs; v += kLoadsInFlight * kThreads) {
+    uint4 raw[kLoadsInFlight];
+#pragma unroll
+    for (int i = 0; i < kLoadsInFlight; ++i) raw[i] = __ldg(body + v + i * kThreads);
+#pragma unroll
+    for (int i = 0; i < kLoadsInFlight; ++i) scan_vec(best, raw[i], head + (v + i * kThreads) * 8);
+  }
+  for (; v < body_vecs; v += kThreads) scan_vec(best, __ldg(body + v), head + v * 8);
+  const int tail_index = tail_start + threadIdx.x;
+  if (tail_index < vocab) scan_one(best, row[tail_index], tail_index);
+
+  warp_merge(best);
+  __shared__ Best warp_best[kThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (warp == 0) {
+    best = warp_best[lane];
+    warp_merge(best);
+    // No thread saw a value above -inf only when the whole row is -inf: torch answers 0.
+    if (lane == 0) out[blockIdx.x] = best.index == kNone ? 0 : best.index;
+  }
+}
+
+}  // namespace
+
+void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream) {
+  require(vocab > 0, "argmax: vocab must be positive, got " + std::to_string(vocab));
+  require(stride >= vocab, "argmax: row stride " + std::to_string(stride) +
+                               " is smaller than vocab " + std::to_string(vocab) +
+                               "; pass the logits' stride(0)");
+  require(reinterpret_cast<uintptr_t>(logits) % sizeof(bf16) == 0,
+          "argmax: logits must be 2-byte aligned");
+  if (rows == 0) return;
+  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, stride, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nanograph

@@ -1,0 +1,144 @@
+// Bindings for the memory-bound layer kernels: embedding, RMSNorm, SiLU-and-mul and argmax.
+#include <climits>
+#include <vector>
+
+#include "../csrc/activation.h"
+#include "../csrc/embedding.h"
+#include "../csrc/norm.h"
+#include "../csrc/sampling.h"
+#include "tensor.h"
+
+namespace nanograph::py_ext {
+
+namespace {
+
+int checked_int(int64_t value, const std::string& what) {
+  if (value > INT_MAX) {
+    throw py::value_error(what + " is " + std::to_string(value) + "; the kernels take at most " +
+                          std::to_string(INT_MAX) + " (split the batch)");
+  }
+  return static_cast<int>(value);
+}
+
+// Rows of a tensor viewed as [rows, size(-1)].
+int leading_rows(const Tensor& t) {
+  if (t.dim() == 0) throw py::value_error(t.name + " must have at least one dimension");
+  return checked_int(t.size(-1) == 0 ? 0 : t.numel() / t.size(-1), t.name + "'s row count");
+}
+
+std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
+  shape.back() = last;
+  return shape;
+}
+
+// logits may be a row slice of a wider buffer ([rows, vocab] out of [rows, padded]): only the
+// last dimension must be contiguous. Returns the tensor and its row stride in elements.
+std::pair<Tensor, int64_t> row_strided_logits(py::object logits) {
+  const auto stride = logits.attr("stride")().cast<std::vector<int64_t>>();
+  if (stride.size() != 2) {
+    throw py::value_error("logits must be 2-D [rows, vocab], got " + std::to_string(stride.size()) +
+                          " dimensions");
+  }
+  const auto shape = logits.attr("shape").cast<std::vector<int64_t>>();
+  if (shape[0] > 1 && (stride[1] != 1 || stride[0] < shape[1])) {
+    throw py::value_error("logits must have unit stride along vocab and rows that do not overlap, "
+                          "got strides (" + std::to_string(stride[0]) + ", " +
+                          std::to_string(stride[1]) + "); call .contiguous()");
+  }
+  // One row is contiguous, so it passes the usual device/dtype/contiguity checks.
+  py::object first_row = shape[0] > 0 ? logits.attr("narrow")(0, 0, 1) : logits;
+  Tensor t = cuda_tensor(first_row, "logits", "bfloat16");
+  t.shape = shape;
+  return {t, shape[0] > 1 ? stride[0] : shape[1]};
+}
+
+}  // namespace
+
+NANOGRAPH_BINDINGS(bind_basic) {
+  m.def(
+      "embedding",
+      [](py::object ids, py::object table, py::object out) {
+        Tensor ti = cuda_tensor(ids, "ids", "int32");
+        Tensor tt = cuda_tensor(table, "table", "bfloat16");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        expect_shape(ti, {-1});
+        expect_shape(tt, {-1, -1});
+        expect_shape(to, {ti.size(0), tt.size(1)});
+        same_device({&ti, &tt, &to});
+        embedding(ti.data<int32_t>(), tt.data<bf16>(), to.data<bf16>(),
+                  checked_int(ti.size(0), "number of tokens"), checked_int(tt.size(1), "hidden"),
+                  checked_int(tt.size(0), "vocab"), torch_current_stream());
+      },
+      py::arg("ids"), py::arg("table"), py::arg("out"),
+      "out[t] = table[ids[t]]; ids [n] int32, table [vocab, hidden] bf16, out [n, hidden] bf16. "
+      "Ids outside [0, vocab) give zero rows.");
+
+  m.def(
+      "rmsnorm",
+      [](py::object x, py::object weight, py::object out, float eps) {
+        Tensor tx = cuda_tensor(x, "x", "bfloat16");
+        Tensor tw = cuda_tensor(weight, "weight", "bfloat16");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        const int rows = leading_rows(tx);
+        expect_shape(tw, {tx.size(-1)});
+        expect_shape(to, tx.shape);
+        same_device({&tx, &tw, &to});
+        rmsnorm(tx.data<bf16>(), tw.data<bf16>(), to.data<bf16>(), rows,
+                checked_int(tx.size(-1), "hidden"), eps, torch_current_stream());
+      },
+      py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("eps"),
+      "out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight) over the last dimension; "
+      "x, out [..., hidden] bf16, weight [hidden] bf16.");
+
+  m.def(
+      "add_rmsnorm",
+      [](py::object x, py::object residual, py::object weight, float eps) {
+        Tensor tx = cuda_tensor(x, "x", "bfloat16");
+        Tensor tr = cuda_tensor(residual, "residual", "bfloat16");
+        Tensor tw = cuda_tensor(weight, "weight", "bfloat16");
+        const int rows = leading_rows(tx);
+        expect_shape(tr, tx.shape);
+        expect_shape(tw, {tx.size(-1)});
+        same_device({&tx, &tr, &tw});
+        add_rmsnorm(tx.data<bf16>(), tr.data<bf16>(), tw.data<bf16>(), rows,
+                    checked_int(tx.size(-1), "hidden"), eps, torch_current_stream());
+      },
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+      "In place: residual = bf16(x + residual); x = rmsnorm(residual) * weight. "
+      "x, residual [..., hidden] bf16, weight [hidden] bf16.");
+
+  m.def(
+      "silu_mul",
+      [](py::object gate_up, py::object out) {
+        Tensor tg = cuda_tensor(gate_up, "gate_up", "bfloat16");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        const int rows = leading_rows(tg);
+        if (tg.size(-1) % 2 != 0) {
+          throw py::value_error("gate_up's last dimension must be 2 * inter (gate then up), got " +
+                                std::to_string(tg.size(-1)));
+        }
+        expect_shape(to, with_last(tg.shape, tg.size(-1) / 2));
+        same_device({&tg, &to});
+        silu_mul(tg.data<bf16>(), to.data<bf16>(), rows, checked_int(tg.size(-1) / 2, "inter"),
+                 torch_current_stream());
+      },
+      py::arg("gate_up"), py::arg("out"),
+      "out = silu(gate) * up, gate_up [..., 2 * inter] bf16 (gate first), out [..., inter] bf16.");
+
+  m.def(
+      "argmax",
+      [](py::object logits, py::object out) {
+        auto [tl, row_stride] = row_strided_logits(logits);
+        Tensor to = cuda_tensor(out, "out", "int32");
+        expect_shape(to, {tl.size(0)});
+        same_device({&tl, &to});
+        argmax(tl.data<bf16>(), checked_int(tl.size(0), "rows"), checked_int(tl.size(1), "vocab"),
+               checked_int(row_stride, "logits' row stride"), to.data<int32_t>(),
+               torch_current_stream());
+      },
+      py::arg("logits"), py::arg("out"),
+      "out[r] = argmax(logits[r]) with ties to the lowest index, like torch.argmax; logits "
+      "[rows, vocab] bf16 (rows may be strided, vocab must be contiguous), out [rows] int32.");
+}
+
+}  // namespace nanograph::py_ext

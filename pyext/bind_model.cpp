@@ -1,0 +1,124 @@
+// Bindings for the decoder Model: construction from packed torch weights, KV cache sizing, the
+// per-step metadata views (numpy over pinned memory), step(), decode graphs and the logits buffer.
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "../csrc/model.h"
+#include "tensor.h"
+
+namespace nanograph::py_ext {
+
+namespace {
+
+const bf16* weight(const py::dict& weights, const std::string& name,
+                   const std::vector<int64_t>& shape, bool optional = false) {
+  if (!weights.contains(name)) {
+    if (optional) return nullptr;
+    throw py::key_error("weights have no tensor named '" + name + "'");
+  }
+  Tensor t = cuda_tensor(weights[name.c_str()], name.c_str(), "bfloat16");
+  expect_shape(t, shape);
+  return t.data<bf16>();
+}
+
+std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
+                                  const py::dict& lim, py::object cos_sin) {
+  ModelConfig c{};
+  c.vocab_size = cfg["vocab_size"].cast<int>();
+  c.hidden_size = cfg["hidden_size"].cast<int>();
+  c.num_layers = cfg["num_layers"].cast<int>();
+  c.num_q_heads = cfg["num_heads"].cast<int>();
+  c.num_kv_heads = cfg["num_kv_heads"].cast<int>();
+  c.head_dim = cfg["head_dim"].cast<int>();
+  c.intermediate_size = cfg["intermediate_size"].cast<int>();
+  c.rms_norm_eps = cfg["rms_norm_eps"].cast<float>();
+  Tensor table = cuda_tensor(cos_sin, "cos_sin", "float32");
+  expect_shape(table, {-1, c.head_dim});
+  c.max_position = static_cast<int>(table.size(0));
+
+  EngineLimits limits{lim["max_num_tokens"].cast<int>(), lim["max_num_seqs"].cast<int>(),
+                      lim["max_model_len"].cast<int>(), lim["block_size"].cast<int>()};
+
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t qkv = (c.num_q_heads + 2 * c.num_kv_heads) * hd;
+  ModelWeights w;
+  w.embed = weight(weights, "embed_tokens", {c.vocab_size, H});
+  w.final_norm = weight(weights, "norm", {H});
+  w.lm_head = weight(weights, "lm_head", {c.vocab_size, H});
+  w.cos_sin = table.data<float>();
+  for (int l = 0; l < c.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    LayerWeights lw{};
+    lw.input_norm = weight(weights, p + "input_layernorm", {H});
+    lw.qkv = weight(weights, p + "qkv_proj", {qkv, H});
+    lw.qkv_bias = weight(weights, p + "qkv_bias", {qkv}, true);
+    lw.q_norm = weight(weights, p + "q_norm", {hd}, true);
+    lw.k_norm = weight(weights, p + "k_norm", {hd}, true);
+    if ((lw.q_norm == nullptr) != (lw.k_norm == nullptr)) {
+      throw py::value_error(p + "q_norm and " + p + "k_norm must be given together");
+    }
+    lw.o_proj = weight(weights, p + "o_proj", {H, c.num_q_heads * hd});
+    lw.post_norm = weight(weights, p + "post_attention_layernorm", {H});
+    lw.gate_up = weight(weights, p + "gate_up_proj", {2 * I, H});
+    lw.down = weight(weights, p + "down_proj", {H, I});
+    w.layers.push_back(lw);
+  }
+  cudaSetDevice(table.device);
+  return std::make_unique<Model>(c, std::move(w), limits);
+}
+
+// numpy int32 views over the pinned metadata for a step of (num_tokens, num_seqs).
+py::dict step_views(Model& m, int num_tokens, int num_seqs, py::handle owner) {
+  require(num_tokens >= 1 && num_tokens <= m.limits().max_num_tokens,
+          "num_tokens must be in [1, " + std::to_string(m.limits().max_num_tokens) + "]");
+  require(num_seqs >= 1 && num_seqs <= m.limits().max_num_seqs,
+          "num_seqs must be in [1, " + std::to_string(m.limits().max_num_seqs) + "]");
+  const StepLayout layout(num_tokens, num_seqs, m.block_table_width());
+  int32_t* base = m.host_metadata();
+  auto view = [&](int offset, std::vector<py::ssize_t> shape) {
+    return py::array_t<int32_t>(shape, base + offset, owner);
+  };
+  py::dict d;
+  d["input_ids"] = view(layout.input_ids, {num_tokens});
+  d["positions"] = view(layout.positions, {num_tokens});
+  d["slot_mapping"] = view(layout.slot_mapping, {num_tokens});
+  d["cu_seqlens_q"] = view(layout.cu_seqlens_q, {num_seqs + 1});
+  d["context_lens"] = view(layout.context_lens, {num_seqs});
+  d["block_tables"] = view(layout.block_tables, {num_seqs, m.block_table_width()});
+  return d;
+}
+
+}  // namespace
+
+NANOGRAPH_BINDINGS(bind_model) {
+  m.def("default_decode_buckets", &default_decode_buckets, py::arg("max_num_seqs"),
+        "Decode graph buckets [1, 2, 4, 8, 16, 24, ...] up to and including max_num_seqs.");
+
+  py::class_<Model>(m, "Model")
+      .def(py::init(&make_model), py::arg("config"), py::arg("weights"), py::arg("limits"),
+           py::arg("cos_sin"))
+      .def_property_readonly("kv_bytes_per_block", &Model::kv_bytes_per_block)
+      .def_property_readonly("num_kv_blocks", &Model::num_kv_blocks)
+      .def_property_readonly("block_table_width", &Model::block_table_width)
+      .def_property_readonly("stream", [](const Model& self) {
+        return reinterpret_cast<uintptr_t>(self.stream());
+      })
+      .def_property_readonly("logits_ptr", [](const Model& self) {
+        return reinterpret_cast<uintptr_t>(self.logits());
+      })
+      .def_property_readonly("graph_buckets", [](const Model& self) {
+        return self.graphs() ? self.graphs()->buckets() : std::vector<int>{};
+      })
+      .def("allocate_kv_cache", &Model::allocate_kv_cache, py::arg("num_blocks"))
+      .def("step_views", [](py::object self, int num_tokens, int num_seqs) {
+        return step_views(self.cast<Model&>(), num_tokens, num_seqs, self);
+      }, py::arg("num_tokens"), py::arg("num_seqs"))
+      .def("step", &Model::step, py::arg("num_tokens"), py::arg("num_seqs"), py::arg("max_q_len"),
+           py::arg("use_graph"), py::call_guard<py::gil_scoped_release>())
+      .def("capture_decode_graphs", &Model::capture_decode_graphs, py::arg("buckets"))
+      .def("decode_bucket", &Model::decode_bucket, py::arg("num_seqs"))
+      .def("synchronize", [](const Model& self) { CUDA_CHECK(cudaStreamSynchronize(self.stream())); },
+           py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace nanograph::py_ext

@@ -1,0 +1,33 @@
+"""Engine configuration: one dataclass, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    max_model_len: int = 4096  # capped at the model's max_position_embeddings when the engine loads it
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: the runner sizes the KV cache
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1 or None, got {self.num_kv_blocks}.")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # a decode step schedules one token for each of up to max_num_seqs sequences
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"max_num_seqs ({self.max_num_seqs}).")

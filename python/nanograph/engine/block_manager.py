@@ -1,0 +1,96 @@
+"""Paged KV block accounting, with prefix caching over a hash chain of full blocks."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def hash_block(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """A full block's key: it covers the whole prefix, because it chains the previous block's hash."""
+    return hash((prev_hash, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None  # set once the block is full of computed tokens
+        self.token_ids: tuple[int, ...] | None = None  # kept to reject hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Least recently freed first. A freed block keeps its cached contents until it is handed out again.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def allocate_prefix(self, seq: Sequence):
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix."""
+        assert not seq.block_table
+        if self.enable_prefix_caching:
+            prev_hash = None
+            # The last token is never taken from the cache, so that its step yields logits.
+            for i in range((seq.num_tokens - 1) // self.block_size):
+                token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+                prev_hash = hash_block(prev_hash, token_ids)
+                block_id = self.hash_to_block_id.get(prev_hash)
+                if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                    break
+                self._ref(block_id)
+                seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for seq's next num_new_tokens; False, changing nothing, when free blocks run out."""
+        num_needed = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if num_needed > self.num_free_blocks:
+            return False
+        for _ in range(num_needed):
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            self._forget(self.blocks[block_id])
+            self.blocks[block_id].ref_count = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def cache_full_blocks(self, seq: Sequence, num_new_tokens: int):
+        """Register the blocks that the last num_new_tokens computed tokens of seq filled up."""
+        if not self.enable_prefix_caching:
+            return
+        first = (seq.num_computed_tokens - num_new_tokens) // self.block_size
+        for i in range(first, seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            prev_hash = self.blocks[seq.block_table[i - 1]].hash if i else None
+            block.token_ids = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block.hash = hash_block(prev_hash, block.token_ids)
+            self.hash_to_block_id.setdefault(block.hash, block.block_id)
+
+    def deallocate(self, seq: Sequence):
+        # Tail blocks are freed first, so they are also reused first: a prefix outlives its continuations.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _ref(self, block_id: int):
+        if self.blocks[block_id].ref_count == 0:
+            del self.free_block_ids[block_id]
+        self.blocks[block_id].ref_count += 1
+
+    def _forget(self, block: Block):
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash = None
+        block.token_ids = None

@@ -1,0 +1,99 @@
+"""ModelConfig: the decoder's shape and options, read from a Hugging Face model folder's config.json."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
+# Configs written from a GGUF (and some hand-made ones) carry model_type but no "architectures".
+_ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    hf_config: PretrainedConfig
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model folder {str(path)!r} does not exist; pass a local folder "
+                                    "holding config.json and *.safetensors (models are not downloaded)")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{str(path)!r} has no config.json; pass a Hugging Face model folder")
+        raw = json.loads((path / "config.json").read_text())
+        architecture = _architecture(raw)
+        hf = AutoConfig.from_pretrained(path)
+        _check_supported_options(hf, architecture)
+        return cls(
+            path=str(path),
+            architecture=architecture,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+            intermediate_size=hf.intermediate_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            qkv_bias=architecture == "Qwen2ForCausalLM",
+            max_position_embeddings=hf.max_position_embeddings,
+            dtype=_torch_dtype(hf),
+            eos_token_ids=_eos_token_ids(hf, path),
+            hf_config=hf,
+        )
+
+
+def _architecture(raw: dict) -> str:
+    names = raw.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type"), raw.get("model_type"))]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise ValueError(f"unsupported architecture {names}; nanograph supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
+    if hf.hidden_act != "silu":
+        raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; nanograph's MLP is SiLU-gated")
+    if architecture != "Qwen2ForCausalLM" and getattr(hf, "attention_bias", False):
+        raise ValueError("attention_bias=True is not supported (only Qwen2's q/k/v bias is)")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("mlp_bias=True is not supported")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+
+
+def _torch_dtype(hf: PretrainedConfig) -> torch.dtype:
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _eos_token_ids(hf: PretrainedConfig, path: Path) -> list[int]:
+    ids = [hf.eos_token_id]
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        ids.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    flat = [i for item in ids for i in (item if isinstance(item, list) else [item]) if i is not None]
+    return list(dict.fromkeys(flat))
