@@ -11,6 +11,8 @@
 // GQA: q head h reads kv head h / (num_q_heads / num_kv_heads).
 //
 // Launch: one CTA of 4 warps per (sequence, q head, 64-query tile); each warp owns 16 query rows.
+// Small CTAs keep head_dim 128 under 255 registers and 80 KB of shared memory, so two CTAs share
+// an SM and one's softmax overlaps the other's MMAs.
 // grid.x = num_seqs * num_q_heads (heads of one sequence adjacent, so heads sharing a kv head hit
 // L2 together), grid.y = query tiles of max_q_len, issued last tile first: the last tiles attend
 // the most keys and should not be left for the tail of the grid.
@@ -20,6 +22,8 @@
 // online softmax stays in registers (exp2 with the log2(e)-prescaled scale). Only tiles that
 // cross the diagonal are masked; tiles wholly above it are never visited.
 // A row whose sequence has no key to attend (context_len < q_len, e.g. padding) writes zeros.
+#include <cmath>
+
 #include "attention.h"
 
 namespace nanograph {
@@ -286,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cp_async_wait<2>();  // V_n landed (K_{n+1}, V_{n+1} may be pending)
     __syncthreads();
 
-    // O += P V: B fragments of V via ldmatrix.trans, matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15).
+    // O += P V: B fragments via ldmatrix.trans of (keys 0-7 | 8-15) x (dims 0-7 | 8-15).
     const uint32_t v_tile = s_v_addr + buffer * kTileElems * sizeof(bf16);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {

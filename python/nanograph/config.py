@@ -27,7 +27,3 @@ class Config:
             raise ValueError(f"num_kv_blocks must be at least 1 or None, got {self.num_kv_blocks}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # a decode step schedules one token for each of up to max_num_seqs sequences
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                             f"max_num_seqs ({self.max_num_seqs}).")

@@ -86,7 +86,7 @@ def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
 
 
 def _torch_dtype(hf: PretrainedConfig) -> torch.dtype:
-    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.float32
+    dtype = (hf.dtype if hasattr(hf, "dtype") else hf.torch_dtype) or torch.float32  # transformers 5 renamed it
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 

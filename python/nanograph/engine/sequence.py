@@ -34,6 +34,10 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

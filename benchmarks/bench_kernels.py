@@ -1,0 +1,68 @@
+"""Kernel benchmark: for each case in benchmarks/kernels/*.py, time, achieved GB/s or TFLOP/s, and
+that figure as a % of the device's copy bandwidth or bf16 matmul rate, both measured in this run.
+
+    python benchmarks/bench_kernels.py [module ...]     (modules: basic rope gemm decode_attention ...)
+"""
+import importlib
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+MODULES = ["basic", "rope", "gemm", "decode_attention", "prefill_attention"]
+
+
+def time_ms(fn, launches=20, repeats=15):
+    """Median time of one launch, from batches of back-to-back launches timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(launches):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / launches)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs():
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), launches=5, repeats=7)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def matmul_tflops():
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = time_ms(lambda: a @ b, launches=5, repeats=7)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def main(names):
+    bw, mm = copy_bandwidth_gbs(), matmul_tflops()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  "
+          f"bf16 matmul {mm:.0f} TFLOP/s (measured now)")
+    print(f"{'kernel':58s} {'time':>10s} {'achieved':>16s} {'% of ceiling':>13s}")
+    for name in names:
+        module = importlib.import_module(f"benchmarks.kernels.{name}")
+        for label, fn, bytes_moved, flops in module.cases():
+            ms = time_ms(fn)
+            if flops:
+                rate = flops / ms / 1e9
+                achieved, pct = f"{rate:8.1f} TFLOP/s", 100 * rate / mm
+            else:
+                rate = bytes_moved / ms / 1e6
+                achieved, pct = f"{rate:8.0f} GB/s", 100 * rate / bw
+            print(f"{label:58s} {ms * 1e3:8.1f}us {achieved:>16s} {pct:12.1f}%", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or MODULES)

@@ -1,0 +1,40 @@
+"""Benchmark cases for paged decode attention (memory-bound: every cached K and V byte is read once)."""
+import math
+
+import torch
+
+
+def _case(lens, nq, nkv, hd, block_size, max_context_len, label):
+    from nanograph import ops
+
+    dev = "cuda"
+    width = math.ceil(max_context_len / block_size)
+    num_seqs = len(lens)
+    num_blocks = num_seqs * width
+    k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=dev).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(num_seqs, width)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(num_seqs, (nq + 2 * nkv) * hd, device=dev).bfloat16()
+    out = torch.empty(num_seqs, nq * hd, device=dev, dtype=torch.bfloat16)
+    workspace = torch.empty(
+        max(ops.decode_attention_workspace_bytes(num_seqs, nq, hd, max_context_len) // 4, 1), device=dev)
+
+    def fn():
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
+                                   max_context_len, workspace)
+
+    bytes_moved = sum(lens) * nkv * hd * 2 * 2 + num_seqs * nq * hd * 2 * 2
+    return f"decode_attn {label} q{nq}/kv{nkv} hd{hd} bs{block_size}", fn, bytes_moved, 0
+
+
+def cases():
+    yield _case([4096] * 64, 32, 8, 128, 16, 4096, "64x4096")
+    yield _case([4096] * 64, 32, 8, 128, 256, 4096, "64x4096")
+    yield _case([1024] * 256, 32, 8, 128, 16, 1024, "256x1024")
+    g = torch.Generator().manual_seed(0)
+    yield _case(torch.randint(1024, 2049, (256,), generator=g).tolist(), 32, 8, 128, 16, 2048,
+                "256x(1k-2k)")
+    yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
+    yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
+    yield _case([4096] * 64, 64, 8, 128, 16, 4096, "64x4096")

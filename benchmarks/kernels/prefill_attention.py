@@ -1,0 +1,43 @@
+"""Paged prefill attention at a long causal prefill: 8 sequences x 2048 tokens, 32 q heads,
+8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks."""
+import torch
+
+from nanograph import ops
+
+
+def causal_flops(q_lens, context_lens, num_q_heads, head_dim):
+    # Query i of a sequence attends context_len - q_len + i + 1 keys; QK^T and PV are 2 FLOPs
+    # per multiply-add each.
+    pairs = sum(q * (c - q) + q * (q + 1) // 2 for q, c in zip(q_lens, context_lens))
+    return 4 * head_dim * num_q_heads * pairs
+
+
+def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size):
+    dev = "cuda"
+    blocks_per_seq = seq_len // block_size
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+    block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(num_seqs, -1)
+    total_q = num_seqs * seq_len
+    q = torch.randn(total_q, num_q_heads * head_dim, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    cu_seqlens_q = torch.arange(0, total_q + 1, seq_len, device=dev, dtype=torch.int32)
+    context_lens = torch.full((num_seqs,), seq_len, device=dev, dtype=torch.int32)
+    scale = head_dim ** -0.5
+
+    def fn():
+        ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                    context_lens, out, num_q_heads, scale, seq_len)
+
+    bytes_moved = 2 * q.numel() * 2 + 2 * k_cache.numel() * 2  # Q + O, K + V (bf16)
+    flops = causal_flops([seq_len] * num_seqs, [seq_len] * num_seqs, num_q_heads, head_dim)
+    return fn, bytes_moved, flops
+
+
+def cases():
+    for block_size in (256, 16):
+        fn, bytes_moved, flops = make_case(8, 2048, 32, 8, 128, block_size)
+        label = f"prefill_attention 8x2048 causal q32/kv8 d128 block{block_size}"
+        yield label, fn, bytes_moved, flops

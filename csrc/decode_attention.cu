@@ -1,0 +1,433 @@
+// Paged decode attention: one query token per sequence against its paged KV cache, split-KV.
+//
+// Computes out[s, h] = softmax(scale * q[s, h] . K_s^T) V_s over the context_lens[s] cached keys
+// of sequence s, for every q head h; q head h reads kv head h / (num_q_heads / num_kv_heads).
+//   q:        [num_seqs, q_stride] bf16; head h at q + s * q_stride + h * head_dim
+//   k_cache,
+//   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16; key j of sequence s lives in
+//             slot block_tables[s][j / block_size] * block_size + j % block_size
+//   out:      [num_seqs, num_q_heads * head_dim] bf16; a row with context length 0 is zeros
+//   workspace (only when num_splits > 1): partial_out [num_seqs, num_q_heads, num_splits, head_dim]
+//             fp32, normalised per split, then partial_lse [num_seqs, num_q_heads, num_splits] fp32
+//             (log2 domain).
+//
+// Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid depends only
+// on num_seqs, the heads and max_context_len, so a captured graph replays for any lengths up to
+// that bound: splits that start past a sequence's length return at once. The CTA serves every q
+// head of its kv head (up to 16, the rows of an m16n8k16 tile), so K and V are read once. Warps
+// take 16-key tiles in turn; per tile each lane issues its 16-byte K and V loads straight from
+// global memory into mma fragments (no shared memory): the head_dim order inside a fragment is
+// permuted to match what one lane loads, which a dot product over head_dim does not notice.
+// S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online softmax;
+// decode is bandwidth-bound, so the half-empty tensor-core tiles cost nothing that matters.
+// The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
+// combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
+// Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
+// each split at least kSplitGranule keys, and none at large batch.
+#include <algorithm>
+#include <cmath>
+
+#include "attention.h"
+#include "bf16x8.cuh"
+
+namespace nanograph {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileKeys = 16;
+constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one mma tile
+constexpr int kSplitGranule = 256;     // split lengths are multiples of this many keys
+constexpr int kTargetCtas = 2048;      // ~15 CTAs per SM on a 132-SM H200
+constexpr int kMaxSplits = 128;        // longer contexts get longer splits
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct SplitPlan {
+  int num_splits;
+  int split_keys;
+};
+
+// Splits shrink as num_kv_heads grows, so num_kv_heads = 1 bounds the workspace.
+SplitPlan plan_splits(int num_seqs, int num_kv_heads, int max_context_len) {
+  int keys = std::max(max_context_len, 1);
+  int wanted = ceil_div(kTargetCtas, std::max(num_seqs * num_kv_heads, 1));
+  int splits = std::max(1, std::min({wanted, ceil_div(keys, kSplitGranule), kMaxSplits}));
+  int split_keys = ceil_div(ceil_div(keys, splits), kSplitGranule) * kSplitGranule;
+  return {ceil_div(keys, split_keys), split_keys};
+}
+
+__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// c += a (16x16, row-major) * b (16x8, column-major); bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {
+  reinterpret_cast<float4*>(dst)[0] = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
+  reinterpret_cast<float4*>(dst)[1] = make_float4(x.v[4], x.v[5], x.v[6], x.v[7]);
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Lane (g = lane / 4, t = lane % 4) of a warp, in mma fragment terms:
+//   Q (A operand, rows = q heads g and g + 8 of the group): for head_dim chunk c it holds
+//     q[head][c*32 + t*8 .. +8]; k-step 2c+s uses words 2s (cols 2t, 2t+1) and 2s+1 (cols 2t+8, +9).
+//   K (B operand of S = Q K^T, n = key): the same 8 dims of keys g and g + 8 of the tile.
+//   S, P (C of Q K^T, then A of P V): keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1).
+//   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
+//     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
+//   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
+                                                         int num_splits) {
+  constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
+  constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
+  constexpr int kNTiles = HD / 8;       // n-tiles of O
+  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of K+V per warp in flight
+  constexpr int kStepKeys = kTilesPerStep * kTileKeys;
+  constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
+
+  __shared__ float s_out[kWarps][kMaxGroup][kRowPad];
+  __shared__ float s_max[kWarps][kMaxGroup];
+  __shared__ float s_sum[kWarps][kMaxGroup];
+
+  const PagedKv& kv = args.kv;
+  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int group = args.num_q_heads / kv.num_kv_heads;
+  const int len = kv.context_lens[seq];
+  const int start = split * split_keys;
+  const int end = min(len, start + split_keys);
+  const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
+
+  if (start >= end) {
+    if (num_splits == 1) {  // context length 0: the row is defined as zeros
+      for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
+        reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    return;
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+
+  uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
+  const bf16* q = args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    q_lo[c] = g < group ? *reinterpret_cast<const uint4*>(q + g * HD + c * 32 + t * 8) : zero;
+    q_hi[c] = g + 8 < group ? *reinterpret_cast<const uint4*>(q + (g + 8) * HD + c * 32 + t * 8)
+                            : zero;
+  }
+
+  const int64_t key_stride = static_cast<int64_t>(kv.num_kv_heads) * HD;
+  const int32_t* block_table = kv.block_tables + static_cast<int64_t>(seq) * kv.block_table_stride;
+  const int block_shift = __ffs(kv.block_size) - 1;
+  const float scale_log2 = args.scale * kLog2e;
+
+  float row_max[2] = {-INFINITY, -INFINITY};  // heads g and g + 8, log2 domain
+  float row_sum[2] = {0.f, 0.f};              // this lane's share of the softmax denominator
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  // A tile never crosses a block: tiles start at multiples of 16 and block_size >= 16. The
+  // block ids of the next step are fetched one step ahead, off the K/V loads' critical path.
+  auto block_of = [&](int tile_start) {
+    return tile_start < end ? block_table[tile_start >> block_shift] : 0;
+  };
+  constexpr int kWarpStride = kWarps * kStepKeys;
+  int32_t next_block[kTilesPerStep];
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerStep; ++tile) {
+    next_block[tile] = block_of(start + warp * kStepKeys + tile * kTileKeys);
+  }
+
+  for (int step = start + warp * kStepKeys; step < end; step += kWarpStride) {
+    uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
+    uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+#pragma unroll
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + tile * kTileKeys;
+      const int64_t block = next_block[tile];
+      next_block[tile] = block_of(tile_start + kWarpStride);
+      const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
+      const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
+      const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = g + 8 * h;
+        const bool valid = tile_start + key < end;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          k_frag[tile][h][c] = valid ? load_streaming(k + key * key_stride + c * 32 + t * 8)
+                                     : make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = 2 * t + (j & 1) + 8 * (j >> 1);
+        const bool valid = tile_start + key < end;  // zeros, not garbage: 0 * NaN is NaN
+#pragma unroll
+        for (int hc = 0; hc < kHalves; ++hc) {
+          v_frag[tile][hc][j] = valid ? load_streaming(v + key * key_stride + hc * 64 + g * 8)
+                                      : make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+
+#pragma unroll
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + tile * kTileKeys;
+      if (tile_start >= end) break;
+
+      float s[2][4] = {};  // [key n-tile][head g: keys 2t, 2t+1; head g+8: keys 2t, 2t+1]
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t a[4] = {word(q_lo[c], 2 * half), word(q_hi[c], 2 * half),
+                                   word(q_lo[c], 2 * half + 1), word(q_hi[c], 2 * half + 1)};
+            mma_bf16_16816(s[n], a, word(k_frag[tile][n][c], 2 * half),
+                           word(k_frag[tile][n][c], 2 * half + 1));
+          }
+        }
+      }
+
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool valid = tile_start + 8 * n + 2 * t + (e & 1) < end;
+          s[n][e] = valid ? s[n][e] * scale_log2 : -INFINITY;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+        }
+      }
+      float alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        // Finite: the first tile a warp sees holds at least one valid key.
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        alpha[r] = exp2f(row_max[r] - new_max);
+        row_max[r] = new_max;
+        row_sum[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = exp2f(s[n][e] - row_max[e >> 1]);
+          row_sum[e >> 1] += s[n][e];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) {
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[0];
+        acc[i][2] *= alpha[1];
+        acc[i][3] *= alpha[1];
+      }
+
+      const uint32_t p[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                             pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+#pragma unroll
+      for (int hc = 0; hc < kHalves; ++hc) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low bf16 of each key
+          const uint32_t b0 = __byte_perm(word(v_frag[tile][hc][0], j / 2),
+                                          word(v_frag[tile][hc][1], j / 2), selector);
+          const uint32_t b1 = __byte_perm(word(v_frag[tile][hc][2], j / 2),
+                                          word(v_frag[tile][hc][3], j / 2), selector);
+          mma_bf16_16816(acc[hc * 8 + j], p, b0, b1);
+        }
+      }
+    }
+  }
+
+  // Merge the warps: each publishes its running max, sum and unnormalised output rows.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+  }
+  if (t == 0) {
+    s_max[warp][g] = row_max[0];
+    s_max[warp][g + 8] = row_max[1];
+    s_sum[warp][g] = row_sum[0];
+    s_sum[warp][g + 8] = row_sum[1];
+  }
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i) {
+    const int dim = (i / 8) * 64 + t * 16 + i % 8;
+    s_out[warp][g][dim] = acc[i][0];
+    s_out[warp][g][dim + 8] = acc[i][1];
+    s_out[warp][g + 8][dim] = acc[i][2];
+    s_out[warp][g + 8][dim + 8] = acc[i][3];
+  }
+  __syncthreads();
+
+  float* partial_out = args.workspace;
+  float* partial_lse = args.workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads *
+                                            num_splits * HD;
+  for (int item = threadIdx.x; item < group * HD / 8; item += kThreads) {
+    const int head = item / (HD / 8), dim = item % (HD / 8) * 8;
+    float max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) max = fmaxf(max, s_max[w][head]);  // warp 0 saw a valid key
+    float weight[kWarps], sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = exp2f(s_max[w][head] - max);  // 0 for a warp that saw no keys
+      sum += weight[w] * s_sum[w][head];
+    }
+    Float8 o;
+#pragma unroll
+    for (int d = 0; d < 8; ++d) {
+      float x = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) x += weight[w] * s_out[w][head][dim + d];
+      o.v[d] = x / sum;
+    }
+    const size_t row = out_row + head;
+    if (num_splits == 1) {
+      store_bf16x8(args.out + row * HD + dim, o);
+    } else {
+      store_f32x8(partial_out + (row * num_splits + split) * HD + dim, o);
+      if (dim == 0) partial_lse[row * num_splits + split] = max + log2f(sum);
+    }
+  }
+}
+
+// One CTA per (sequence, q head) row. Warp 0 turns the lse of the splits that hold keys into
+// weights; then each thread sums one float4 column of the partial rows over every
+// kSplitLanes-th split (several L2 loads in flight), and the split lanes are added up.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs args,
+                                                           int split_keys, int num_splits) {
+  constexpr int kColumns = HD / 4;
+  constexpr int kSplitLanes = kThreads / kColumns;
+  __shared__ float s_weight[kMaxSplits];
+  __shared__ float s_inv_sum;
+  __shared__ float4 s_part[kSplitLanes][kColumns];
+
+  const int row = blockIdx.x;
+  const int len = args.kv.context_lens[row / args.num_q_heads];
+  const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));
+  const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
+  const float* lse = args.workspace + rows * num_splits * HD + static_cast<size_t>(row) * num_splits;
+  const float4* partial =
+      reinterpret_cast<const float4*>(args.workspace + static_cast<size_t>(row) * num_splits * HD);
+
+  if (threadIdx.x < 32) {
+    float max = -INFINITY;
+    for (int i = threadIdx.x; i < splits; i += 32) max = fmaxf(max, lse[i]);
+    for (int o = 16; o > 0; o /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, o));
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < splits; i += 32) {
+      s_weight[i] = exp2f(lse[i] - max);
+      sum += s_weight[i];
+    }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threadIdx.x == 0) s_inv_sum = splits > 0 ? 1.f / sum : 0.f;  // length 0: zeros
+  }
+  __syncthreads();
+
+  const int column = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int i = lane; i < splits; i += kSplitLanes) {
+    const float4 p = partial[i * kColumns + column];
+    const float w = s_weight[i];
+    acc.x += w * p.x, acc.y += w * p.y, acc.z += w * p.z, acc.w += w * p.w;
+  }
+  s_part[lane][column] = acc;
+  __syncthreads();
+  if (lane == 0) {
+    for (int l = 1; l < kSplitLanes; ++l) {
+      const float4 p = s_part[l][column];
+      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
+    }
+    const float inv = s_inv_sum;
+    __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(acc.x * inv, acc.y * inv),
+                               __floats2bfloat162_rn(acc.z * inv, acc.w * inv)};
+    reinterpret_cast<uint2*>(args.out + static_cast<size_t>(row) * HD)[column] =
+        *reinterpret_cast<uint2*>(pairs);
+  }
+}
+
+}  // namespace
+
+size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
+                                        int max_context_len) {
+  const SplitPlan plan = plan_splits(num_seqs, 1, max_context_len);
+  if (plan.num_splits == 1) return 0;
+  return static_cast<size_t>(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 1) *
+         sizeof(float);
+}
+
+void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
+  const PagedKv& kv = args.kv;
+  require(kv.num_kv_heads > 0 && args.num_q_heads % kv.num_kv_heads == 0,
+          "num_q_heads (" + std::to_string(args.num_q_heads) + ") must be a multiple of num_kv_heads (" +
+              std::to_string(kv.num_kv_heads) + ")");
+  const int group = args.num_q_heads / kv.num_kv_heads;
+  require(group <= kMaxGroup, "decode attention supports up to " + std::to_string(kMaxGroup) +
+                                  " q heads per kv head, got " + std::to_string(group));
+  require(kv.block_size >= kTileKeys && (kv.block_size & (kv.block_size - 1)) == 0,
+          "decode attention needs a power-of-two block_size >= 16, got " +
+              std::to_string(kv.block_size));
+  require(args.q_stride % 8 == 0 && args.q_stride >= args.num_q_heads * kv.head_dim,
+          "q_stride must be a multiple of 8 and at least num_q_heads * head_dim (16-byte rows), got " +
+              std::to_string(args.q_stride));
+  require(args.max_context_len >= 0 &&
+              static_cast<int64_t>(kv.block_table_stride) * kv.block_size >= args.max_context_len,
+          "block tables of width " + std::to_string(kv.block_table_stride) +
+              " cannot hold max_context_len " + std::to_string(args.max_context_len) +
+              "; widen them to ceil(max_context_len / block_size)");
+  for (const void* p : {static_cast<const void*>(args.q), static_cast<const void*>(kv.k_cache),
+                        static_cast<const void*>(kv.v_cache), static_cast<const void*>(args.out),
+                        static_cast<const void*>(args.workspace)}) {
+    require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+            "decode attention needs 16-byte aligned q, k_cache, v_cache, out and workspace");
+  }
+  if (args.num_seqs == 0) return;
+  require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,
+          "decode attention supports up to 65535 sequences and kv heads per launch");
+
+  const SplitPlan plan = plan_splits(args.num_seqs, kv.num_kv_heads, args.max_context_len);
+  require(plan.num_splits == 1 || args.workspace != nullptr,
+          "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
+  DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
+    const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
+    split_kernel<HD><<<grid, kThreads, 0, stream>>>(args, plan.split_keys, plan.num_splits);
+    CUDA_CHECK_LAUNCH();
+    if (plan.num_splits > 1) {
+      combine_kernel<HD><<<args.num_seqs * args.num_q_heads, kThreads, 0, stream>>>(args, plan.split_keys, plan.num_splits);
+      CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+}  // namespace nanograph

@@ -1,0 +1,103 @@
+// Binding for paged decode attention (csrc/attention.h): one query token per sequence, split-KV.
+#include <cstdint>
+#include <string>
+
+#include "../csrc/attention.h"
+#include "tensor.h"
+
+namespace nanograph::py_ext {
+
+NANOGRAPH_BINDINGS(bind_decode_attention) {
+  m.def("decode_attention_workspace_bytes", &decode_attention_workspace_bytes,
+        py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("head_dim"),
+        py::arg("max_context_len"),
+        "Bytes of fp32 workspace paged_decode_attention needs for these sizes (0: none).");
+
+  m.def(
+      "paged_decode_attention",
+      [](py::object q, py::object k_cache, py::object v_cache, py::object block_tables,
+         py::object context_lens, py::object out, int num_q_heads, float scale,
+         int max_context_len, py::object workspace) {
+        Tensor t_q = cuda_tensor(q, "q", "bfloat16");
+        Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
+        Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
+        Tensor t_bt = cuda_tensor(block_tables, "block_tables", "int32");
+        Tensor t_len = cuda_tensor(context_lens, "context_lens", "int32");
+        Tensor t_out = cuda_tensor(out, "out", "bfloat16");
+        Tensor t_ws = optional_cuda_tensor(workspace, "workspace", "float32");
+
+        if (t_kc.dim() != 4) {
+          throw py::value_error(
+              "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got " +
+              std::to_string(t_kc.dim()) + " dims");
+        }
+        const int64_t block_size = t_kc.size(1), num_kv_heads = t_kc.size(2);
+        const int64_t head_dim = t_kc.size(3);
+        if (head_dim != 64 && head_dim != 128) {
+          throw py::value_error("unsupported head_dim " + std::to_string(head_dim) +
+                                " (k_cache.size(-1)); supported: 64, 128");
+        }
+        if (num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
+          throw py::value_error("num_q_heads (" + std::to_string(num_q_heads) +
+                                ") must be a positive multiple of num_kv_heads (" +
+                                std::to_string(num_kv_heads) + ", k_cache.size(2))");
+        }
+        expect_shape(t_vc, t_kc.shape);
+        if (t_q.dim() != 2) {
+          throw py::value_error("q must be 2-D [num_seqs, q_stride] (q heads first in each row)");
+        }
+        const int64_t num_seqs = t_q.size(0);
+        if (t_q.size(1) < num_q_heads * head_dim) {
+          throw py::value_error("q rows hold " + std::to_string(t_q.size(1)) +
+                                " values; num_q_heads * head_dim = " +
+                                std::to_string(num_q_heads * head_dim) + " are needed");
+        }
+        expect_shape(t_bt, {num_seqs, -1});
+        expect_shape(t_len, {num_seqs});
+        expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
+        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws});
+
+        const size_t ws_bytes = decode_attention_workspace_bytes(
+            static_cast<int>(num_seqs), num_q_heads, static_cast<int>(head_dim), max_context_len);
+        py::object allocated;  // keeps a workspace made here alive until the launch is queued
+        if (t_ws.ptr == nullptr && ws_bytes > 0) {
+          py::module_ torch = py::module_::import("torch");
+          allocated = torch.attr("empty")(static_cast<int64_t>(ws_bytes / sizeof(float)),
+                                          py::arg("dtype") = torch.attr("float32"),
+                                          py::arg("device") = q.attr("device"));
+          t_ws = cuda_tensor(allocated, "workspace", "float32");
+        }
+        if (static_cast<size_t>(t_ws.numel()) * sizeof(float) < ws_bytes) {
+          throw py::value_error("workspace holds " + std::to_string(t_ws.numel() * 4) +
+                                " bytes; decode_attention_workspace_bytes(...) = " +
+                                std::to_string(ws_bytes) + " are needed");
+        }
+
+        DecodeAttentionArgs args;
+        args.q = t_q.data<bf16>();
+        args.q_stride = static_cast<int>(t_q.size(1));
+        args.kv = PagedKv{t_kc.data<bf16>(),          t_vc.data<bf16>(),
+                          t_bt.data<int32_t>(),        static_cast<int>(t_bt.size(1)),
+                          t_len.data<int32_t>(),       static_cast<int>(block_size),
+                          static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
+        args.out = t_out.data<bf16>();
+        args.num_seqs = static_cast<int>(num_seqs);
+        args.num_q_heads = num_q_heads;
+        args.max_context_len = max_context_len;
+        args.scale = scale;
+        args.workspace = t_ws.data<float>();
+        paged_decode_attention(args, torch_current_stream());
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+      py::arg("context_lens"), py::arg("out"), py::arg("num_q_heads"), py::arg("scale"),
+      py::arg("max_context_len"), py::arg("workspace") = py::none(),
+      "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
+      "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
+      "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
+      "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
+      "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
+      "at least decode_attention_workspace_bytes(...) bytes, or None to allocate one per call. "
+      "Block ids and lengths live on the GPU and are not checked.");
+}
+
+}  // namespace nanograph::py_ext

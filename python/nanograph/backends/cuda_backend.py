@@ -1,0 +1,136 @@
+"""CudaRunner: the model forward on the C++/CUDA core, with decode steps replayed from CUDA graphs.
+
+The core owns the KV cache, the activations, the step metadata buffers and the graphs; this
+runner loads the weights into torch tensors (kept alive here), sizes the KV cache from the memory
+left after a warm-up pass, fills the pinned metadata with numpy, and hands torch a zero-copy view
+of the logits, ordered after the core's stream.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from .._core import require_core
+from ..models.rope import rope_cos_sin
+from ..models.weights import load_weights
+
+
+class _DeviceArray:
+    """Exposes a core-owned device buffer to torch.as_tensor through __cuda_array_interface__."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+class CudaRunner:
+    def __init__(self, config, model_config):
+        core = require_core()
+        if config.dtype not in ("auto", "bfloat16", "bf16"):
+            raise ValueError(f"the cuda backend runs bfloat16 models; got dtype={config.dtype!r}. "
+                             "Use dtype='bfloat16' (or 'auto'), or device='cpu' for other dtypes")
+        self.config = config
+        self.model_config = mc = model_config
+        self.block_size = config.block_size
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device)
+        self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
+        core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
+                       "num_layers": mc.num_layers, "num_heads": mc.num_heads,
+                       "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+                       "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps}
+        limits = {"max_num_tokens": config.max_num_batched_tokens,
+                  "max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len,
+                  "block_size": config.block_size}
+        torch.cuda.synchronize()
+        self.model = core.Model(core_config, self.weights, limits, self.cos_sin)
+        self.stream = torch.cuda.ExternalStream(self.model.stream, device=self.device)
+        self.logits = torch.as_tensor(
+            _DeviceArray(self.model.logits_ptr, (config.max_num_seqs, mc.vocab_size), "<i2"),
+            device=self.device).view(torch.bfloat16)
+        self.num_kv_blocks = self._size_kv_cache()
+        self.use_graphs = not config.enforce_eager
+        if self.use_graphs:
+            self._capture_graphs()
+
+    def _size_kv_cache(self) -> int:
+        """Blocks that fit in gpu_memory_utilization of the device after weights, activations and
+        a warm-up pass at the largest step (which also warms cuBLASLt and torch's sampler memory)."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            self.model.allocate_kv_cache(cfg.num_kv_blocks)
+            return cfg.num_kv_blocks
+        warm_blocks = 1  # the warm-up stores nothing and reads block 0 only
+        self.model.allocate_kv_cache(warm_blocks)
+        self._warm_up()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free - warm_blocks * self.model.kv_bytes_per_block
+        budget = total * cfg.gpu_memory_utilization - used
+        blocks = int(budget // self.model.kv_bytes_per_block)
+        needed = math.ceil(cfg.max_model_len / self.block_size)
+        if blocks < needed:
+            raise RuntimeError(
+                f"the KV cache fits {max(blocks, 0) * self.block_size} tokens, fewer than one sequence of "
+                f"max_model_len={cfg.max_model_len}; raise gpu_memory_utilization (now "
+                f"{cfg.gpu_memory_utilization}) or lower max_model_len")
+        self.model.allocate_kv_cache(blocks)
+        return blocks
+
+    def _warm_up(self):
+        cfg = self.config
+        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        num_seqs = min(cfg.max_num_seqs, math.ceil(cfg.max_num_batched_tokens / seq_len))
+        lens = np.full(num_seqs, seq_len, dtype=np.int32)
+        lens[-1] = cfg.max_num_batched_tokens - seq_len * (num_seqs - 1)
+        lens = lens[lens > 0]
+        num_tokens, num_seqs = int(lens.sum()), len(lens)
+        v = self.model.step_views(num_tokens, num_seqs)
+        v["input_ids"][:] = np.random.default_rng(0).integers(0, self.model_config.vocab_size, num_tokens)
+        v["positions"][:] = np.concatenate([np.arange(n) for n in lens])
+        v["slot_mapping"][:] = -1  # nothing is stored: the warm-up must not need cache blocks
+        v["cu_seqlens_q"][:] = np.concatenate([[0], np.cumsum(lens)])
+        v["context_lens"][:] = lens
+        v["block_tables"][:] = 0
+        self.model.step(num_tokens, num_seqs, int(lens.max()), False)
+        with torch.cuda.stream(self.stream):
+            logits = torch.randn(cfg.max_num_seqs, self.model_config.vocab_size, device=self.device)
+            torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
+        torch.cuda.synchronize()
+
+    def _capture_graphs(self):
+        buckets = list(require_core().default_decode_buckets(self.config.max_num_seqs))
+        start = time.perf_counter()
+        graph_bytes = self.model.capture_decode_graphs(buckets)
+        print(f"nanograph: captured {len(buckets)} decode graphs (batch {buckets[0]}..{buckets[-1]}) in "
+              f"{time.perf_counter() - start:.2f} s, using {graph_bytes / 2**20:.1f} MiB", flush=True)
+
+    def run(self, batch) -> torch.Tensor:
+        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
+        rows, tokens = num_seqs, num_tokens
+        use_graph = False
+        if batch.is_decode and self.use_graphs:
+            bucket = self.model.decode_bucket(num_seqs)
+            if bucket > 0:
+                rows = tokens = bucket
+                use_graph = True
+        v = self.model.step_views(tokens, rows)
+        v["input_ids"][:num_tokens] = batch.input_ids
+        v["positions"][:num_tokens] = batch.positions
+        v["slot_mapping"][:num_tokens] = batch.slot_mapping
+        v["cu_seqlens_q"][:num_seqs + 1] = batch.cu_seqlens_q
+        v["context_lens"][:num_seqs] = batch.context_lens
+        width = batch.block_tables.shape[1]
+        v["block_tables"][:num_seqs, :width] = batch.block_tables
+        if rows > num_seqs:  # inert padding rows of a graph bucket
+            v["input_ids"][num_tokens:] = 0
+            v["positions"][num_tokens:] = 0
+            v["slot_mapping"][num_tokens:] = -1
+            v["cu_seqlens_q"][num_seqs + 1:] = np.arange(num_tokens + 1, tokens + 1)
+            v["context_lens"][num_seqs:] = 0
+        q_lens = np.diff(batch.cu_seqlens_q)
+        self.model.step(tokens, rows, int(q_lens.max()), use_graph)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return self.logits[:num_seqs].float()

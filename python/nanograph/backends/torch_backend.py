@@ -1,0 +1,127 @@
+"""TorchRunner: the plain-PyTorch reference backend (CPU, or a GPU for comparisons), over a paged KV cache.
+
+Each layer mirrors transformers' rounding in the model dtype (RMSNorm in float32, cast back, then scaled), so
+float32 logits match HF closely. Attention runs as one padded batch: queries [seqs, max_new, heads, head_dim]
+against keys gathered from the cache by block table, with a mask that is causal from the cached-prefix offset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..model_config import ModelConfig
+from ..models import load_weights, rope_cos_sin
+
+KV_CACHE_BUDGET_BYTES = 1 << 30
+
+
+class TorchRunner:
+    def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 1):
+        self.model_config = mc = model_config
+        self.device = torch.device(device)
+        self.block_size = block_size
+        max_model_len = max_model_len or mc.max_position_embeddings
+        self.weights = load_weights(mc.path, mc, dtype, self.device)
+        cos_sin = rope_cos_sin(mc, max_model_len, self.device)
+        half = mc.head_dim // 2
+        # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them
+        self.cos = cos_sin[:, :half].repeat(1, 2).to(dtype)
+        self.sin = cos_sin[:, half:].repeat(1, 2).to(dtype)
+        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        # The budget bends to hold at least one full-length sequence.
+        kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), max_model_len)
+        self.num_kv_blocks = num_kv_blocks or -(-kv_tokens // block_size)
+        # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
+        shape = (self.num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+
+    @torch.inference_mode()
+    def run(self, batch) -> torch.Tensor:
+        """float32 logits [num_seqs, vocab] for each sequence's last new token."""
+        mc, w = self.model_config, self.weights
+        meta = _AttentionMetadata.build(batch, self.block_size, self.device)
+        positions = torch.from_numpy(batch.positions).to(self.device, torch.long)
+        cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
+        h = w["embed_tokens"][torch.from_numpy(batch.input_ids).to(self.device, torch.long)]
+        for i in range(mc.num_layers):
+            p = f"layers.{i}."
+            h = h + self._attention(i, _rms_norm(h, w[p + "input_layernorm"], mc.rms_norm_eps), cos, sin, meta)
+            h = h + self._mlp(i, _rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
+        last = _rms_norm(h[meta.last_token_rows], w["norm"], mc.rms_norm_eps)
+        return F.linear(last, w["lm_head"]).float()
+
+    def _attention(self, layer: int, x, cos, sin, meta: _AttentionMetadata) -> torch.Tensor:
+        mc, w, p = self.model_config, self.weights, f"layers.{layer}."
+        nq, nkv, hd = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        qkv = F.linear(x, w[p + "qkv_proj"], w.get(p + "qkv_bias"))
+        q, k, v = (t.view(len(x), -1, hd) for t in qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1))
+        if mc.qk_norm:
+            q, k = _rms_norm(q, w[p + "q_norm"], mc.rms_norm_eps), _rms_norm(k, w[p + "k_norm"], mc.rms_norm_eps)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        k_cache, v_cache = self.k_caches[layer].view(-1, nkv, hd), self.v_caches[layer].view(-1, nkv, hd)
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        queries = q.new_zeros(meta.num_seqs, meta.max_query_len, nq, hd)
+        queries[meta.query_seq, meta.query_offset] = q
+        group = nq // nkv  # repeated by hand: sdpa's enable_gqa needs torch >= 2.5
+        keys = k_cache[meta.kv_slots].repeat_interleave(group, dim=2).transpose(1, 2)
+        values = v_cache[meta.kv_slots].repeat_interleave(group, dim=2).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=meta.mask)
+        out = out.transpose(1, 2)[meta.query_seq, meta.query_offset]
+        return F.linear(out.reshape(len(x), nq * hd), w[p + "o_proj"])
+
+    def _mlp(self, layer: int, x) -> torch.Tensor:
+        w, p = self.weights, f"layers.{layer}."
+        gate, up = F.linear(x, w[p + "gate_up_proj"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w[p + "down_proj"])
+
+
+@dataclass
+class _AttentionMetadata:
+    """Index tensors shared by every layer of one step."""
+    num_seqs: int
+    max_query_len: int
+    slot_mapping: torch.Tensor    # [num_tokens]: where each new token's K/V goes in the flattened cache
+    query_seq: torch.Tensor       # [num_tokens]: the sequence of each new token
+    query_offset: torch.Tensor    # [num_tokens]: its index among that sequence's new tokens
+    kv_slots: torch.Tensor        # [num_seqs, max_context_len]: cache slot of each position (padding reads slot 0)
+    mask: torch.Tensor            # bool [num_seqs, 1, max_query_len, max_context_len]: True where attention is allowed
+    last_token_rows: torch.Tensor  # [num_seqs]
+
+    @classmethod
+    def build(cls, batch, block_size: int, device: torch.device) -> _AttentionMetadata:
+        cu = batch.cu_seqlens_q.astype(np.int64)
+        query_lens = np.diff(cu)
+        context_lens = batch.context_lens.astype(np.int64)
+        num_seqs, max_query_len = len(query_lens), int(query_lens.max())
+        key_pos = np.arange(int(context_lens.max()))
+        kv_slots = batch.block_tables[:, key_pos // block_size].astype(np.int64) * block_size + key_pos % block_size
+        # query i of a sequence sits at position context_len - query_len + i and sees keys up to it
+        query_pos = (context_lens - query_lens)[:, None] + np.arange(max_query_len)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        query_seq = np.repeat(np.arange(num_seqs), query_lens)
+
+        def tensor(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        return cls(num_seqs, max_query_len,
+                   slot_mapping=tensor(batch.slot_mapping.astype(np.int64)),
+                   query_seq=tensor(query_seq),
+                   query_offset=tensor(np.arange(cu[-1]) - cu[query_seq]),
+                   kv_slots=tensor(kv_slots), mask=tensor(mask[:, None]), last_token_rows=tensor(cu[1:] - 1))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

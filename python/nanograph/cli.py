@@ -1,0 +1,35 @@
+"""The `nanograph` command: `nanograph generate "prompt"` and `nanograph chat "message"`."""
+from __future__ import annotations
+
+import argparse
+
+from .llm import LLM
+from .sampling_params import SamplingParams
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="nanograph", description="Generate text with nanograph.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("generate", "continue a prompt"),
+                            ("chat", "answer one user message, with the model's chat template")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("prompt")
+        command.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+        command.add_argument("--max-tokens", type=int, default=256)
+        command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        command.add_argument("--device", default="auto", help="auto, cuda, cpu, or torch:<torch device>")
+    args = parser.parse_args(argv)
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        llm = LLM(args.model, device=args.device)
+        if args.command == "chat":
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(outputs[0].outputs[0].text)
+
+
+if __name__ == "__main__":
+    main()

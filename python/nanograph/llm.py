@@ -1,0 +1,38 @@
+"""LLM: the offline-inference entry point (vLLM's interface): generate() and chat()."""
+from __future__ import annotations
+
+from .config import Config
+from .engine.llm_engine import LLMEngine, Prompt
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        """model: a Hugging Face model folder (None: the bundled SmolLM2-135M-Instruct); kwargs: Config fields."""
+        self.engine = LLMEngine.from_config(Config(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or token-id lists. Outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
+                             "pass one SamplingParams, or one per prompt")
+        return self.engine.generate(list(prompts), list(sampling_params), use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,59 @@
+"""A fake model for engine tests: its next token is a function of the whole context, read back from its own
+paged KV cache through slot_mapping and block_tables, so any batching or block-accounting mistake changes the text."""
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from nanograph.config import Config
+from nanograph.engine.llm_engine import LLMEngine
+
+VOCAB_SIZE = 50
+EOS = 0
+
+
+def next_token(context) -> int:
+    context = np.asarray(context, dtype=np.int64)
+    return int((context * np.arange(1, len(context) + 1)).sum() % (VOCAB_SIZE - 1)) + 1  # never EOS
+
+
+def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+class FakeRunner:
+    device = torch.device("cpu")
+
+    def __init__(self, num_kv_blocks: int, block_size: int):
+        self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.kv_tokens = np.full(num_kv_blocks * block_size, -1)
+        self.kv_positions = np.full(num_kv_blocks * block_size, -1)
+        self.batches = []
+
+    def run(self, batch) -> torch.Tensor:
+        self.batches.append(batch)
+        self.kv_tokens[batch.slot_mapping] = batch.input_ids
+        self.kv_positions[batch.slot_mapping] = batch.positions
+        logits = torch.full((batch.num_seqs, VOCAB_SIZE), -10.0)
+        for i, context_len in enumerate(batch.context_lens):
+            positions = np.arange(context_len)
+            slots = batch.block_tables[i, positions // self.block_size] * self.block_size + positions % self.block_size
+            assert (self.kv_positions[slots] == positions).all(), "the KV cache lost or misplaced a token"
+            logits[i, next_token(self.kv_tokens[slots])] = 10.0
+        return logits
+
+
+class FakeTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % (VOCAB_SIZE - 1) + 1 for c in text]
+
+    def decode(self, token_ids, skip_special_tokens=False) -> str:
+        return " ".join(str(t) for t in token_ids if not (skip_special_tokens and t == EOS))
+
+
+def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, **config) -> LLMEngine:
+    model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
+    return LLMEngine(Config(**config), model_config, FakeRunner(num_kv_blocks, block_size), FakeTokenizer())

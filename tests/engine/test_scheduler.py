@@ -1,0 +1,102 @@
+from nanograph import SamplingParams
+from nanograph.config import Config
+from nanograph.engine.batch import build_forward_batch
+from nanograph.engine.block_manager import BlockManager
+from nanograph.engine.scheduler import Scheduler
+from nanograph.engine.sequence import Sequence, SequenceStatus
+
+from .fake_model import EOS, fake_engine, reference_completion
+
+BLOCK_SIZE = 4
+
+
+def make_scheduler(num_blocks=64, **config) -> Scheduler:
+    return Scheduler(Config(**config), BlockManager(num_blocks, BLOCK_SIZE), {EOS})
+
+
+def add_requests(scheduler, count, prompt_len, max_tokens=16) -> list[Sequence]:
+    seqs = [Sequence(str(i), None, [100 * i + j for j in range(1, prompt_len + 1)],
+                     SamplingParams(max_tokens=max_tokens))
+            for i in range(count)]
+    for seq in seqs:
+        scheduler.add(seq)
+    return seqs
+
+
+def step(scheduler):
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, [7] * sum(batch.samples))
+    return batch
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = make_scheduler(max_num_seqs=3, max_num_batched_tokens=1000)
+    seqs = add_requests(scheduler, 5, prompt_len=10)
+    batch = step(scheduler)
+    assert batch.is_prefill and batch.seqs == seqs[:3]
+    batch = step(scheduler)
+    assert not batch.is_prefill and batch.seqs == seqs[:3] and batch.num_new_tokens == [1, 1, 1]
+
+
+def test_finished_sequences_make_room_for_waiting_ones():
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    seqs = add_requests(scheduler, 3, prompt_len=5, max_tokens=1)
+    assert step(scheduler).seqs == seqs[:2]
+    assert all(seq.is_finished for seq in seqs[:2])
+    assert step(scheduler).seqs == seqs[2:]
+    assert not scheduler.has_unfinished()
+    assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_token_budget_chunks_the_last_admitted_prompt():
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=25)
+    seqs = add_requests(scheduler, 4, prompt_len=10)
+    batch = step(scheduler)
+    assert batch.seqs == seqs[:3] and batch.num_new_tokens == [10, 10, 5] and batch.samples == [True, True, False]
+    batch = step(scheduler)  # the cut prompt continues first, then admission resumes
+    assert batch.is_prefill and batch.seqs == seqs[2:] and batch.num_new_tokens == [5, 10]
+    batch = step(scheduler)
+    assert not batch.is_prefill and batch.seqs == seqs
+
+
+def test_prompt_longer_than_the_budget_is_prefilled_in_pieces():
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    [seq] = add_requests(scheduler, 1, prompt_len=40)
+    for start, num_new in [(0, 16), (16, 16), (32, 8)]:
+        assert seq.num_completion_tokens == 0
+        batch = scheduler.schedule()
+        forward = build_forward_batch(batch.seqs, batch.num_new_tokens, BLOCK_SIZE)
+        assert forward.positions.tolist() == list(range(start, start + num_new))
+        assert forward.input_ids.tolist() == seq.token_ids[start:start + num_new]
+        assert forward.context_lens.tolist() == [start + num_new]
+        scheduler.postprocess(batch, [7] * sum(batch.samples))
+    assert seq.num_completion_tokens == 1 and seq.num_computed_tokens == 40
+
+
+def test_preemption_frees_the_latest_sequence_and_keeps_its_tokens():
+    scheduler = make_scheduler(num_blocks=6, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = add_requests(scheduler, 3, prompt_len=7, max_tokens=8)
+    step(scheduler)  # 2 blocks each: the pool is full
+    step(scheduler)  # position 7 still fits everyone's second block
+    batch = step(scheduler)  # position 8 needs a third block
+    assert batch.seqs == seqs[:2]
+    victim = seqs[2]
+    assert list(scheduler.waiting) == [victim] and victim.status is SequenceStatus.WAITING
+    assert victim.block_table == [] and victim.num_computed_tokens == 0
+    assert victim.token_ids == list(range(201, 208)) + [7, 7] and victim.num_prompt_tokens == 7
+
+    while scheduler.has_unfinished():
+        step(scheduler)
+    assert all(seq.num_completion_tokens == 8 and seq.finish_reason == "length" for seq in seqs)
+    assert scheduler.block_manager.num_free_blocks == 6
+
+
+def test_preempted_requests_finish_with_the_unconstrained_output():
+    prompts = [[(7 * i + j) % 40 + 1 for j in range(7)] for i in range(4)]
+    engine = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24, max_num_batched_tokens=64)
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))
+    outputs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=10)] * 4, use_tqdm=False)
+    assert preempted
+    assert [out.outputs[0].token_ids for out in outputs] == [reference_completion(p, 10) for p in prompts]

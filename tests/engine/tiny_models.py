@@ -1,0 +1,40 @@
+"""Tiny random Hugging Face models (hidden 64, 2 layers) of every supported architecture, saved as model folders."""
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=96, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+TINY_CONFIGS = {
+    "qwen3-tied": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
+                       tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3-yarn-untied": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=24,
+                              tie_word_embeddings=False, rope_theta=1e4,
+                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama3-untied": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False,
+                          rope_theta=1e4, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                        "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 64}),
+    "qwen2-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                       rope_theta=1e6),
+}
+
+
+def make_tiny_model(folder, name: str, seed: int = 0, **save_kwargs):
+    """Saves a float32 model with weights large enough to give peaked logits (HF's 0.02 init is near flat) and
+    non-unit norms, so a swapped or missing tensor changes the output. Returns the HF model (eval mode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {**_COMMON, **TINY_CONFIGS[name]}
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name:
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, 0.15)
+    model.save_pretrained(folder, **save_kwargs)
+    return model

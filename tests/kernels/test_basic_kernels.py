@@ -1,0 +1,220 @@
+"""Embedding, RMSNorm, add-RMSNorm, SiLU-and-mul and argmax kernels against float32 torch references."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanograph import ops
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = "cuda"
+BF16 = torch.bfloat16
+
+
+def poisoned(*shape, dtype=BF16):
+    if dtype == BF16:
+        return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    return torch.full(shape, -7, dtype=dtype, device=DEVICE)
+
+
+def hf_rmsnorm(h, weight, eps):
+    """LlamaRMSNorm: statistics in float32, cast to bf16, then times the bf16 weight."""
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(BF16)
+
+
+def assert_matches_hf(out, ref):
+    """Within bf16 tolerance everywhere, and bit-equal almost everywhere (same rounding steps)."""
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    exact = (out == ref).float().mean().item()
+    assert exact > 0.99, f"only {exact:.4f} of elements match the HF rounding exactly"
+
+
+# ---- embedding -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("vocab,hidden,tokens", [(1000, 64, 1), (32000, 4096, 37), (151936, 1024, 300),
+                                                 (17, 8, 5), (5000, 2568, 129)])
+def test_embedding_gathers_rows(vocab, hidden, tokens):
+    table = torch.randn(vocab, hidden, device=DEVICE).to(BF16)
+    ids = torch.randint(0, vocab, (tokens,), dtype=torch.int32, device=DEVICE)
+    ids[0] = vocab - 1
+    out = poisoned(tokens, hidden)
+    ops.embedding(ids, table, out)
+    assert torch.equal(out, table[ids.long()])
+
+
+def test_embedding_out_of_range_ids_give_zero_rows():
+    vocab, hidden = 100, 128
+    table = torch.randn(vocab, hidden, device=DEVICE).to(BF16)
+    ids = torch.tensor([3, -1, vocab, 99, 2**31 - 1, 0], dtype=torch.int32, device=DEVICE)
+    out = poisoned(len(ids), hidden)
+    ops.embedding(ids, table, out)
+    valid = (ids >= 0) & (ids < vocab)
+    assert torch.equal(out[valid], table[ids[valid].long()])
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
+
+
+def test_embedding_no_tokens():
+    ops.embedding(torch.empty(0, dtype=torch.int32, device=DEVICE),
+                  torch.randn(10, 64, device=DEVICE).to(BF16),
+                  torch.empty(0, 64, dtype=BF16, device=DEVICE))
+
+
+# ---- rmsnorm / add_rmsnorm -------------------------------------------------------------------
+
+NORM_DIMS = [8, 64, 128, 200, 512, 520, 1024, 2048, 2056, 3584, 4096, 5120, 8192]
+NORM_ROWS = [1, 3, 4, 5, 64, 257]
+
+
+@pytest.mark.parametrize("dim", NORM_DIMS)
+@pytest.mark.parametrize("rows", NORM_ROWS)
+def test_rmsnorm(rows, dim):
+    eps = 1e-6
+    x = (torch.randn(rows, dim, device=DEVICE) * 3 + 0.5).to(BF16)
+    weight = torch.randn(dim, device=DEVICE).to(BF16)
+    out = poisoned(rows, dim)
+    ops.rmsnorm(x, weight, out, eps)
+    assert_matches_hf(out, hf_rmsnorm(x, weight, eps))
+
+
+def test_rmsnorm_leading_dims_and_eps():
+    x = torch.randn(2, 3, 256, device=DEVICE).mul(1e-3).to(BF16)  # eps dominates mean(x^2)
+    weight = torch.randn(256, device=DEVICE).to(BF16)
+    out = poisoned(2, 3, 256)
+    ops.rmsnorm(x, weight, out, 1e-2)
+    assert_matches_hf(out, hf_rmsnorm(x, weight, 1e-2))
+
+
+@pytest.mark.parametrize("dim", NORM_DIMS)
+@pytest.mark.parametrize("rows", [1, 5, 64, 257])
+def test_add_rmsnorm(rows, dim):
+    eps = 1e-5
+    x = torch.randn(rows, dim, device=DEVICE).to(BF16)
+    residual = (torch.randn(rows, dim, device=DEVICE) * 4).to(BF16)
+    weight = torch.randn(dim, device=DEVICE).to(BF16)
+    want_residual = x + residual  # bf16 add: float sum, rounded once
+    want_x = hf_rmsnorm(want_residual, weight, eps)
+    ops.add_rmsnorm(x, residual, weight, eps)
+    assert torch.equal(residual, want_residual)
+    assert_matches_hf(x, want_x)
+
+
+def test_norm_rejects_bad_shapes():
+    x = torch.randn(4, 100, device=DEVICE).to(BF16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ops.rmsnorm(x, torch.ones(100, dtype=BF16, device=DEVICE), torch.empty_like(x), 1e-6)
+    x = torch.randn(4, 128, device=DEVICE).to(BF16)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rmsnorm(x, torch.ones(64, dtype=BF16, device=DEVICE), torch.empty_like(x), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        ops.add_rmsnorm(x, torch.empty(4, 64, dtype=BF16, device=DEVICE),
+                        torch.ones(128, dtype=BF16, device=DEVICE), 1e-6)
+
+
+# ---- silu_mul --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inter", [8, 64, 136, 1000, 3072, 11008, 12288])
+@pytest.mark.parametrize("rows", [1, 2, 7, 256])
+def test_silu_mul(rows, inter):
+    gate_up = (torch.randn(rows, 2 * inter, device=DEVICE) * 3).to(BF16)
+    out = poisoned(rows, inter)
+    ops.silu_mul(gate_up, out)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+
+
+def test_silu_mul_leading_dims_and_shape_check():
+    gate_up = torch.randn(2, 3, 2 * 96, device=DEVICE).to(BF16)
+    out = poisoned(2, 3, 96)
+    ops.silu_mul(gate_up, out)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(out.float(), F.silu(gate) * up, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="out"):
+        ops.silu_mul(gate_up, torch.empty(2, 3, 192, dtype=BF16, device=DEVICE))
+
+
+# ---- argmax ----------------------------------------------------------------------------------
+
+def run_argmax(logits):
+    out = poisoned(logits.shape[0], dtype=torch.int32)
+    ops.argmax(logits, out)
+    return out
+
+
+def planted_logits(rows, vocab, generator_seed=0):
+    """Random logits with, per row, a planted maximum: a tie pair, the first column or the last."""
+    torch.manual_seed(generator_seed)
+    logits = torch.randn(rows, vocab, device=DEVICE).to(BF16)
+    want = torch.empty(rows, dtype=torch.long)
+    for r in range(rows):
+        kind = r % 4
+        if kind == 0:  # two equal maxima: the lower index wins
+            a, b = sorted(torch.randperm(vocab)[:2].tolist()) if vocab > 1 else (0, 0)
+            logits[r, a] = logits[r, b] = 30.0
+            want[r] = a
+        elif kind == 1:
+            logits[r, 0] = 30.0
+            want[r] = 0
+        elif kind == 2:
+            logits[r, vocab - 1] = 30.0
+            want[r] = vocab - 1
+        else:  # many ties: every eighth column holds the maximum
+            logits[r, 3::8] = 30.0
+            want[r] = min(3, vocab - 1) if vocab > 3 else logits[r].float().argmax().item()
+    return logits, want.to(DEVICE)
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 7, 8, 9, 100, 1023, 8191, 32000, 151936, 151935, 256000])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_argmax_planted_maxima(rows, vocab):
+    logits, want = planted_logits(rows, vocab, vocab + rows)
+    got = run_argmax(logits)
+    assert torch.equal(got.long(), want)
+    assert torch.equal(got.long(), torch.argmax(logits.float(), dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [151936, 32000, 1000])
+def test_argmax_random_rows_match_torch(vocab):
+    # bf16 randn over a large vocabulary has natural ties at the maximum.
+    logits = (torch.randn(256, vocab, device=DEVICE) * 2).to(BF16)
+    assert torch.equal(run_argmax(logits).long(), torch.argmax(logits, dim=-1))
+
+
+@pytest.mark.parametrize("padded,vocab", [(151937, 151936), (1001, 1000), (32003, 32000), (12, 11),
+                                          (151936 + 64, 151936)])
+def test_argmax_strided_rows(padded, vocab):
+    """Row views of a wider buffer: with an odd row stride every row starts at a different
+    alignment, which exercises the unaligned head and tail."""
+    full = torch.randn(13, padded, device=DEVICE).to(BF16)
+    full[:, vocab:] = 100.0  # outside the view: must never be chosen
+    logits = full[:, :vocab]
+    logits[1, 0] = 50.0
+    logits[2, vocab - 1] = 50.0
+    logits[3, 1] = logits[3, vocab - 2] = 50.0
+    assert torch.equal(run_argmax(logits).long(), torch.argmax(logits.float(), dim=-1))
+
+
+def test_argmax_offset_start_and_special_values():
+    base = torch.randn(5 * 1001 + 3, device=DEVICE).to(BF16)
+    logits = base[3:].view(5, 1001)  # data pointer 6 bytes past an aligned address
+    logits[0, :] = float("-inf")  # all -inf: index 0
+    logits[1, 10] = float("nan")
+    logits[1, 20] = float("nan")  # first NaN wins
+    logits[2, :] = 0.0
+    logits[2, 7] = -0.0  # +0 and -0 are equal: index 0
+    logits[3, 500] = float("inf")
+    want = torch.tensor([0, 10, 0, 500], device=DEVICE)
+    got = run_argmax(logits)
+    assert torch.equal(got[:4].long(), want)
+    assert torch.equal(got[4].long(), torch.argmax(logits[4]))
+
+
+def test_argmax_rejects_bad_layouts():
+    logits = torch.randn(4, 64, device=DEVICE).to(BF16)
+    with pytest.raises(ValueError, match="stride"):
+        run_argmax(logits.t())
+    with pytest.raises(ValueError, match="out"):
+        ops.argmax(logits, torch.empty(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="int32"):
+        ops.argmax(logits, torch.empty(4, dtype=torch.int64, device=DEVICE))

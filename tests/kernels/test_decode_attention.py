@@ -1,0 +1,184 @@
+"""Paged decode attention (split-KV) against a float32 torch reference that gathers K/V by block table."""
+import math
+
+import pytest
+import torch
+
+TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def reference(q, k_cache, v_cache, block_tables, context_lens, nq):
+    """[num_seqs, nq * hd] fp32: softmax(q K^T / sqrt(hd)) V per sequence; length 0 gives zeros."""
+    _, block_size, nkv, hd = k_cache.shape
+    out = torch.zeros(q.shape[0], nq * hd, device=q.device)
+    for s, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            continue
+        blocks = block_tables[s, : math.ceil(length / block_size)].long()
+        k = k_cache[blocks].reshape(-1, nkv, hd)[:length].float()  # [L, nkv, hd]
+        v = v_cache[blocks].reshape(-1, nkv, hd)[:length].float()
+        qs = q[s, : nq * hd].float().view(nkv, nq // nkv, hd)
+        p = (torch.einsum("kgd,lkd->kgl", qs, k) / math.sqrt(hd)).softmax(-1)
+        out[s] = torch.einsum("kgl,lkd->kgd", p, v).reshape(-1)
+    return out
+
+
+def make_inputs(lens, nq, nkv, hd, block_size, max_context_len, full_tables=False):
+    """Random q rows (laid out like qkv rows, so q_stride > nq * hd), a cache whose slots outside
+    any sequence hold NaN, and block tables made of shuffled blocks, unused entries -1."""
+    dev = "cuda"
+    width = math.ceil(max_context_len / block_size)
+    per_seq = [width if full_tables else math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=dev).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, nkv, hd, device=dev).bfloat16()
+    order = torch.randperm(num_blocks, device=dev).to(torch.int32)
+    block_tables = torch.full((len(lens), width), -1, dtype=torch.int32, device=dev)
+    in_use = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=dev)
+    start = 0
+    for s, (n, length) in enumerate(zip(per_seq, lens)):
+        blocks = order[start : start + n]
+        start += n
+        block_tables[s, :n] = blocks
+        slots = (blocks[:, None].long() * block_size + torch.arange(block_size, device=dev)).flatten()
+        in_use[slots[:length]] = True
+    for cache in (k_cache, v_cache):
+        cache.view(-1, nkv, hd)[~in_use] = float("nan")
+    q = (2 * torch.randn(len(lens), (nq + 2 * nkv) * hd, device=dev)).bfloat16()
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    out = torch.full((len(lens), nq * hd), float("nan"), device=dev).bfloat16()
+    return q, k_cache, v_cache, block_tables, context_lens, out
+
+
+def run_and_check(lens, nq, nkv, hd, block_size, max_context_len):
+    from nanograph import ops
+
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(
+        lens, nq, nkv, hd, block_size, max_context_len)
+    ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq,
+                               hd**-0.5, max_context_len)
+    torch.cuda.synchronize()
+    ref = reference(q, k_cache, v_cache, block_tables, context_lens, nq)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+    empty = context_lens == 0
+    assert (out[empty] == 0).all(), "rows of context length 0 must be exactly zero"
+
+
+def random_lens(n, high, seed, zeros=()):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, high + 1, (n,), generator=g).tolist()
+    for i in zeros:
+        lens[i] = 0
+    return lens
+
+
+# (id, context lengths, nq, nkv, head_dim, block_size, max_context_len >= every length, as in a
+# graph captured for the longest context and replayed with shorter ones)
+CASES = [
+    ("q8kv8_edges", [1, 15, 16, 17, 4096, 0], 8, 8, 128, 16, 8192),
+    ("q16kv8_hd64_bs256", [1, 255, 256, 257, 4096, 0, 77], 16, 8, 64, 256, 4608),
+    ("q32kv8_batch64", random_lens(64, 4096, 0, zeros=(5,)), 32, 8, 128, 16, 4096),
+    ("q32kv8_batch64_bs256", random_lens(64, 4096, 1), 32, 8, 128, 256, 4096),
+    ("q8kv1", [3000, 1, 0, 255, 257], 8, 1, 128, 256, 4096),
+    ("q28kv4", random_lens(7, 2048, 2), 28, 4, 128, 16, 2048),
+    ("q32kv2_ratio16_hd64", random_lens(9, 1000, 3, zeros=(0,)), 32, 2, 64, 32, 1024),
+    ("q32kv8_32768", [32768], 32, 8, 128, 256, 32768),
+    ("q16kv2_hd64_32768", [32768, 5, 0], 16, 2, 64, 16, 32768),
+    ("q32kv8_batch256_one_split", random_lens(256, 1024, 4, zeros=(3, 200)), 32, 8, 128, 16, 2048),
+    ("q8kv2_hd64_batch64_bs64", random_lens(64, 4096, 5), 8, 2, 64, 64, 4096),
+    ("q4kv4_all_empty", [0, 0], 4, 4, 128, 16, 512),
+    ("q8kv8_max_len_0", [0], 8, 8, 64, 16, 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,block_size,max_len", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_matches_reference(lens, nq, nkv, hd, block_size, max_len):
+    torch.manual_seed(len(lens) * 1000 + nq)
+    run_and_check(lens, nq, nkv, hd, block_size, max_len)
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_new_lengths():
+    """The grid comes from max_context_len, so a graph replays correctly for other lengths."""
+    from nanograph import ops
+
+    nq, nkv, hd, bs, max_len = 32, 8, 128, 16, 4096
+    before, after = [4096, 1, 0, 700], [17, 4000, 33, 0]
+    torch.manual_seed(0)
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(
+        after, nq, nkv, hd, bs, max_len, full_tables=True)
+    context_lens.copy_(torch.tensor(before, dtype=torch.int32))
+    workspace = torch.empty(ops.decode_attention_workspace_bytes(len(before), nq, hd, max_len) // 4,
+                            device="cuda")
+
+    def call():
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq,
+                                   hd**-0.5, max_len, workspace)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    context_lens.copy_(torch.tensor(after, dtype=torch.int32))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(q, k_cache, v_cache, block_tables, context_lens, nq)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+@pytest.mark.gpu
+def test_rejects_bad_arguments():
+    from nanograph import ops
+
+    nq, nkv, hd, bs, max_len = 8, 2, 128, 16, 1024  # long enough to need a split workspace
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs([5, 900], nq, nkv, hd, bs, max_len)
+
+    def call(**overrides):
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                    context_lens=context_lens, out=out, num_q_heads=nq, scale=0.1,
+                    max_context_len=max_len)
+        args.update(overrides)
+        ops.paged_decode_attention(**args)
+
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        call(num_q_heads=7)
+    with pytest.raises(ValueError, match="up to 16 q heads"):
+        call(num_q_heads=64, q=torch.zeros(2, 64 * hd, device="cuda").bfloat16(),
+             out=torch.zeros(2, 64 * hd, device="cuda").bfloat16())
+    with pytest.raises(ValueError, match="block_size"):
+        call(k_cache=k_cache.view(-1, 8, nkv, hd), v_cache=v_cache.view(-1, 8, nkv, hd))
+    with pytest.raises(ValueError, match="head_dim 96"):
+        call(k_cache=k_cache[..., :96].contiguous(), v_cache=v_cache[..., :96].contiguous())
+    with pytest.raises(ValueError, match="cannot hold max_context_len"):
+        call(max_context_len=max_len + 1)
+    with pytest.raises(ValueError, match="out"):
+        call(out=out[:, :hd].contiguous())
+    with pytest.raises(TypeError, match="context_lens"):
+        call(context_lens=context_lens.long())
+    with pytest.raises(ValueError, match="workspace"):
+        call(workspace=torch.empty(1, device="cuda"))
+
+
+def test_reference_matches_sdpa():
+    """The reference agrees with torch's attention on a contiguous (unpaged) cache."""
+    torch.manual_seed(0)
+    nq, nkv, hd, bs, lens = 8, 2, 64, 4, [7, 12]
+    k_cache = torch.randn(8, bs, nkv, hd).bfloat16()
+    v_cache = torch.randn(8, bs, nkv, hd).bfloat16()
+    block_tables = torch.tensor([[5, 0, -1], [3, 7, 1]], dtype=torch.int32)
+    q = torch.randn(2, nq * hd).bfloat16()
+    ref = reference(q, k_cache, v_cache, block_tables, torch.tensor(lens), nq)
+    for s, length in enumerate(lens):
+        k = k_cache[block_tables[s, : math.ceil(length / bs)].long()].reshape(-1, nkv, hd)[:length]
+        v = v_cache[block_tables[s, : math.ceil(length / bs)].long()].reshape(-1, nkv, hd)[:length]
+        k = k.float().repeat_interleave(nq // nkv, dim=1).transpose(0, 1)  # [nq, L, hd]
+        v = v.float().repeat_interleave(nq // nkv, dim=1).transpose(0, 1)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[s].float().view(nq, 1, hd), k, v).reshape(-1)
+        torch.testing.assert_close(ref[s], expected, atol=1e-5, rtol=1e-5)
