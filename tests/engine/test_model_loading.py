@@ -1,0 +1,122 @@
+"""ModelConfig and load_weights on tiny random HF checkpoints: fields, packed tensors, shards, clear errors."""
+import json
+
+import pytest
+import torch
+
+from nanograph.model_config import ModelConfig
+from nanograph.models import load_weights
+
+from .tiny_models import TINY_CONFIGS, make_tiny_model
+
+EXPECTED = {  # architecture, head_dim, qk_norm, qkv_bias, tied
+    "qwen3-tied": ("Qwen3ForCausalLM", 32, True, False, True),
+    "qwen3-yarn-untied": ("Qwen3ForCausalLM", 24, True, False, False),
+    "llama3-untied": ("LlamaForCausalLM", 16, False, False, False),
+    "qwen2-tied": ("Qwen2ForCausalLM", 16, False, True, True),
+}
+
+
+@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, make_tiny_model(folder, request.param)
+
+
+def test_config_fields(tiny):
+    name, folder, _ = tiny
+    mc = ModelConfig.from_pretrained(folder)
+    assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.qkv_bias, mc.tie_word_embeddings) == EXPECTED[name]
+    assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (64, 2, 4, 2)
+    assert (mc.vocab_size, mc.intermediate_size, mc.max_position_embeddings) == (256, 96, 256)
+    assert mc.dtype == torch.float32
+
+
+def hf_packed_weights(model, mc):
+    hf = dict(model.named_parameters(remove_duplicate=False))
+    expected = {"embed_tokens": hf["model.embed_tokens.weight"], "norm": hf["model.norm.weight"],
+                "lm_head": hf["lm_head.weight"]}
+    for i in range(mc.num_layers):
+        layer, attn = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        ours = f"layers.{i}."
+        expected[ours + "input_layernorm"] = hf[layer + "input_layernorm.weight"]
+        expected[ours + "qkv_proj"] = torch.cat([hf[attn + p + "_proj.weight"] for p in "qkv"])
+        if mc.qkv_bias:
+            expected[ours + "qkv_bias"] = torch.cat([hf[attn + p + "_proj.bias"] for p in "qkv"])
+        if mc.qk_norm:
+            expected[ours + "q_norm"] = hf[attn + "q_norm.weight"]
+            expected[ours + "k_norm"] = hf[attn + "k_norm.weight"]
+        expected[ours + "o_proj"] = hf[attn + "o_proj.weight"]
+        expected[ours + "post_attention_layernorm"] = hf[layer + "post_attention_layernorm.weight"]
+        expected[ours + "gate_up_proj"] = torch.cat([hf[layer + "mlp.gate_proj.weight"], hf[layer + "mlp.up_proj.weight"]])
+        expected[ours + "down_proj"] = hf[layer + "mlp.down_proj.weight"]
+    return expected
+
+
+def test_packed_weights_equal_hf_params(tiny):
+    _, folder, model = tiny
+    mc = ModelConfig.from_pretrained(folder)
+    weights = load_weights(folder, mc, torch.float32, "cpu")
+    expected = hf_packed_weights(model, mc)
+    assert weights.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name], tensor), name
+    assert (weights["lm_head"] is weights["embed_tokens"]) == mc.tie_word_embeddings
+    assert weights["layers.0.qkv_proj"].shape == ((4 + 2 * 2) * mc.head_dim, 64)
+
+
+def test_weights_cast_to_requested_dtype(tiny):
+    _, folder, _ = tiny
+    weights = load_weights(folder, ModelConfig.from_pretrained(folder), torch.bfloat16, "cpu")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    model = make_tiny_model(tmp_path, "llama3-untied", max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    mc = ModelConfig.from_pretrained(tmp_path)
+    weights = load_weights(tmp_path, mc, torch.float32, "cpu")
+    for name, tensor in hf_packed_weights(model, mc).items():
+        assert torch.equal(weights[name], tensor), name
+
+
+def test_eos_token_ids_merge_generation_config(tmp_path):
+    make_tiny_model(tmp_path, "qwen2-tied")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": 7}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == [7, 9]
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelConfig.from_pretrained(tmp_path / "nope")
+
+
+def test_folder_without_weights(tmp_path):
+    make_tiny_model(tmp_path, "qwen3-tied")
+    for f in tmp_path.glob("*.safetensors"):
+        f.unlink()
+    mc = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights"):
+        load_weights(tmp_path, mc, torch.float32, "cpu")
+
+
+def test_unsupported_architecture_names_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_architecture_from_model_type_when_architectures_absent(tmp_path):
+    make_tiny_model(tmp_path, "llama3-untied")
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_pretrained(tmp_path).architecture == "LlamaForCausalLM"
