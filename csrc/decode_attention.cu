@@ -13,13 +13,14 @@
 //
 // Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid depends only
 // on num_seqs, the heads and max_context_len, so a captured graph replays for any lengths up to
-// that bound: splits that start past a sequence's length return at once. The CTA serves every q
-// head of its kv head (up to 16, the rows of an m16n8k16 tile), so K and V are read once. Warps
-// take 16-key tiles in turn; per tile each lane issues its 16-byte K and V loads straight from
-// global memory into mma fragments (no shared memory): the head_dim order inside a fragment is
-// permuted to match what one lane loads, which a dot product over head_dim does not notice.
+// that bound (context_lens must not exceed it): splits that start past a sequence's length
+// return at once. The CTA serves every q head of its kv head (up to 16, the rows of an m16n8k16
+// tile), so K and V are read once. Warps take 16-key tiles in turn; per tile each lane issues
+// its 16-byte K and V loads straight from global memory into mma fragments (no shared memory):
+// the head_dim order inside a fragment is permuted to match what one lane loads, which a dot
+// product over head_dim does not notice.
 // S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online softmax;
-// decode is bandwidth-bound, so the half-empty tensor-core tiles cost nothing that matters.
+// decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost nothing.
 // The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
 // combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
 // Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
@@ -86,7 +87,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 
 // Lane (g = lane / 4, t = lane % 4) of a warp, in mma fragment terms:
 //   Q (A operand, rows = q heads g and g + 8 of the group): for head_dim chunk c it holds
-//     q[head][c*32 + t*8 .. +8]; k-step 2c+s uses words 2s (cols 2t, 2t+1) and 2s+1 (cols 2t+8, +9).
+//     q[head][c*32 + t*8 .. +8]; k-step 2c+s uses words 2s (cols 2t, 2t+1) and 2s+1
+//     (cols 2t+8, 2t+9).
 //   K (B operand of S = Q K^T, n = key): the same 8 dims of keys g and g + 8 of the tile.
 //   S, P (C of Q K^T, then A of P V): keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1).
 //   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
@@ -336,7 +338,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs a
   const int len = args.kv.context_lens[row / args.num_q_heads];
   const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));
   const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
-  const float* lse = args.workspace + rows * num_splits * HD + static_cast<size_t>(row) * num_splits;
+  const float* lse =
+      args.workspace + rows * num_splits * HD + static_cast<size_t>(row) * num_splits;
   const float4* partial =
       reinterpret_cast<const float4*>(args.workspace + static_cast<size_t>(row) * num_splits * HD);
 
@@ -390,8 +393,8 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
   const PagedKv& kv = args.kv;
   require(kv.num_kv_heads > 0 && args.num_q_heads % kv.num_kv_heads == 0,
-          "num_q_heads (" + std::to_string(args.num_q_heads) + ") must be a multiple of num_kv_heads (" +
-              std::to_string(kv.num_kv_heads) + ")");
+          "num_q_heads (" + std::to_string(args.num_q_heads) +
+              ") must be a multiple of num_kv_heads (" + std::to_string(kv.num_kv_heads) + ")");
   const int group = args.num_q_heads / kv.num_kv_heads;
   require(group <= kMaxGroup, "decode attention supports up to " + std::to_string(kMaxGroup) +
                                   " q heads per kv head, got " + std::to_string(group));
@@ -399,8 +402,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
           "decode attention needs a power-of-two block_size >= 16, got " +
               std::to_string(kv.block_size));
   require(args.q_stride % 8 == 0 && args.q_stride >= args.num_q_heads * kv.head_dim,
-          "q_stride must be a multiple of 8 and at least num_q_heads * head_dim (16-byte rows), got " +
-              std::to_string(args.q_stride));
+          "q_stride must be a multiple of 8 and at least num_q_heads * head_dim (16-byte rows), "
+          "got " + std::to_string(args.q_stride));
   require(args.max_context_len >= 0 &&
               static_cast<int64_t>(kv.block_table_stride) * kv.block_size >= args.max_context_len,
           "block tables of width " + std::to_string(kv.block_table_stride) +
@@ -424,7 +427,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
     split_kernel<HD><<<grid, kThreads, 0, stream>>>(args, plan.split_keys, plan.num_splits);
     CUDA_CHECK_LAUNCH();
     if (plan.num_splits > 1) {
-      combine_kernel<HD><<<args.num_seqs * args.num_q_heads, kThreads, 0, stream>>>(args, plan.split_keys, plan.num_splits);
+      combine_kernel<HD><<<args.num_seqs * args.num_q_heads, kThreads, 0, stream>>>(
+          args, plan.split_keys, plan.num_splits);
       CUDA_CHECK_LAUNCH();
     }
   });

@@ -1,7 +1,6 @@
 // Bindings for the decoder Model: construction from packed torch weights, KV cache sizing, the
 // per-step metadata views (numpy over pinned memory), step(), decode graphs and the logits buffer.
 #include <pybind11/numpy.h>
-#include <pybind11/stl.h>
 
 #include "../csrc/model.h"
 #include "tensor.h"

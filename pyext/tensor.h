@@ -4,6 +4,7 @@
 #pragma once
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // every binding file sees the same casters (one definition rule)
 
 #include <cuda_runtime.h>
 

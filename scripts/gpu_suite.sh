@@ -34,8 +34,13 @@ fi
 if [[ " $* " == *" pytest "* ]]; then
   step pytest
   args=$(echo " $* " | sed -n 's/.* pytest \(.*\)/\1/p' | sed 's/ sanitize / /; s/ bench / /')
-  python3 -m pytest ${args:-tests} -q -rs --durations=10 > "$LOGS/pytest.log" 2>&1 || status=1
-  tail -40 "$LOGS/pytest.log"
+  # One pytest process per file: a crash in one file must not hide the others' results.
+  for f in $(ls -d ${args:-tests/kernels/test_*.py tests/engine/test_*.py}); do
+    name=$(basename "$f" .py)
+    python3 -m pytest "$f" -q -rs -p no:cacheprovider > "$LOGS/pytest_$name.log" 2>&1 || status=1
+    echo "$f: $(tail -1 "$LOGS/pytest_$name.log")"
+    grep -E "^(FAILED|ERROR)|Fatal Python" "$LOGS/pytest_$name.log" | head -10
+  done
 fi
 if [[ " $* " == *" sanitize "* ]]; then
   step sanitize

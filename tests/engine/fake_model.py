@@ -54,6 +54,7 @@ class FakeTokenizer:
         return " ".join(str(t) for t in token_ids if not (skip_special_tokens and t == EOS))
 
 
-def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, **config) -> LLMEngine:
-    model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=[EOS])
-    return LLMEngine(Config(**config), model_config, FakeRunner(num_kv_blocks, block_size), FakeTokenizer())
+def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS,), max_model_len: int = 64,
+                **config) -> LLMEngine:
+    model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids))
+    return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, FakeRunner(num_kv_blocks, block_size), FakeTokenizer())

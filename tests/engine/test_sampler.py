@@ -59,7 +59,7 @@ def test_each_row_uses_its_own_parameters():
 
 def test_mask_keeps_the_allowed_tokens_of_each_row_in_vocab_order():
     logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
-    masked = mask_top_k_top_p(logits, torch.tensor([2, -1]), torch.tensor([1.0, 0.5]))
+    masked = mask_top_k_top_p(logits, torch.tensor([2, -1]), torch.tensor([1.0, 0.7]))  # p = .64, .24, .09, .03
     assert torch.isfinite(masked).tolist() == [[True, False, True, False], [False, False, True, True]]
     assert torch.equal(masked[torch.isfinite(masked)], logits[torch.isfinite(masked)])
 
