@@ -2,11 +2,13 @@
 # The GPU suite, for a machine with a GPU and no network: build with the machine's packages,
 # run ctest and the GPU tests, optionally the sanitizers and benchmarks.
 #   scripts/gpu_suite.sh [build] [ctest] [pytest PYTEST_ARGS...] [sanitize] [bench]
-# Logs go to $OUT (or ./gpu_logs). A libgtest-dev .deb in .deps/ is unpacked when gtest is missing.
+# Logs go to /tmp/gpu_logs, archived into $OUT/logs.tgz when $OUT is set. A libgtest-dev .deb in .deps/ is unpacked when gtest is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOGS=${OUT:-gpu_logs}
+LOGS=/tmp/gpu_logs
 mkdir -p "$LOGS"
+# $OUT takes few files: everything comes back as one archive.
+trap '[ -n "${OUT:-}" ] && tar czf "$OUT/logs.tgz" -C /tmp gpu_logs' EXIT
 export PYTHONUNBUFFERED=1
 status=0
 step() { echo "== $*"; }
