@@ -152,6 +152,17 @@ void Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph) {
   }
 }
 
+void Model::write_inert_decode_metadata(int num_seqs) {
+  const StepLayout layout(num_seqs, num_seqs, block_table_width_);
+  int32_t* meta = host_metadata();
+  std::fill(meta, meta + layout.total, 0);
+  std::fill(meta + layout.slot_mapping, meta + layout.slot_mapping + num_seqs, -1);
+  for (int s = 0; s <= num_seqs; ++s) meta[layout.cu_seqlens_q + s] = s;
+  CUDA_CHECK(cudaMemcpyAsync(device_meta_, meta, layout.total * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
   require(kv_cache_ != nullptr, "allocate the KV cache before capturing graphs");
   CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -164,7 +175,9 @@ size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
     require(bucket <= limits_.max_num_seqs, "graph bucket " + std::to_string(bucket) +
                                                 " exceeds max_num_seqs " +
                                                 std::to_string(limits_.max_num_seqs));
-    // Warm the GEMM plans outside the capture; heuristics must not run while capturing.
+    // Warm the GEMM plans outside the capture (heuristics must not run while capturing), on
+    // inert metadata: no cache writes, no context.
+    write_inert_decode_metadata(bucket);
     forward(bucket, bucket, 1, true);
     graphs_->capture(bucket, stream_, [&] { forward(bucket, bucket, 1, true); });
   }

@@ -91,6 +91,8 @@ class Model {
 
  private:
   void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode);
+  // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
+  void write_inert_decode_metadata(int num_seqs);
   template <class T>
   T* alloc(size_t count);
 

@@ -11,7 +11,17 @@ namespace py = pybind11;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "nanograph C++/CUDA core";
-  py::register_exception<nanograph::CudaError>(m, "CudaError", PyExc_RuntimeError);
+  // Local translators run before any shared ones (see tensor.h on why that matters).
+  py::register_local_exception<nanograph::CudaError>(m, "CudaError", PyExc_RuntimeError);
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const nanograph::py_ext::ArgumentTypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
   m.def(
       "device_count",
       [] {

@@ -9,12 +9,22 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace nanograph::py_ext {
 
 namespace py = pybind11;
+
+// Argument errors: std::invalid_argument becomes ValueError; this one becomes TypeError. The
+// bindings throw only standard or nanograph exception types, never pybind11's own: another
+// extension in the process (torch) may share pybind11's translator list with a different
+// pybind11 version, and its translator would misread our pybind11 exception objects.
+class ArgumentTypeError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
 
 struct Tensor {
   std::string name;

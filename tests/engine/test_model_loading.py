@@ -48,7 +48,7 @@ def hf_packed_weights(model, mc):
             expected[ours + "k_norm"] = hf[attn + "k_norm.weight"]
         expected[ours + "o_proj"] = hf[attn + "o_proj.weight"]
         expected[ours + "post_attention_layernorm"] = hf[layer + "post_attention_layernorm.weight"]
-        expected[ours + "gate_up_proj"] = torch.cat([hf[layer + "mlp.gate_proj.weight"], hf[layer + "mlp.up_proj.weight"]])
+        expected[ours + "gate_up_proj"] = torch.cat([hf[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")])
         expected[ours + "down_proj"] = hf[layer + "mlp.down_proj.weight"]
     return expected
 
