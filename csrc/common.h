@@ -18,11 +18,21 @@ class CudaError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A wrong dtype or kind of argument (TypeError in Python); other bad values are
+// std::invalid_argument (ValueError).
+class ArgumentTypeError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Every error leaves the core through these out-of-line throwers, so exceptions always start in
+// the core library's code, whichever module calls it.
+[[noreturn]] void throw_invalid_argument(const std::string& message);
+[[noreturn]] void throw_type_error(const std::string& message);
+[[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
+
 inline void cuda_check(cudaError_t err, const char* expr, const char* file, int line) {
-  if (err != cudaSuccess) {
-    throw CudaError(std::string(file) + ":" + std::to_string(line) + ": " + expr + " failed: " +
-                    cudaGetErrorString(err));
-  }
+  if (err != cudaSuccess) throw_cuda_error(err, expr, file, line);
 }
 
 #define CUDA_CHECK(expr) ::nanograph::cuda_check((expr), #expr, __FILE__, __LINE__)
@@ -30,7 +40,7 @@ inline void cuda_check(cudaError_t err, const char* expr, const char* file, int 
 #define CUDA_CHECK_LAUNCH() ::nanograph::cuda_check(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
 
 inline void require(bool ok, const std::string& message) {
-  if (!ok) throw std::invalid_argument(message);
+  if (!ok) throw_invalid_argument(message);
 }
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -45,8 +55,8 @@ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
       constexpr int NAME = 128;                                                          \
       return __VA_ARGS__();                                                              \
     }                                                                                    \
-    throw std::invalid_argument("unsupported head_dim " + std::to_string(value) +        \
-                                "; supported: 64, 128");                                 \
+    ::nanograph::throw_invalid_argument("unsupported head_dim " + std::to_string(value) + \
+                                        "; supported: 64, 128");                         \
   }()
 
 }  // namespace nanograph

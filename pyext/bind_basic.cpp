@@ -14,7 +14,7 @@ namespace {
 
 int checked_int(int64_t value, const std::string& what) {
   if (value > INT_MAX) {
-    throw std::invalid_argument(what + " is " + std::to_string(value) + "; the kernels take at most " +
+    throw_invalid_argument(what + " is " + std::to_string(value) + "; the kernels take at most " +
                           std::to_string(INT_MAX) + " (split the batch)");
   }
   return static_cast<int>(value);
@@ -22,7 +22,7 @@ int checked_int(int64_t value, const std::string& what) {
 
 // Rows of a tensor viewed as [rows, size(-1)].
 int leading_rows(const Tensor& t) {
-  if (t.dim() == 0) throw std::invalid_argument(t.name + " must have at least one dimension");
+  if (t.dim() == 0) throw_invalid_argument(t.name + " must have at least one dimension");
   return checked_int(t.size(-1) == 0 ? 0 : t.numel() / t.size(-1), t.name + "'s row count");
 }
 
@@ -36,12 +36,12 @@ std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
 std::pair<Tensor, int64_t> row_strided_logits(py::object logits) {
   const auto stride = logits.attr("stride")().cast<std::vector<int64_t>>();
   if (stride.size() != 2) {
-    throw std::invalid_argument("logits must be 2-D [rows, vocab], got " + std::to_string(stride.size()) +
+    throw_invalid_argument("logits must be 2-D [rows, vocab], got " + std::to_string(stride.size()) +
                           " dimensions");
   }
   const auto shape = logits.attr("shape").cast<std::vector<int64_t>>();
   if (shape[0] > 1 && (stride[1] != 1 || stride[0] < shape[1])) {
-    throw std::invalid_argument("logits must have unit stride along vocab and rows that do not overlap, "
+    throw_invalid_argument("logits must have unit stride along vocab and rows that do not overlap, "
                           "got strides (" + std::to_string(stride[0]) + ", " +
                           std::to_string(stride[1]) + "); call .contiguous()");
   }
@@ -114,7 +114,7 @@ NANOGRAPH_BINDINGS(bind_basic) {
         Tensor to = cuda_tensor(out, "out", "bfloat16");
         const int rows = leading_rows(tg);
         if (tg.size(-1) % 2 != 0) {
-          throw std::invalid_argument("gate_up's last dimension must be 2 * inter (gate then up), got " +
+          throw_invalid_argument("gate_up's last dimension must be 2 * inter (gate then up), got " +
                                 std::to_string(tg.size(-1)));
         }
         expect_shape(to, with_last(tg.shape, tg.size(-1) / 2));

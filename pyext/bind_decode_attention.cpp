@@ -27,28 +27,28 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         Tensor t_ws = optional_cuda_tensor(workspace, "workspace", "float32");
 
         if (t_kc.dim() != 4) {
-          throw std::invalid_argument(
+          throw_invalid_argument(
               "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got " +
               std::to_string(t_kc.dim()) + " dims");
         }
         const int64_t block_size = t_kc.size(1), num_kv_heads = t_kc.size(2);
         const int64_t head_dim = t_kc.size(3);
         if (head_dim != 64 && head_dim != 128) {
-          throw std::invalid_argument("unsupported head_dim " + std::to_string(head_dim) +
+          throw_invalid_argument("unsupported head_dim " + std::to_string(head_dim) +
                                 " (k_cache.size(-1)); supported: 64, 128");
         }
         if (num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
-          throw std::invalid_argument("num_q_heads (" + std::to_string(num_q_heads) +
+          throw_invalid_argument("num_q_heads (" + std::to_string(num_q_heads) +
                                 ") must be a positive multiple of num_kv_heads (" +
                                 std::to_string(num_kv_heads) + ", k_cache.size(2))");
         }
         expect_shape(t_vc, t_kc.shape);
         if (t_q.dim() != 2) {
-          throw std::invalid_argument("q must be 2-D [num_seqs, q_stride] (q heads first in each row)");
+          throw_invalid_argument("q must be 2-D [num_seqs, q_stride] (q heads first in each row)");
         }
         const int64_t num_seqs = t_q.size(0);
         if (t_q.size(1) < num_q_heads * head_dim) {
-          throw std::invalid_argument("q rows hold " + std::to_string(t_q.size(1)) +
+          throw_invalid_argument("q rows hold " + std::to_string(t_q.size(1)) +
                                 " values; num_q_heads * head_dim = " +
                                 std::to_string(num_q_heads * head_dim) + " are needed");
         }
@@ -68,7 +68,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
           t_ws = cuda_tensor(allocated, "workspace", "float32");
         }
         if (static_cast<size_t>(t_ws.numel()) * sizeof(float) < ws_bytes) {
-          throw std::invalid_argument("workspace holds " + std::to_string(t_ws.numel() * 4) +
+          throw_invalid_argument("workspace holds " + std::to_string(t_ws.numel() * 4) +
                                 " bytes; decode_attention_workspace_bytes(...) = " +
                                 std::to_string(ws_bytes) + " are needed");
         }

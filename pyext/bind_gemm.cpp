@@ -25,7 +25,7 @@ NANOGRAPH_BINDINGS(bind_gemm) {
             if (tb.ptr) expect_shape(tb, {N});
             expect_shape(to, {M, N});
             if (M > INT_MAX || N > INT_MAX || K > INT_MAX) {
-              throw std::invalid_argument("linear: sizes must fit in int32, got M=" + std::to_string(M) +
+              throw_invalid_argument("linear: sizes must fit in int32, got M=" + std::to_string(M) +
                                     " N=" + std::to_string(N) + " K=" + std::to_string(K));
             }
             same_device({&tx, &tw, &tb, &to});

@@ -13,7 +13,7 @@ const bf16* weight(const py::dict& weights, const std::string& name,
                    const std::vector<int64_t>& shape, bool optional = false) {
   if (!weights.contains(name)) {
     if (optional) return nullptr;
-    throw std::invalid_argument("weights have no tensor named '" + name + "'");
+    throw_invalid_argument("weights have no tensor named '" + name + "'");
   }
   Tensor t = cuda_tensor(weights[name.c_str()], name.c_str(), "bfloat16");
   expect_shape(t, shape);
@@ -54,7 +54,7 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
     lw.q_norm = weight(weights, p + "q_norm", {hd}, true);
     lw.k_norm = weight(weights, p + "k_norm", {hd}, true);
     if ((lw.q_norm == nullptr) != (lw.k_norm == nullptr)) {
-      throw std::invalid_argument(p + "q_norm and " + p + "k_norm must be given together");
+      throw_invalid_argument(p + "q_norm and " + p + "k_norm must be given together");
     }
     lw.o_proj = weight(weights, p + "o_proj", {H, c.num_q_heads * hd});
     lw.post_norm = weight(weights, p + "post_attention_layernorm", {H});

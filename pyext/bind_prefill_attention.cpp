@@ -22,14 +22,14 @@ NANOGRAPH_BINDINGS(bind_prefill_attention) {
         expect_shape(tv, tk.shape);
         const int64_t block_size = tk.size(1), num_kv_heads = tk.size(2), head_dim = tk.size(3);
         if (num_kv_heads <= 0 || num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
-          throw std::invalid_argument("num_q_heads (" + std::to_string(num_q_heads) +
+          throw_invalid_argument("num_q_heads (" + std::to_string(num_q_heads) +
                                 ") must be a positive multiple of k_cache's num_kv_heads (" +
                                 std::to_string(num_kv_heads) + ")");
         }
         expect_shape(tq, {-1, -1});
         const int64_t total_q = tq.size(0);
         if (tq.size(1) < num_q_heads * head_dim) {
-          throw std::invalid_argument("q rows hold " + std::to_string(tq.size(1)) +
+          throw_invalid_argument("q rows hold " + std::to_string(tq.size(1)) +
                                 " values, fewer than num_q_heads * head_dim = " +
                                 std::to_string(num_q_heads * head_dim));
         }
@@ -39,7 +39,7 @@ NANOGRAPH_BINDINGS(bind_prefill_attention) {
         expect_shape(tctx, {num_seqs});
         expect_shape(to, {total_q, num_q_heads * head_dim});
         if (max_q_len < 0) {
-          throw std::invalid_argument("max_q_len must be >= 0 (an upper bound on the query lengths)");
+          throw_invalid_argument("max_q_len must be >= 0 (an upper bound on the query lengths)");
         }
         same_device({&tq, &tk, &tv, &tbt, &tcu, &tctx, &to});
 

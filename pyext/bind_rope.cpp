@@ -12,7 +12,7 @@ namespace {
 // The kernel moves 16 bytes per access.
 void expect_aligned(const Tensor& t) {
   if (t.ptr != nullptr && reinterpret_cast<uintptr_t>(t.ptr) % 16 != 0) {
-    throw std::invalid_argument(t.name + " must start on a 16-byte boundary (pass a fresh tensor, "
+    throw_invalid_argument(t.name + " must start on a 16-byte boundary (pass a fresh tensor, "
                           "or .clone() the view)");
   }
 }
@@ -35,22 +35,22 @@ NANOGRAPH_BINDINGS(bind_rope) {
         Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
 
         if ((t_qw.ptr == nullptr) != (t_kw.ptr == nullptr)) {
-          throw std::invalid_argument(
+          throw_invalid_argument(
               "q_norm_weight and k_norm_weight must both be given (Qwen3 QK-norm) or both be None");
         }
         if (num_q_heads <= 0 || num_kv_heads <= 0) {
-          throw std::invalid_argument("num_q_heads and num_kv_heads must be positive, got " +
+          throw_invalid_argument("num_q_heads and num_kv_heads must be positive, got " +
                                 std::to_string(num_q_heads) + " and " +
                                 std::to_string(num_kv_heads));
         }
         if (t_kc.dim() != 4) {
-          throw std::invalid_argument(
+          throw_invalid_argument(
               "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got " +
               std::to_string(t_kc.dim()) + " dims");
         }
         const int64_t head_dim = t_kc.size(-1);
         if (head_dim != 64 && head_dim != 128) {
-          throw std::invalid_argument("unsupported head_dim " + std::to_string(head_dim) +
+          throw_invalid_argument("unsupported head_dim " + std::to_string(head_dim) +
                                 " (k_cache.size(-1)); supported: 64, 128");
         }
         expect_shape(t_kc, {-1, -1, num_kv_heads, head_dim});

@@ -16,7 +16,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
-    } catch (const nanograph::py_ext::ArgumentTypeError& e) {
+    } catch (const nanograph::ArgumentTypeError& e) {
       PyErr_SetString(PyExc_TypeError, e.what());
     } catch (const std::invalid_argument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());

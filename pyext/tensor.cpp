@@ -31,24 +31,24 @@ int64_t Tensor::numel() const {
 
 Tensor cuda_tensor(py::handle obj, const char* name, const char* dtype) {
   if (obj.is_none() || !py::hasattr(obj, "data_ptr")) {
-    throw ArgumentTypeError(std::string(name) + " must be a torch.Tensor");
+    throw_type_error(std::string(name) + " must be a torch.Tensor");
   }
   Tensor t;
   t.name = name;
   py::object device = obj.attr("device");
   if (device.attr("type").cast<std::string>() != "cuda") {
-    throw std::invalid_argument(std::string(name) + " must be a CUDA tensor, got device " +
+    throw_invalid_argument(std::string(name) + " must be a CUDA tensor, got device " +
                           py::str(device).cast<std::string>());
   }
   t.device = device.attr("index").cast<int>();
   std::string full_dtype = py::str(obj.attr("dtype")).cast<std::string>();  // "torch.bfloat16"
   t.dtype = full_dtype.substr(full_dtype.find('.') + 1);
   if (t.dtype != dtype) {
-    throw ArgumentTypeError(std::string(name) + " must have dtype torch." + dtype + ", got " +
+    throw_type_error(std::string(name) + " must have dtype torch." + dtype + ", got " +
                          full_dtype);
   }
   if (!obj.attr("is_contiguous")().cast<bool>()) {
-    throw std::invalid_argument(std::string(name) + " must be contiguous (call .contiguous())");
+    throw_invalid_argument(std::string(name) + " must be contiguous (call .contiguous())");
   }
   for (py::handle s : obj.attr("shape")) t.shape.push_back(s.cast<int64_t>());
   t.ptr = reinterpret_cast<void*>(obj.attr("data_ptr")().cast<uintptr_t>());
@@ -70,7 +70,7 @@ void expect_shape(const Tensor& t, const std::vector<int64_t>& expected) {
     ok = expected[i] < 0 || expected[i] == t.shape[i];
   }
   if (!ok) {
-    throw std::invalid_argument(t.name + " must have shape " + shape_str(expected) + " (-1: any), got " +
+    throw_invalid_argument(t.name + " must have shape " + shape_str(expected) + " (-1: any), got " +
                           shape_str(t.shape));
   }
 }
@@ -80,7 +80,7 @@ int same_device(const std::vector<const Tensor*>& tensors) {
   for (const Tensor* t : tensors) {
     if (t->ptr == nullptr) continue;
     if (device >= 0 && t->device != device) {
-      throw std::invalid_argument("all tensors must be on one device; " + t->name + " is on cuda:" +
+      throw_invalid_argument("all tensors must be on one device; " + t->name + " is on cuda:" +
                             std::to_string(t->device) + ", others on cuda:" +
                             std::to_string(device));
     }

@@ -8,6 +8,8 @@
 
 #include <cuda_runtime.h>
 
+#include "../csrc/common.h"
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -17,14 +19,10 @@ namespace nanograph::py_ext {
 
 namespace py = pybind11;
 
-// Argument errors: std::invalid_argument becomes ValueError; this one becomes TypeError. The
-// bindings throw only standard or nanograph exception types, never pybind11's own: another
-// extension in the process (torch) may share pybind11's translator list with a different
-// pybind11 version, and its translator would misread our pybind11 exception objects.
-class ArgumentTypeError : public std::invalid_argument {
- public:
-  using std::invalid_argument::invalid_argument;
-};
+// Errors are raised through nanograph::throw_invalid_argument / throw_type_error (csrc/common.h)
+// and never as pybind11's own exception types: those crash next to torch's copy of pybind11.
+using ::nanograph::throw_invalid_argument;
+using ::nanograph::throw_type_error;
 
 struct Tensor {
   std::string name;

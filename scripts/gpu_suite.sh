@@ -25,7 +25,7 @@ fi
 if [[ " $* " == *" ctest "* ]]; then
   step ctest
   if ! [ -f /usr/include/gtest/gtest.h ]; then
-    mkdir -p /tmp/gt && for f in .deps/*.deb; do dpkg -x "$f" /tmp/gt; done
+    mkdir -p /tmp/gt && for f in .deps/base/*.deb; do dpkg -x "$f" /tmp/gt; done
   fi
   cmake -S . -B build/ctest -G Ninja -DNANOGRAPH_BUILD_TESTS=ON -DNANOGRAPH_BUILD_PYTHON=OFF \
     -DCMAKE_PREFIX_PATH=/tmp/gt/usr -DCMAKE_CUDA_ARCHITECTURES=90a > "$LOGS/ctest_build.log" 2>&1 &&

@@ -1,0 +1,196 @@
+// Small-M GEMV: out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]), 1 <= M <= 16, bf16 in and out,
+// fp32 accumulation, (sum + bias) rounded once to bf16.
+//
+// Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
+//
+// Why: at decode the whole weight (4-300 MB) is read once per step and nothing is reused, so the
+// kernel is bound by how many bytes are in flight across all SMs, not by arithmetic. Every weight
+// element is loaded exactly once, as 16-byte non-L1-allocating loads, kUnroll of them in flight
+// per thread; x is tiny and is read through L1/L2 for all M rows at once.
+//
+// Math: one mma.m16n8k16 (bf16 in, fp32 accumulate) takes x as A (16 rows = the M rows, zero
+// beyond M) and 8 weight rows as B, so M = 1..16 all cost the same weight traffic and issue slots,
+// with no bf16->fp32 conversions. A sum over K may visit K in any order as long as x and weight
+// use the same one, so the fragments come from plain 16-byte loads: lane (g = lane / 4,
+// c = lane % 4) of a warp step at k0 loads weight row n0 + g and x rows g, g + 8 at
+// k0 + 8c .. k0 + 8c + 7; elements {0,1,2,3} feed the first MMA and {4,5,6,7} the second
+// (fragment k = 2c, 2c+1, 2c+8, 2c+9 <-> k0 + 8c + 0..3, resp. + 4..7, in both operands).
+// The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1].
+//
+// Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges; a CTA
+// of kWarpsPerCta warps holds kWarpsPerCta / splits row groups with all of their splits, and sums
+// the splits in shared memory in a fixed order (deterministic, no atomics, no workspace). The
+// host doubles splits (up to kWarpsPerCta) while there are fewer than kTargetWarps warps and
+// every split keeps at least one step, so that small-N matrices (o_proj: 128 row groups) still
+// spread over every SM with a whole matrix in flight. Grid and splits depend only on (M, N, K),
+// so a captured graph is valid for any data.
+#include "gemv.h"
+
+#include <string>
+
+namespace nanograph {
+
+namespace {
+
+constexpr int kRowsPerGroup = 8;   // the n of one mma.m16n8k16
+constexpr int kStepK = 32;         // K per warp step: 4 lanes x 8 elements
+constexpr int kUnroll = 8;         // warp steps whose weight loads are in flight together
+constexpr int kWarpsPerCta = 8;
+// Caps registers at 128, which is what holds a whole batch of loads in flight: without a
+// minimum, ptxas trades them for occupancy and issues each load just before its MMA.
+constexpr int kMinCtasPerSm = 2;
+constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kMinCtasPerSm x kWarpsPerCta
+constexpr int kAlignmentBytes = 16;
+
+// 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
+// branch), so a batch of these is one basic block that the compiler issues back to back.
+#define GEMV_LOAD_16B(QUALIFIERS)                                           \
+  "{\n"                                                                    \
+  "  .reg .pred p;\n"                                                      \
+  "  setp.ne.b32 p, %5, 0;\n"                                              \
+  "  mov.b32 %0, 0;\n"                                                     \
+  "  mov.b32 %1, 0;\n"                                                     \
+  "  mov.b32 %2, 0;\n"                                                     \
+  "  mov.b32 %3, 0;\n"                                                     \
+  "  @p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n"      \
+  "}\n"
+
+// The weight is streamed once: kept out of L1 so that x, which every warp reads, stays there.
+__device__ __forceinline__ uint4 load_weight(const bf16* ptr, bool pred) {
+  uint4 v;
+  asm volatile(GEMV_LOAD_16B(".L1::no_allocate")
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
+  uint4 v;
+  asm volatile(GEMV_LOAD_16B("")
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+#undef GEMV_LOAD_16B
+
+// d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// kWideM: M > 8, so x rows g + 8 exist. steps_per_split: warp steps in each split's K range.
+template <bool kWideM>
+__global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
+    gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
+                const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
+                int splits, int steps_per_split) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, c = lane % 4;
+  const int split = warp % splits;
+  const int n0 = (blockIdx.x * (kWarpsPerCta / splits) + warp / splits) * kRowsPerGroup;
+
+  // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
+  float acc[2][4] = {};
+  if (n0 < N) {
+    // Rows past N load row N - 1 and are not stored; x rows past M are zero.
+    const bf16* w_row = weight + static_cast<int64_t>(min(n0 + g, N - 1)) * K + 8 * c;
+    const bf16* x_lo = x + static_cast<int64_t>(g) * K + 8 * c;
+    const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
+    const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
+    const int steps = (K + kStepK - 1) / kStepK;
+    const int begin = split * steps_per_split;
+    const int end = min(begin + steps_per_split, steps);
+
+    for (int step0 = begin; step0 < end; step0 += kUnroll) {
+      uint4 w[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = (step0 + u) * kStepK;
+        const bool in_range = step0 + u < end && k + 8 * c < K;
+        w[u] = load_weight(w_row + k, in_range);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = (step0 + u) * kStepK;
+        const bool in_range = step0 + u < end && k + 8 * c < K;
+        const uint4 lo = load_x(x_lo + k, in_range && has_lo);
+        const uint4 hi = load_x(x_hi + k, in_range && has_hi);
+        mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
+        mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+      }
+    }
+  }
+
+  float sum[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) sum[i] = acc[0][i] + acc[1][i];
+
+  if (splits > 1) {
+    __shared__ float partial[kWarpsPerCta][4][32];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][i][lane] = sum[i];
+    __syncthreads();
+    if (split != 0) return;
+    // The group's splits are warps warp .. warp + splits - 1; summed in that order.
+    for (int s = 1; s < splits; ++s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sum[i] += partial[warp + s][i][lane];
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = g + (i >= 2 ? 8 : 0);
+    const int n = n0 + 2 * c + (i & 1);
+    if (m < M && n < N) {
+      const float value = bias ? sum[i] + __bfloat162float(bias[n]) : sum[i];
+      out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
+    }
+  }
+}
+
+std::string shape_str(int M, int N, int K) {
+  return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
+}
+
+void require_aligned(const void* ptr, const char* name) {
+  require(reinterpret_cast<uintptr_t>(ptr) % kAlignmentBytes == 0,
+          std::string("gemv: ") + name + " must be " + std::to_string(kAlignmentBytes) +
+              "-byte aligned; pass a contiguous copy instead of an offset view");
+}
+
+}  // namespace
+
+bool gemv_supported(int M, int N, int K) {
+  return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
+}
+
+void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
+          cudaStream_t stream) {
+  require(gemv_supported(M, N, K),
+          "gemv: unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
+              std::to_string(kGemvMaxM) +
+              ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
+  require_aligned(x, "x");
+  require_aligned(weight, "weight");
+
+  const int row_groups = ceil_div(N, kRowsPerGroup);
+  const int steps = ceil_div(K, kStepK);
+  int splits = 1;
+  while (splits < kWarpsPerCta && row_groups * splits < kTargetWarps && 2 * splits <= steps) {
+    splits *= 2;
+  }
+  const int grid = ceil_div(row_groups, kWarpsPerCta / splits);
+  const int steps_per_split = ceil_div(steps, splits);
+  auto kernel = M > 8 ? gemv_kernel<true> : gemv_kernel<false>;
+  kernel<<<grid, kWarpsPerCta * 32, 0, stream>>>(x, weight, bias, out, M, N, K, splits,
+                                                 steps_per_split);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nanograph

@@ -1,0 +1,191 @@
+"""Small-M GEMV against a float32 torch reference: every M up to GEMV_MAX_M on decode shapes, bias,
+K/N tails, determinism, graph replay, the Gemm.linear route and the sizes it rejects."""
+import functools
+
+import pytest
+import torch
+
+from nanograph import ops
+
+pytestmark = pytest.mark.gpu
+
+MAX_M = 16  # kGemvMaxM; test_max_m_matches_core keeps the two in step
+
+# (N, K): Qwen3-0.6B qkv, o, gate_up, down, lm_head; Qwen3-8B gate_up-sized, o, gate_up, down;
+# a small model's MLP; one 8-row group.
+SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (6144, 4096),
+          (4096, 4096), (24576, 4096), (4096, 12288), (4608, 576), (576, 1536), (8, 64)]
+# Tails: N not a multiple of 8, K not a multiple of 32 (partial warp steps), the smallest K.
+EDGE_SHAPES = [(1001, 200), (3, 8), (20, 4104)]
+# Shape-major, so that the weight cache below holds one matrix at a time.
+CASES = [(N, K, M, with_bias) for N, K in SHAPES + EDGE_SHAPES for M in range(1, MAX_M + 1)
+         for with_bias in (False, True)]
+
+
+@functools.lru_cache(maxsize=1)
+def weight(N, K):
+    """One bf16 weight per shape (the lm_head one is 311 MB), shared by that shape's cases."""
+    g = torch.Generator(device="cuda").manual_seed(N * 7919 + K)
+    return (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+
+
+def make_inputs(M, N, K, with_bias, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + M)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
+    return x, b
+
+
+def reference(x, w, b):
+    ref = x.float() @ w.float().T
+    return ref + b.float() if b is not None else ref
+
+
+def poisoned_out(M, N):
+    return torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+
+def misaligned_out(M, N):
+    """A NaN-filled [M, N] view 2 bytes into its buffer: cuBLASLt's path rejects it, the GEMV not."""
+    return torch.full((M * N + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)[1:].view(M, N)
+
+
+def assert_close(out, ref):
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or overflowed elements)"
+    err = out.float() - ref
+    rel = (err.norm() / ref.norm()).item()
+    assert rel < 1e-2, f"relative error norm {rel:.3e}"
+    # Elementwise too, so that a few wrong columns (e.g. the N tail) cannot hide in the norm.
+    bound = 1e-2 * ref.abs() + 1e-2 * ref.pow(2).mean().sqrt()
+    bad = (err.abs() > bound).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements off, first at (m, n) = {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("N,K,M,with_bias", CASES)
+def test_gemv_matches_torch(N, K, M, with_bias):
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, with_bias)
+    out = poisoned_out(M, N)
+    ops.gemv(x, w, b, out)
+    assert_close(out, reference(x, w, b))
+
+
+def test_max_m_matches_core():
+    assert ops.GEMV_MAX_M == MAX_M
+
+
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("N,K", [(1024, 2048), (4096, 1024), (1001, 200)])
+def test_deterministic(N, K, M):
+    """Split-K partials are summed in a fixed order: two runs are bit-equal."""
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, True)
+    first, second = poisoned_out(M, N), poisoned_out(M, N)
+    ops.gemv(x, w, b, first)
+    ops.gemv(x, w, b, second)
+    assert torch.equal(first, second)
+
+
+def test_offset_views():
+    """x and weight need 16-byte alignment, not 256; bias and out only their 2-byte elements."""
+    M, N, K = 5, 1024, 2048
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, True)
+    xs = torch.empty(M * K + 8, device="cuda", dtype=torch.bfloat16)[8:].view(M, K).copy_(x)
+    ws = torch.empty(N * K + 8, device="cuda", dtype=torch.bfloat16)[8:].view(N, K).copy_(w)
+    bs = torch.empty(N + 1, device="cuda", dtype=torch.bfloat16)[1:].copy_(b)
+    outs = misaligned_out(M, N)
+    ops.gemv(xs, ws, bs, outs)
+    assert_close(outs, reference(x, w, b))
+
+
+@pytest.mark.parametrize("M", [1, MAX_M])
+def test_gemm_linear_uses_gemv_for_small_m(M):
+    N, K = 4096, 1024
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, True)
+    via_linear, via_gemv = misaligned_out(M, N), poisoned_out(M, N)
+    ops.Gemm().linear(x, w, b, via_linear)
+    ops.gemv(x, w, b, via_gemv)
+    assert torch.equal(via_linear, via_gemv)
+
+
+def test_gemm_linear_uses_cublas_above_max_m():
+    M, N, K = MAX_M + 1, 4096, 1024
+    x, b = make_inputs(M, N, K, True)
+    with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+        ops.Gemm().linear(x, weight(N, K), b, misaligned_out(M, N))
+
+
+@pytest.mark.parametrize("M", [1, 12])
+def test_graph_replay_with_new_inputs(M):
+    N, K = 1024, 3072
+    w = weight(N, K).clone()
+    x, b = make_inputs(M, N, K, True)
+    out = poisoned_out(M, N)
+    ops.gemv(x, w, b, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gemv(x, w, b, out)
+
+    for seed in (11, 12):
+        x_new, b_new = make_inputs(M, N, K, True, seed=seed)
+        w_new = torch.randn(N, K, device="cuda").mul(K**-0.5).to(torch.bfloat16)
+        x.copy_(x_new)
+        w.copy_(w_new)
+        b.copy_(b_new)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, reference(x_new, w_new, b_new))
+
+
+@pytest.mark.parametrize("M", [0, MAX_M + 1, 64])
+def test_unsupported_row_counts_are_rejected(M):
+    N, K = 1024, 1024
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"M={M}.*1 <= M <= {MAX_M}"):
+        ops.gemv(x, w, None, poisoned_out(M, N))
+
+
+@pytest.mark.parametrize("K", [4, 12, 1030])
+def test_k_not_multiple_of_8_is_rejected(K):
+    x = torch.randn(2, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(64, K, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"K={K}.*multiple of 8"):
+        ops.gemv(x, w, None, poisoned_out(2, 64))
+
+
+@pytest.mark.parametrize("misaligned", ["x", "weight"])
+def test_misaligned_input_is_rejected(misaligned):
+    M, N, K = 4, 1024, 1024
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
+    shifted = torch.empty(M * K + 1 if misaligned == "x" else N * K + 1, device="cuda",
+                          dtype=torch.bfloat16)[1:]
+    if misaligned == "x":
+        x = shifted.view(M, K).copy_(x)
+    else:
+        w = shifted.view(N, K).copy_(w)
+    with pytest.raises(ValueError, match=f"{misaligned} must be 16-byte aligned"):
+        ops.gemv(x, w, None, poisoned_out(M, N))
+
+
+def test_bad_arguments_are_rejected():
+    M, N, K = 4, 1024, 2048
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, True)
+    with pytest.raises(ValueError, match="weight"):
+        ops.gemv(x, w[:, :1024].contiguous(), b, poisoned_out(M, N))
+    with pytest.raises(ValueError, match="bias"):
+        ops.gemv(x, w, b[:512].contiguous(), poisoned_out(M, N))
+    with pytest.raises(ValueError, match="out"):
+        ops.gemv(x, w, b, poisoned_out(M, 1000))
+    with pytest.raises(ValueError, match="contiguous"):
+        ops.gemv(x, w.T.contiguous().T, b, poisoned_out(M, N))
+    with pytest.raises(TypeError, match="x"):
+        ops.gemv(x.float(), w, b, poisoned_out(M, N))
+    with pytest.raises(TypeError, match="weight"):
+        ops.gemv(x, w.half(), b, poisoned_out(M, N))
