@@ -1,6 +1,8 @@
-// Linear layers through cuBLASLt: y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out,
-// fp32 accumulation. The heuristic is chosen once per shape and cached; the workspace is fixed
-// at construction so that calls can be captured into a CUDA graph.
+// Linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out, fp32 accumulation.
+// Small M (decode batches up to kGemvMaxM rows) goes to the GEMV kernel in gemv.cu, which keeps
+// the weights streaming near bandwidth where cuBLAS does not; the rest goes through cuBLASLt,
+// whose heuristic is chosen once per shape and cached. The workspace is fixed at construction so
+// that calls can be captured into a CUDA graph.
 #pragma once
 #include "common.h"
 

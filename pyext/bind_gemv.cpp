@@ -21,8 +21,8 @@ NANOGRAPH_BINDINGS(bind_gemv) {
         if (tb.ptr) expect_shape(tb, {N});
         expect_shape(to, {M, N});
         if (M > INT_MAX || N > INT_MAX || K > INT_MAX) {
-          throw std::invalid_argument("gemv: sizes must fit in int32, got M=" + std::to_string(M) +
-                                      " N=" + std::to_string(N) + " K=" + std::to_string(K));
+          throw_invalid_argument("gemv: sizes must fit in int32, got M=" + std::to_string(M) +
+                                 " N=" + std::to_string(N) + " K=" + std::to_string(K));
         }
         same_device({&tx, &tw, &tb, &to});
         // gemv() rejects unsupported sizes and misaligned pointers with the limit it needs.

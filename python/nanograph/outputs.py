@@ -1,7 +1,21 @@
-"""Request results, with vLLM's field names."""
+"""Request results, with vLLM's field names, and the deltas that streaming yields."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    logprob: float  # log-softmax of the model's raw logits, before penalties and temperature
+    rank: int  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.time() seconds
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass
@@ -9,9 +23,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop token), "length", or None while unfinished
-    cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    cumulative_logprob: float | None  # None unless logprobs were requested
+    logprobs: list[dict[int, Logprob]] | None  # per generated token: the sampled token and the top ones
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or a stop string), "length", or None
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
 
 
 @dataclass
@@ -19,6 +34,19 @@ class RequestOutput:
     request_id: str
     prompt: str | None  # None when the request was given as token ids
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per completion (SamplingParams.n), by index
     finished: bool
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, summed over completions
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class CompletionDelta:
+    """What one step added to one completion: the stream's unit. Its texts concatenate to the final text."""
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

@@ -72,9 +72,9 @@ def test_plan_cache_reuse_across_shapes_and_bias():
 
 def test_cached_bias_plan_uses_each_calls_bias():
     gemm = ops.Gemm()
-    x, w, b1 = make_inputs(16, 1024, 2048, True, seed=1)
+    x, w, b1 = make_inputs(32, 1024, 2048, True, seed=1)
     b2 = torch.randn_like(b1, dtype=torch.float32).to(torch.bfloat16)
-    out = poisoned_out(16, 1024)
+    out = poisoned_out(32, 1024)
     gemm.linear(x, w, b1, out)
     assert_close(out, reference(x, w, b1))
     out.fill_(float("nan"))
@@ -97,7 +97,7 @@ def test_offset_views_with_16_byte_alignment():
 
 def test_misaligned_input_is_rejected():
     gemm = ops.Gemm()
-    M, N, K = 4, 1024, 1024
+    M, N, K = 32, 1024, 1024
     x = torch.randn(M * K + 1, device="cuda").to(torch.bfloat16)[1:].view(M, K)
     w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="aligned"):
@@ -148,7 +148,7 @@ def test_graph_replay_with_new_inputs(with_bias):
 
 def test_plan_built_during_capture():
     """A shape first seen inside a capture still works: plan creation does no device allocation."""
-    M, N, K = 16, 4608, 576
+    M, N, K = 32, 4608, 576
     x, w, b = make_inputs(M, N, K, True)
     out = poisoned_out(M, N)
     ops.Gemm().linear(x, w, b, out)  # load cuBLASLt's kernels for this shape on another object
