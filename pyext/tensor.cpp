@@ -1,7 +1,6 @@
 // Binding helpers: tensor inspection, validation and the torch stream.
 #include "tensor.h"
 
-#include <sstream>
 #include <stdexcept>
 
 namespace nanograph::py_ext {
@@ -9,11 +8,9 @@ namespace nanograph::py_ext {
 namespace {
 
 std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
 }
 
 std::vector<Binder>& binders() {

@@ -1,13 +1,20 @@
-"""`nanograph bench latency`: batch-1 decode speed against the weight+KV roofline and HF transformers.
+"""`nanograph bench latency` and `nanograph bench throughput`: decode speed against the weight+KV roofline and
+HF transformers.
 
-Workload: a 128-token prompt, 256 output tokens, greedy, EOS ignored. Decode time per token is
+latency: a 128-token prompt, 256 output tokens, greedy, EOS ignored. Decode time per token is
 (time for 256 tokens - time for 1 token) / 255, so the prefill stays out of it. HF transformers runs
 the same workload in the same process, with a static cache and torch.compile(mode="reduce-overhead").
+
+throughput: nano-vllm's bench.py workload (256 requests of random token ids, 100-1024 prompt and
+100-1024 output tokens, temperature 0.6, EOS ignored), timed as one generate call after a warm-up.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from random import randint, seed
 
 import torch
 
@@ -47,19 +54,40 @@ def decode_seconds_per_token(generate, output_len: int, repeats: int = 3) -> flo
     return (full - first) / (output_len - 1)
 
 
+def graph_step_seconds(runner, steps: int = 200) -> float | None:
+    """GPU time of one batch-1 decode step: the last step's graph replayed back to back."""
+    if not getattr(runner, "use_graphs", False):
+        return None
+    model = runner.model
+    model.step(1, 1, 1, True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        model.step(1, 1, 1, True)
+    model.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
 def step_bytes(llm: LLM, context_len: float) -> float:
     """Bytes one decode step must read: every weight once (the embedding table only through the
     lm_head when tied, one row otherwise) plus K and V of every cached token in every layer."""
+    return weight_bytes(llm) + kv_bytes_per_token(llm) * context_len
+
+
+def weight_bytes(llm: LLM) -> int:
     runner = llm.engine.runner
-    mc = runner.model_config
-    seen, weight_bytes = set(), 0
+    seen, total = set(), 0
     for name, t in runner.weights.items():
-        if t.data_ptr() in seen or (name == "embed_tokens" and not mc.tie_word_embeddings):
+        if t.data_ptr() in seen or (name == "embed_tokens" and not runner.model_config.tie_word_embeddings):
             continue
         seen.add(t.data_ptr())
-        weight_bytes += t.numel() * t.element_size()
-    kv_bytes = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2 * context_len
-    return weight_bytes + kv_bytes
+        total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_token(llm: LLM) -> int:
+    mc = llm.engine.runner.model_config
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # K and V, bfloat16
 
 
 def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: int) -> float:
@@ -92,6 +120,7 @@ def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, com
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
 
     seconds = decode_seconds_per_token(generate, output_len)
+    gpu_seconds = graph_step_seconds(llm.engine.runner)
     bandwidth = copy_bandwidth_gbs(llm.engine.runner.device)
     gbs = step_bytes(llm, prompt_len + output_len / 2) / seconds / 1e9
     result = {"ms_per_token": seconds * 1e3, "tok_s": 1 / seconds, "achieved_gbs": gbs,
@@ -99,6 +128,10 @@ def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, com
     print(f"nanograph  batch 1, prompt {prompt_len}, {output_len} tokens: {seconds * 1e3:.3f} ms/token, "
           f"{1 / seconds:.0f} tok/s, {gbs:.0f} GB/s = {100 * gbs / bandwidth:.0f}% of the {bandwidth:.0f} GB/s "
           "copy bandwidth measured now", flush=True)
+    if gpu_seconds is not None:
+        result["gpu_ms_per_step"] = gpu_seconds * 1e3
+        print(f"  of which GPU: {gpu_seconds * 1e3:.3f} ms per step (the batch-1 decode graph replayed alone); "
+              f"the rest, {(seconds - gpu_seconds) * 1e3:.3f} ms, is host work between steps", flush=True)
     if compare_hf:
         path = llm.engine.runner.model_config.path
         del llm
@@ -107,4 +140,138 @@ def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, com
         result.update(hf_ms_per_token=hf * 1e3, hf_tok_s=1 / hf, speedup=hf / seconds)
         print(f"HF transformers (static cache + torch.compile reduce-overhead): {hf * 1e3:.3f} ms/token, "
               f"{1 / hf:.0f} tok/s; nanograph is {hf / seconds:.2f}x", flush=True)
+    return result
+
+
+def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+                       vocab_size: int = 10001) -> tuple[list[list[int]], list[SamplingParams]]:
+    """nano-vllm's bench.py requests: the same random draws in the same order from seed(0). Token ids past a toy
+    model's vocabulary wrap around, and maxima below 100 lower the minimum lengths, without changing the draws."""
+    seed(0)
+    prompts = [[randint(0, 10000) % vocab_size for _ in range(randint(min(100, max_input_len), max_input_len))]
+               for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(min(100, max_output_len), max_output_len))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+@dataclass
+class StepStats:
+    """What the engine's steps did during one generate call."""
+    steps: int = 0
+    context_tokens: int = 0  # summed over steps: the tokens each scheduled sequence attends, whose K and V it reads
+    forward_seconds: float = 0.0  # in the runner, up to the end of the device work
+    preemptions: int = 0
+
+
+@contextmanager
+def recorded_steps(llm: LLM):
+    """Counts steps, context tokens and preemptions, and times the model forward (synchronised, so the time is the
+    device's and the rest of the step is host work: scheduling, batch building, sampling, postprocessing)."""
+    runner, scheduler, stats = llm.engine.runner, llm.engine.scheduler, StepStats()
+    run = runner.run
+
+    def recorded_run(batch):
+        start = time.perf_counter()
+        logits = run(batch)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        stats.forward_seconds += time.perf_counter() - start
+        stats.steps += 1
+        stats.context_tokens += int(batch.context_lens.sum())
+        return logits
+
+    preemptions = scheduler.num_preemptions
+    runner.run = recorded_run
+    try:
+        yield stats
+    finally:
+        del runner.run
+        stats.preemptions = scheduler.num_preemptions - preemptions
+
+
+def _timed_generate(llm: LLM, prompts, params) -> tuple[float, StepStats]:
+    with recorded_steps(llm) as stats:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    return seconds, stats
+
+
+def hf_batched_generate_seconds(model_path: str, prompts: list[list[int]], params: list[SamplingParams],
+                                device: torch.device) -> float:
+    """HF transformers generate on one left-padded batch (dynamic cache, eager), every row running to the longest
+    max_tokens, with the same temperature and no top-k/top-p truncation."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    max_new = max(p.max_tokens for p in params)
+
+    def generate(new_tokens):
+        with torch.no_grad():
+            model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=True, temperature=params[0].temperature, top_k=0,
+                           top_p=1.0, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    generate(2)  # warm-up
+    start = time.perf_counter()
+    generate(max_new)
+    seconds = time.perf_counter() - start
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
+def throughput(model: str | None, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
+               compare_hf: bool = False, hf_subset: int = 16, **llm_kwargs) -> dict:
+    """Output tokens per second of one generate call over nano-vllm's workload; llm_kwargs are Config fields
+    (device "cuda" unless given)."""
+    llm_kwargs.setdefault("device", "cuda")
+    llm = LLM(model, max_model_len=max_input_len + max_output_len, **llm_kwargs)
+    prompts, params = nano_vllm_workload(num_seqs, max_input_len, max_output_len, llm.engine.vocab_size)
+    llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)  # warm-up, as nano-vllm's bench does
+    seconds, stats = _timed_generate(llm, prompts, params)
+    output_tokens = sum(p.max_tokens for p in params)
+    prompt_tokens = sum(map(len, prompts))
+    runner = llm.engine.runner
+    result = {"seconds": seconds, "output_tok_s": output_tokens / seconds,
+              "total_tok_s": (prompt_tokens + output_tokens) / seconds, "steps": stats.steps,
+              "preemptions": stats.preemptions, "kv_blocks": runner.num_kv_blocks, "block_size": runner.block_size,
+              "host_share": 1 - stats.forward_seconds / seconds}
+    print(f"nanograph  {num_seqs} requests, {prompt_tokens} prompt + {output_tokens} output tokens in "
+          f"{seconds:.2f} s: {result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s",
+          flush=True)
+    print(f"  {stats.steps} steps, {stats.preemptions} preemptions, KV cache {runner.num_kv_blocks} blocks of "
+          f"{runner.block_size} tokens; host work (scheduling, batch building, sampling, postprocessing) "
+          f"{100 * result['host_share']:.1f}% of the step time", flush=True)
+    if runner.device.type == "cuda":
+        moved = stats.steps * weight_bytes(llm) + stats.context_tokens * kv_bytes_per_token(llm)
+        bandwidth = copy_bandwidth_gbs(runner.device)
+        gbs = moved / seconds / 1e9
+        result.update(achieved_gbs=gbs, copy_gbs=bandwidth, pct_bandwidth=100 * gbs / bandwidth)
+        print(f"  weights once per step + KV of every context token: {gbs:.0f} GB/s = {100 * gbs / bandwidth:.0f}% "
+              f"of the {bandwidth:.0f} GB/s copy bandwidth measured now", flush=True)
+    if compare_hf:
+        prompts, params = prompts[:hf_subset], params[:hf_subset]
+        subset_tokens = sum(p.max_tokens for p in params)
+        ours, _ = _timed_generate(llm, prompts, params)
+        path, device = runner.model_config.path, runner.device
+        del llm, runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf = hf_batched_generate_seconds(path, prompts, params, device)
+        hf_generated = len(prompts) * max(p.max_tokens for p in params)
+        result.update(subset_tok_s=subset_tokens / ours, hf_subset_tok_s=subset_tokens / hf, speedup=hf / ours)
+        print(f"first {len(prompts)} requests ({subset_tokens} output tokens): nanograph {subset_tokens / ours:.0f} "
+              f"tok/s; HF transformers batched generate (left-padded, every row to the longest, {hf_generated} "
+              f"tokens generated) {subset_tokens / hf:.0f} tok/s of requested tokens; nanograph is {hf / ours:.2f}x",
+              flush=True)
     return result
