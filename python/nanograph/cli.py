@@ -1,5 +1,6 @@
-"""The `nanograph` command: `nanograph generate "prompt"`, `nanograph chat "message"`, and
-`nanograph bench latency` (batch-1 decode speed against the roofline and HF transformers)."""
+"""The `nanograph` command: `nanograph generate "prompt"`, `nanograph chat "message"`,
+`nanograph bench latency` (batch-1 decode speed against the roofline and HF transformers) and
+`nanograph bench throughput` (nano-vllm's 256-request benchmark)."""
 from __future__ import annotations
 
 import argparse
@@ -20,17 +21,26 @@ def main(argv: list[str] | None = None):
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         command.add_argument("--device", default="auto", help="auto, cuda, cpu, or torch:<torch device>")
     bench = commands.add_parser("bench", help="measure speed on a GPU")
-    bench.add_argument("workload", choices=["latency"])
+    bench.add_argument("workload", choices=["latency", "throughput"])
     bench.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
-    bench.add_argument("--prompt-len", type=int, default=128)
-    bench.add_argument("--output-len", type=int, default=256)
-    bench.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
     bench.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")
+    bench.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
+    bench.add_argument("--output-len", type=int, default=256, help="latency: output tokens")
+    bench.add_argument("--no-hf", action="store_true", help="latency: skip the HF transformers comparison")
+    bench.add_argument("--num-seqs", type=int, default=256, help="throughput: requests")
+    bench.add_argument("--max-input-len", type=int, default=1024, help="throughput: longest prompt")
+    bench.add_argument("--max-output-len", type=int, default=1024, help="throughput: longest output")
+    bench.add_argument("--compare", choices=["hf"], help="throughput: also run HF transformers batched generate "
+                       "on the first 16 requests and print the ratio")
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from .bench import latency
-        latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
-                enforce_eager=args.enforce_eager)
+        from . import bench as benchmarks
+        if args.workload == "latency":
+            benchmarks.latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
+                               enforce_eager=args.enforce_eager)
+        else:
+            benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
+                                  compare_hf=args.compare == "hf", enforce_eager=args.enforce_eager)
         return
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

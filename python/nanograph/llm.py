@@ -1,9 +1,11 @@
-"""LLM: the offline-inference entry point (vLLM's interface): generate() and chat()."""
+"""LLM: the offline-inference entry point (vLLM's interface): generate(), chat() and stream()."""
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 from .config import Config
 from .engine.llm_engine import LLMEngine, Prompt
-from .outputs import RequestOutput
+from .outputs import CompletionDelta, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -17,16 +19,13 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or token-id lists. Outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
-                             "pass one SamplingParams, or one per prompt")
-        return self.engine.generate(list(prompts), list(sampling_params), use_tqdm)
+        return self.engine.generate(*_requests(prompts, sampling_params), use_tqdm)
+
+    def stream(self, prompts: Prompt | list[Prompt],
+               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[CompletionDelta]:
+        """Like generate(), but yields each step's new text and token ids of every completion as they come; the
+        texts of one completion's deltas concatenate to its final text."""
+        return self.engine.stream(*_requests(prompts, sampling_params))
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -37,3 +36,18 @@ class LLM:
                                                       return_dict=False)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+              ) -> tuple[list[Prompt], list[SamplingParams]]:
+    """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * len(prompts)
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
+                         "pass one SamplingParams, or one per prompt")
+    return list(prompts), list(sampling_params)

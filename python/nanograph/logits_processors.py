@@ -44,5 +44,6 @@ def top_p_thresholds(logits: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.T
     sorted_logits.masked_fill_((ranks >= top_ks[:, None]) | (sorted_logits < floors[:, None]), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # A token stays while the probability of the tokens before it is below top_p: the most likely always stays.
-    num_kept = ((probs.cumsum(dim=-1) - probs) < top_ps[:, None]).sum(dim=-1, keepdim=True)
+    kept = ((probs.cumsum(dim=-1) - probs) < top_ps[:, None]) & (sorted_logits > float("-inf"))
+    num_kept = kept.sum(dim=-1, keepdim=True)
     return sorted_logits.gather(1, num_kept - 1).squeeze(1)

@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None  # None unless logprobs were requested
     logprobs: list[dict[int, Logprob]] | None  # per generated token: the sampled token and the top ones
-    finish_reason: str | None = None  # "stop" (EOS, a stop token or a stop string), "length", or None
+    finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"; None: running
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
 
 

@@ -27,8 +27,9 @@ def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
 class FakeRunner:
     device = torch.device("cpu")
 
-    def __init__(self, num_kv_blocks: int, block_size: int):
+    def __init__(self, num_kv_blocks: int, block_size: int, peak: float = 10.0):
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
+        self.peak = peak  # the next token's logit, the others' being -peak: 10 is as good as greedy, 1 is random
         self.kv_tokens = np.full(num_kv_blocks * block_size, -1)
         self.kv_positions = np.full(num_kv_blocks * block_size, -1)
         self.batches = []
@@ -37,25 +38,27 @@ class FakeRunner:
         self.batches.append(batch)
         self.kv_tokens[batch.slot_mapping] = batch.input_ids
         self.kv_positions[batch.slot_mapping] = batch.positions
-        logits = torch.full((batch.num_seqs, VOCAB_SIZE), -10.0)
+        logits = torch.full((batch.num_seqs, VOCAB_SIZE), -self.peak)
         for i, context_len in enumerate(batch.context_lens):
             positions = np.arange(context_len)
             slots = batch.block_tables[i, positions // self.block_size] * self.block_size + positions % self.block_size
             assert (self.kv_positions[slots] == positions).all(), "the KV cache lost or misplaced a token"
-            logits[i, next_token(self.kv_tokens[slots])] = 10.0
+            logits[i, next_token(self.kv_tokens[slots])] = self.peak
         return logits
 
 
 class FakeTokenizer:
+    """Token t reads " t", so that, as with a real tokenizer, the text of a sequence is the text of its tokens."""
+
     def encode(self, text: str) -> list[int]:
         return [ord(c) % (VOCAB_SIZE - 1) + 1 for c in text]
 
     def decode(self, token_ids, skip_special_tokens=False) -> str:
-        return " ".join(str(t) for t in token_ids if not (skip_special_tokens and t == EOS))
+        return "".join(f" {t}" for t in token_ids if not (skip_special_tokens and t == EOS))
 
 
 def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS,), max_model_len: int = 64,
-                **config) -> LLMEngine:
+                peak: float = 10.0, **config) -> LLMEngine:
     model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids))
-    runner = FakeRunner(num_kv_blocks, block_size)
+    runner = FakeRunner(num_kv_blocks, block_size, peak)
     return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner, FakeTokenizer())

@@ -116,3 +116,26 @@ def test_disabled_prefix_caching_never_hits():
     seq = make_seq(list(range(12)))
     manager.allocate_prefix(seq)
     assert seq.num_computed_tokens == 0
+
+
+def test_block_table_rows_mirror_every_sequence_and_grow_on_demand():
+    manager = BlockManager(400, BLOCK_SIZE)
+    seqs = [make_seq(list(range(i + 1)), str(i)) for i in range(70)]  # more sequences than the first 64 rows
+    seqs.append(make_seq(list(range(1000, 1300)), "long"))  # 75 blocks: more than the first 64 columns
+    for seq in seqs:
+        prefill(manager, seq)
+
+    def assert_rows_mirror(seqs):
+        tables = manager.block_tables[manager.rows(seqs)]
+        for seq, row in zip(seqs, tables):
+            assert row[:len(seq.block_table)].tolist() == seq.block_table and not row[len(seq.block_table):].any()
+
+    assert seqs[4].block_table[0] == seqs[3].block_table[0]  # rows are written for prefix-cache hits too
+    assert_rows_mirror(seqs)
+    long = seqs.pop()
+    long_row = manager.row_of[id(long)]
+    manager.deallocate(long)
+    reuser = make_seq([7, 8, 9], "reuser")
+    prefill(manager, reuser)
+    assert manager.row_of[id(reuser)] == long_row  # so the long table's tail must be gone from it
+    assert_rows_mirror(seqs + [reuser])

@@ -58,7 +58,7 @@ def test_outputs_come_in_input_order_with_vllm_fields():
         assert out.finished and out.prompt_token_ids == token_ids
         assert out.prompt == (prompt if isinstance(prompt, str) else None)
         assert completion.token_ids == reference_completion(token_ids, 6)
-        assert completion.text == " ".join(map(str, completion.token_ids))
+        assert completion.text == "".join(f" {t}" for t in completion.token_ids)
         assert completion.finish_reason == "length" and completion.index == 0
 
 

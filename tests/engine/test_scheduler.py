@@ -48,15 +48,30 @@ def test_finished_sequences_make_room_for_waiting_ones():
     assert scheduler.block_manager.num_free_blocks == 64
 
 
-def test_token_budget_chunks_the_last_admitted_prompt():
+def test_a_step_mixes_decodes_with_prompt_chunks_under_the_token_budget():
     scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=25)
     seqs = add_requests(scheduler, 4, prompt_len=10)
     batch = step(scheduler)
     assert batch.seqs == seqs[:3] and batch.num_new_tokens == [10, 10, 5] and batch.samples == [True, True, False]
-    batch = step(scheduler)  # the cut prompt continues first, then admission resumes
-    assert batch.is_prefill and batch.seqs == seqs[2:] and batch.num_new_tokens == [5, 10]
+    batch = step(scheduler)  # decodes first, then the cut prompt continues, then admission resumes
+    assert batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [1, 1, 5, 10]
+    assert batch.samples == [True] * 4
     batch = step(scheduler)
-    assert not batch.is_prefill and batch.seqs == seqs
+    assert not batch.is_prefill and batch.seqs == seqs and batch.num_new_tokens == [1, 1, 1, 1]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_a_decoding_sequence():
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=16)
+    short, long = add_requests(scheduler, 1, prompt_len=5)[0], add_requests(scheduler, 1, prompt_len=40)[0]
+    for num_new, long_start in [([5, 11], 0), ([1, 15], 11), ([1, 14], 26), ([1, 1], 40)]:
+        batch = scheduler.schedule()
+        assert batch.seqs == [short, long] and batch.num_new_tokens == num_new
+        forward = build_forward_batch(batch, scheduler.block_manager)
+        long_positions = list(range(long_start, long_start + num_new[1]))
+        assert forward.positions.tolist()[num_new[0]:] == long_positions
+        assert forward.input_ids.tolist()[num_new[0]:] == long.token_ids[long_start:long_start + num_new[1]]
+        scheduler.postprocess(batch, [7] * sum(batch.samples))
+    assert short.num_completion_tokens == 4 and long.num_completion_tokens == 2
 
 
 def test_prompt_longer_than_the_budget_is_prefilled_in_pieces():
@@ -65,7 +80,7 @@ def test_prompt_longer_than_the_budget_is_prefilled_in_pieces():
     for start, num_new in [(0, 16), (16, 16), (32, 8)]:
         assert seq.num_completion_tokens == 0
         batch = scheduler.schedule()
-        forward = build_forward_batch(batch.seqs, batch.num_new_tokens, BLOCK_SIZE)
+        forward = build_forward_batch(batch, scheduler.block_manager)
         assert forward.positions.tolist() == list(range(start, start + num_new))
         assert forward.input_ids.tolist() == seq.token_ids[start:start + num_new]
         assert forward.context_lens.tolist() == [start + num_new]

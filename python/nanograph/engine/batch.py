@@ -1,4 +1,4 @@
-"""ForwardBatch: one step's metadata as every runner consumes it, built from the scheduled sequences with numpy."""
+"""ForwardBatch: one step's metadata as every runner consumes it, built from the scheduled batch with numpy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +6,8 @@ from itertools import chain
 
 import numpy as np
 
-from .sequence import Sequence
+from .block_manager import BlockManager
+from .scheduler import ScheduledBatch
 
 
 @dataclass
@@ -28,26 +29,31 @@ class ForwardBatch:
         return len(self.input_ids)
 
 
-def build_forward_batch(seqs: list[Sequence], num_new_tokens: list[int], block_size: int) -> ForwardBatch:
-    """The new tokens of each sequence start at its num_computed_tokens (a cached or already prefilled prefix)."""
+def build_forward_batch(batch: ScheduledBatch, block_manager: BlockManager) -> ForwardBatch:
+    """The new tokens of each sequence start at its num_computed_tokens (a cached or already prefilled prefix).
+    A step may mix decodes (one new token) with prompt chunks; no loop here runs per token."""
+    seqs, block_size = batch.seqs, block_manager.block_size
     num_seqs = len(seqs)
-    num_new = np.asarray(num_new_tokens, dtype=np.int32)
+    num_new = np.asarray(batch.num_new_tokens, dtype=np.int32)
     starts = np.fromiter((seq.num_computed_tokens for seq in seqs), np.int32, num_seqs)
+    context_lens = starts + num_new
     cu_seqlens_q = np.zeros(num_seqs + 1, dtype=np.int32)
     np.cumsum(num_new, out=cu_seqlens_q[1:])
     num_tokens = int(cu_seqlens_q[-1])
 
     seq_of_token = np.repeat(np.arange(num_seqs), num_new)
     positions = (np.arange(num_tokens, dtype=np.int32) + (starts - cu_seqlens_q[:-1])[seq_of_token]).astype(np.int32)
-    input_ids = np.fromiter(
-        chain.from_iterable(seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts, num_new)),
-        np.int32, num_tokens)
+    if num_tokens == num_seqs:
+        input_ids = np.fromiter((seq.token_ids[start] for seq, start in zip(seqs, starts.tolist())), np.int32, num_seqs)
+    else:
+        input_ids = np.fromiter(chain.from_iterable(
+            seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), batch.num_new_tokens)),
+            np.int32, num_tokens)
 
-    block_tables = np.zeros((num_seqs, max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
-    for row, seq in zip(block_tables, seqs):
-        row[:len(seq.block_table)] = seq.block_table
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    block_tables = block_manager.block_tables[block_manager.rows(seqs), :max_blocks]
     slot_mapping = (block_tables[seq_of_token, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
     return ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                        cu_seqlens_q=cu_seqlens_q, context_lens=starts + num_new, block_tables=block_tables,
-                        is_decode=bool((num_new == 1).all()))
+                        cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, block_tables=block_tables,
+                        is_decode=num_tokens == num_seqs)

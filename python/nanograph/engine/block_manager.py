@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from .sequence import Sequence
 
 
@@ -29,6 +31,15 @@ class BlockManager:
         # Least recently freed first. A freed block keeps its cached contents until it is handed out again.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        # Every sequence holding blocks owns a row that mirrors its block_table, written as blocks are added, so a
+        # step gathers its block tables with one numpy index instead of rebuilding them from lists.
+        self.block_tables = np.zeros((64, 64), dtype=np.int32)  # rows and columns double on demand
+        self.free_rows = list(range(64))
+        self.row_of: dict[int, int] = {}  # id(seq) -> its row
+
+    def rows(self, seqs: list[Sequence]) -> np.ndarray:
+        """The block_tables rows of seqs, which all hold blocks."""
+        return np.fromiter((self.row_of[id(seq)] for seq in seqs), np.intp, len(seqs))
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,7 +58,7 @@ class BlockManager:
                 if block_id is None or self.blocks[block_id].token_ids != token_ids:
                     break
                 self._ref(block_id)
-                seq.block_table.append(block_id)
+                self._append_block(seq, block_id)
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -59,7 +70,7 @@ class BlockManager:
             block_id, _ = self.free_block_ids.popitem(last=False)
             self._forget(self.blocks[block_id])
             self.blocks[block_id].ref_count = 1
-            seq.block_table.append(block_id)
+            self._append_block(seq, block_id)
         return True
 
     def cache_full_blocks(self, seq: Sequence, num_new_tokens: int):
@@ -81,8 +92,30 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+        row = self.row_of.pop(id(seq), None)
+        if row is not None:
+            self.block_tables[row, :len(seq.block_table)] = 0
+            self.free_rows.append(row)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def _append_block(self, seq: Sequence, block_id: int):
+        row = self.row_of.get(id(seq))
+        if row is None:
+            if not self.free_rows:
+                self._grow(rows=2 * len(self.block_tables))
+            row = self.row_of[id(seq)] = self.free_rows.pop()
+        column = len(seq.block_table)
+        if column == self.block_tables.shape[1]:
+            self._grow(columns=2 * column)
+        self.block_tables[row, column] = block_id
+        seq.block_table.append(block_id)
+
+    def _grow(self, rows: int | None = None, columns: int | None = None):
+        old = self.block_tables
+        self.block_tables = np.zeros((rows or old.shape[0], columns or old.shape[1]), dtype=np.int32)
+        self.block_tables[:old.shape[0], :old.shape[1]] = old
+        self.free_rows.extend(range(old.shape[0], self.block_tables.shape[0]))
 
     def _ref(self, block_id: int):
         if self.blocks[block_id].ref_count == 0:

@@ -1,7 +1,9 @@
-"""LLMEngine: request intake and validation, the step loop (schedule → run → sample → postprocess), results."""
+"""LLMEngine: request intake and validation, the step loop (schedule → run → sample → postprocess), results and
+streamed deltas."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from itertools import count
 from pathlib import Path
@@ -14,13 +16,15 @@ from ..backends import make_runner
 from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
-from ..outputs import CompletionOutput, RequestOutput
-from ..sampler import Sampler
+from ..outputs import CompletionDelta, Logprob, RequestOutput
+from ..sampler import Sampler, SamplerOutput, TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 Prompt = str | list[int]
 
@@ -35,9 +39,11 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.runner = runner
         self.tokenizer = tokenizer
+        self.eos_token_ids = set(model_config.eos_token_ids)
         block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, block_manager, set(model_config.eos_token_ids))
-        self.sampler = Sampler(runner.device, config.seed)
+        self.scheduler = Scheduler(config, block_manager, self.eos_token_ids)
+        self.sampler = Sampler(runner.device, sorted(self.eos_token_ids), config.seed)
+        self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
 
     @classmethod
@@ -50,7 +56,23 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         """Queue one request and return its id; an invalid request raises ValueError and changes nothing."""
-        return self._add(prompt, self._validated_token_ids(prompt, params), params)
+        return self._queue(prompt, *self._validated(prompt, params))
+
+    def abort_request(self, request_id: str):
+        """End an unfinished request wherever its sequences are; they finish with reason "abort". Ids of finished
+        or unknown requests are ignored, as a request may finish while its abort is on its way."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if seq.is_finished:
+                continue
+            if seq in request.held_back:
+                seq.status = SequenceStatus.FINISHED
+            else:
+                self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+        request.held_back = []
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -58,24 +80,31 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], ScheduledBatch]:
         """Run one batch; return the requests it finished, and the batch (for throughput accounting)."""
         batch = self.scheduler.schedule()
-        logits = self.runner.run(build_forward_batch(batch.seqs, batch.num_new_tokens, self.runner.block_size))
+        logits = self.runner.run(build_forward_batch(batch, self.scheduler.block_manager))
         rows = [i for i, samples in enumerate(batch.samples) if samples]
         if len(rows) < len(batch.seqs):  # prompts cut short by the token budget sample nothing yet
             logits = logits[rows]
-        token_ids = self.sampler(logits, [batch.seqs[i].params for i in rows]) if rows else []
-        finished = self.scheduler.postprocess(batch, token_ids)
-        return [self._request_output(seq) for seq in finished], batch
+        seqs = [batch.seqs[i] for i in rows]
+        sampled = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
+        self.scheduler.postprocess(batch, sampled.token_ids)
+        for seq, logprobs in zip(seqs, sampled.logprobs):
+            self._postprocess(seq, logprobs)
+        now = time.time()
+        finished = []
+        for request in {seq.request_id: self.requests[seq.request_id] for seq in seqs}.values():
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            for sibling in request.held_back:  # the prompt's blocks are cached now
+                self.scheduler.add(sibling)
+            request.held_back = []
+            if request.finished:
+                request.metrics.finished_time = now
+                finished.append(self.requests.pop(request.request_id).output())
+        return finished, batch
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
                  ) -> list[RequestOutput]:
         """Run every request to completion; outputs in input order. All are validated before any is queued."""
-        token_ids = []
-        for i, (prompt, request_params) in enumerate(zip(prompts, params)):
-            try:
-                token_ids.append(self._validated_token_ids(prompt, request_params))
-            except ValueError as exc:
-                raise ValueError(f"request {i}: {exc}") from None
-        index = {self._add(*request): i for i, request in enumerate(zip(prompts, token_ids, params))}
+        index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params))}
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         throughput = {"prefill": 0.0, "decode": 0.0}
         with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
@@ -91,8 +120,32 @@ class LLMEngine:
                         bar.update(1)
         return outputs
 
-    def _validated_token_ids(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        params.verify()
+    def stream(self, prompts: list[Prompt], params: list[SamplingParams]) -> Iterator[CompletionDelta]:
+        """Run the requests to completion, yielding after each step what it added to each of their completions.
+        All are validated before any is queued; closing the iterator early aborts the unfinished ones."""
+        requests = [self.requests[request_id] for request_id in self._queue_all(prompts, params)]
+        try:
+            while not all(request.finished for request in requests):
+                self.step()
+                for request in requests:
+                    yield from request.take_deltas()
+        finally:
+            for request in requests:
+                if not request.finished:
+                    self.abort_request(request.request_id)
+
+    def _queue_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        validated = []
+        for i, (prompt, request_params) in enumerate(zip(prompts, params)):
+            try:
+                validated.append(self._validated(prompt, request_params))
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
+        return [self._queue(prompt, *request) for prompt, request in zip(prompts, validated)]
+
+    def _validated(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids, and the request's own copy of params (validated again: fields may have changed
+        since construction), with max_tokens resolved."""
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer; pass prompts as token-id lists")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -108,20 +161,49 @@ class LLMEngine:
                              f"vocabulary [0, {self.vocab_size})")
         if len(token_ids) > self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}")
-        return token_ids
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+        max_tokens = params.max_tokens or max(1, self.config.max_model_len - len(token_ids))
+        return token_ids, replace(params, max_tokens=max_tokens)
 
-    def _add(self, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> str:
+    def _queue(self, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._request_ids))
-        self.scheduler.add(Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, params))
+        seqs = []
+        for index in range(params.n):
+            seq_params = params if params.n == 1 else \
+                replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, seq_params, index)
+            if seq_params.seed is not None:
+                seq.generator = self.sampler.new_generator(seq_params.seed)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, seqs)
+        self.scheduler.add(seqs[0])
         return request_id
 
-    def _request_output(self, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
-        text = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else ""
-        return RequestOutput(
-            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            outputs=[CompletionOutput(index=0, text=text, token_ids=completion, finish_reason=seq.finish_reason)],
-            finished=True, num_cached_tokens=seq.num_cached_tokens)
+    def _postprocess(self, seq: Sequence, logprobs: TokenLogprobs | None):
+        """Record the token the scheduler appended: its logprobs, its text, and why it ended the sequence."""
+        token_id = seq.token_ids[-1]
+        if logprobs is not None:
+            decoded = seq.detokenizer.decode_each(logprobs.token_ids) if seq.detokenizer else [None] * len(
+                logprobs.token_ids)
+            seq.logprobs.append({t: Logprob(lp, rank, text)
+                                 for t, lp, rank, text in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks,
+                                                              decoded)})
+            seq.cumulative_logprob += logprobs.logprobs[0]
+        stopped_by_token = seq.finish_reason == "stop"
+        if stopped_by_token and (token_id not in self.eos_token_ids or seq.params.ignore_eos):
+            seq.stop_reason = token_id
+        if seq.detokenizer is None:
+            return
+        stop_string = seq.detokenizer.update(token_id, stopped_by_token)
+        if stop_string is not None:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+            seq.finish_reason, seq.stop_reason = "stop", stop_string
+        elif seq.is_finished:
+            seq.detokenizer.flush()
 
 
 def _load_tokenizer(model: str):

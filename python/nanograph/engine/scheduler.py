@@ -11,7 +11,6 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    is_prefill: bool
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)  # the step reaches the sequence's end: sample its next token
@@ -25,10 +24,15 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def is_prefill(self) -> bool:
+        """Some sequence feeds more than one token: a prompt chunk (or a preempted sequence's recompute)."""
+        return self.num_tokens > len(self.seqs)
+
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
-        # A decode step feeds one token per running sequence, so the token budget caps the running set too.
+        # Every running sequence gets at least one token of each step's budget, so the budget caps the running set.
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -36,6 +40,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()  # hold no KV blocks
         self.running: deque[Sequence] = deque()  # hold KV blocks, in admission order
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -44,21 +49,25 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        """Prefill when any prompt is waiting and fits, else decode every running sequence."""
-        batch = self._schedule_prefill()
-        return batch if batch.seqs else self._schedule_decode()
-
-    def _schedule_prefill(self) -> ScheduledBatch:
-        batch = ScheduledBatch(is_prefill=True)
+        """Chunked prefill mixed with decodes: every running sequence continues, in admission order (a decode
+        feeds one token; the one prompt that the budget cut short, always admitted last, its next chunk), then
+        waiting prompts are admitted into what is left of the token budget, the last one possibly cut short."""
+        batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        # A prompt that the token budget cut short last step is admitted last, and continues first.
-        if self.running and self.running[-1].num_pending_tokens > 1:
-            seq = self.running.pop()
+        num_preemptions = self.num_preemptions
+        unscheduled, self.running = self.running, deque()
+        while unscheduled:
+            seq = unscheduled.popleft()
             num_new = min(seq.num_pending_tokens, budget)
-            if self._reserve(seq, num_new):
+            if self._reserve(seq, num_new, unscheduled):
                 self.running.append(seq)
                 batch.add(seq, num_new)
                 budget -= num_new
+        if self.num_preemptions == num_preemptions:  # after a preemption the cache is full: admit nobody
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int):
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.block_manager.allocate_prefix(seq)
@@ -72,28 +81,20 @@ class Scheduler:
             self.running.append(self.waiting.popleft())
             batch.add(seq, num_new)
             budget -= num_new
-        return batch
 
-    def _schedule_decode(self) -> ScheduledBatch:
-        batch = ScheduledBatch(is_prefill=False)
-        while self.running:
-            seq = self.running.popleft()
-            if self._reserve(seq, 1):
-                batch.add(seq, 1)
-        self.running = deque(batch.seqs)
-        return batch
-
-    def _reserve(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Find KV room for seq (not in running), preempting the latest admitted sequences; else preempt seq."""
+    def _reserve(self, seq: Sequence, num_new_tokens: int, victims: deque[Sequence]) -> bool:
+        """Find KV room for seq, preempting the latest admitted of victims (running, not yet scheduled in this
+        step); when none is left, preempt seq itself and return False."""
         while not self.block_manager.append_slots(seq, num_new_tokens):
-            if not self.running:
+            if not victims:
                 self._preempt(seq)
                 return False
-            self._preempt(self.running.pop())
+            self._preempt(victims.pop())
         return True
 
     def _preempt(self, seq: Sequence):
         """Preemption by recompute: the blocks go, the tokens (generated ones too) stay to be prefilled again."""
+        self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -110,11 +111,15 @@ class Scheduler:
             seq.token_ids.append(next(sampled))
             seq.finish_reason = self._finish_reason(seq)
             if seq.finish_reason:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+                self.finish(seq)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence):
+        """End seq, running or waiting: its blocks go back to the pool."""
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.deallocate(seq)
+        (self.running if seq in self.running else self.waiting).remove(seq)
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         token_id, params = seq.token_ids[-1], seq.params

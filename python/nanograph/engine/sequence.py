@@ -1,9 +1,13 @@
-"""One request's tokens and its progress through the KV cache."""
+"""One completion of a request: its tokens, its progress through the KV cache, and what it has produced."""
 from __future__ import annotations
 
 from enum import Enum, auto
 
+import torch
+
+from ..outputs import Logprob
 from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(Enum):
@@ -13,8 +17,10 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                 index: int = 0):
         self.request_id = request_id
+        self.index = index  # which of the request's n completions
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -24,6 +30,11 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; the rest are fed in the next step(s)
         self.num_cached_tokens: int | None = None  # prefix-cache hit tokens at first scheduling
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.generator: torch.Generator | None = None  # the request's seeded random stream
+        self.detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
+        self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,79 @@
+"""Sampler benchmark: the time to sample one step of 256 rows x 151,936 vocabulary (Qwen3's), for an all-greedy
+batch (the fast path) and for a batch mixing every parameter: greedy, temperature, top-k, top-p, min_p, the three
+penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs.
+
+    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda]
+
+A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids (the one
+synchronisation) included, as the engine pays it. Target on an H200: mixed <= 1 ms."""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+
+from nanograph import SamplingParams  # noqa: E402
+from nanograph.engine.sequence import Sequence  # noqa: E402
+from nanograph.sampler import Sampler  # noqa: E402
+
+PROMPT_LEN = 512
+OUTPUT_LEN = 128
+MIXED = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.8, top_k=50),
+    SamplingParams(temperature=0.9, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+                   repetition_penalty=1.1),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1234),
+    SamplingParams(temperature=0.6, top_k=20, logprobs=5),
+]
+
+
+def sequences(params: list[SamplingParams], rows: int, vocab: int, sampler: Sampler) -> list[Sequence]:
+    generator = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(rows):
+        row_params = params[i % len(params)]
+        token_ids = torch.randint(0, vocab, (PROMPT_LEN + OUTPUT_LEN,), generator=generator).tolist()
+        seq = Sequence(str(i), None, token_ids[:PROMPT_LEN], row_params)
+        seq.token_ids = token_ids
+        if row_params.seed is not None:
+            seq.generator = sampler.new_generator(row_params.seed + i)
+        seqs.append(seq)
+    return seqs
+
+
+def time_ms(fn, warmup: int = 5, repeats: int = 50) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()  # ends with the copy of the token ids to the host
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sampler = Sampler(device, eos_token_ids=[0], seed=0)
+    logits = torch.randn(args.rows, args.vocab, device=device) * 4
+    print(f"sampler, {args.rows} rows x {args.vocab} vocabulary, float32 logits on {device}")
+    for name, params in [("all greedy", [SamplingParams(temperature=0)]), ("mixed", MIXED)]:
+        seqs = sequences(params, args.rows, args.vocab, sampler)
+        print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

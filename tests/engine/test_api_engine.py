@@ -1,0 +1,165 @@
+"""The request API on the fake model: stop strings and stop reasons, min/max tokens, n completions sharing the
+prompt's blocks, seeds across batch compositions, logprobs, metrics, and streaming."""
+from collections import defaultdict
+
+from nanograph import SamplingParams
+
+from .fake_model import fake_engine, reference_completion
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def text_of(token_ids) -> str:
+    return "".join(f" {t}" for t in token_ids)
+
+
+def run(engine, prompts, params) -> list:
+    return engine.generate(prompts, [params] * len(prompts) if not isinstance(params, list) else params,
+                           use_tqdm=False)
+
+
+def test_a_stop_string_spanning_tokens_ends_the_text_before_it():
+    reference = reference_completion(PROMPT, 12)
+    full_text = text_of(reference)
+    stop = f"{str(reference[3])[-1]} {reference[4]}"  # the end of token 3's text and the start of token 4's
+    cut = full_text.find(stop)
+    assert cut >= len(text_of(reference[:3]))
+    [out] = run(fake_engine(), [PROMPT], SamplingParams(temperature=0, max_tokens=12, stop=["zz", stop]))
+    completion = out.outputs[0]
+    assert completion.text == full_text[:cut]
+    assert completion.token_ids == reference[:5]  # generation stops at the token that completed the stop string
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    [out] = run(fake_engine(), [PROMPT], SamplingParams(temperature=0, max_tokens=12, stop=stop,
+                                                        include_stop_str_in_output=True))
+    assert out.outputs[0].text == full_text[:cut + len(stop)]
+
+
+def test_stop_strings_wait_for_min_tokens():
+    reference = reference_completion(PROMPT, 12)
+    stop = text_of(reference[1:2])
+    assert text_of(reference).find(stop) == len(text_of(reference[:1]))
+    params = SamplingParams(temperature=0, max_tokens=12, stop=stop)
+    assert run(fake_engine(), [PROMPT], params)[0].outputs[0].token_ids == reference[:2]
+    params.min_tokens = 6
+    assert len(run(fake_engine(), [PROMPT], params)[0].outputs[0].token_ids) > 6
+
+
+def test_stop_token_ids_and_eos_report_their_stop_reason():
+    reference = reference_completion(PROMPT, 10)
+    [out] = run(fake_engine(), [PROMPT], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[reference[4]]))
+    completion = out.outputs[0]
+    end = reference.index(reference[4]) + 1
+    assert completion.token_ids == reference[:end] and completion.stop_reason == reference[4]
+    assert completion.text == text_of(reference[:end - 1])  # the stop token's text is left out
+    [out] = run(fake_engine(eos_token_ids=[reference[2]]), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    [out] = run(fake_engine(), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("length", None)
+
+
+def test_min_tokens_holds_off_eos():
+    reference = reference_completion(PROMPT, 10)
+    eos = reference[1]
+    [out] = run(fake_engine(eos_token_ids=[eos]), [PROMPT], SamplingParams(temperature=0, max_tokens=10, min_tokens=4))
+    token_ids = out.outputs[0].token_ids
+    assert len(token_ids) >= 4 and eos not in token_ids[:4]
+    [out] = run(fake_engine(eos_token_ids=[eos]), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
+    assert out.outputs[0].token_ids == reference[:2]
+
+
+def test_max_tokens_none_runs_to_max_model_len():
+    [out] = run(fake_engine(max_model_len=24), [PROMPT], SamplingParams(temperature=0, max_tokens=None))
+    assert out.outputs[0].token_ids == reference_completion(PROMPT, 14) and out.outputs[0].finish_reason == "length"
+
+
+def test_n_completions_are_distinct_and_share_the_prompt_blocks():
+    engine = fake_engine(peak=1.0)  # blocks of 4: the 10-token prompt has 2 full blocks that can be shared
+    request_id = engine.add_request(PROMPT, SamplingParams(n=4, max_tokens=8, seed=0))
+    seqs = engine.requests[request_id].seqs
+    engine.step()
+    engine.step()
+    assert len({tuple(seq.block_table[:2]) for seq in seqs}) == 1
+    shared = engine.scheduler.block_manager.blocks[seqs[0].block_table[0]]
+    assert shared.ref_count == 4
+    finished = []
+    while engine.has_unfinished():
+        finished += engine.step()[0]
+    [out] = finished
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4
+    assert out.num_cached_tokens == 3 * 8  # every completion after the first found both blocks cached
+    again = run(fake_engine(peak=1.0), [PROMPT], SamplingParams(n=4, max_tokens=8, seed=0))[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_a_seeded_request_gives_the_same_tokens_whatever_else_is_in_the_batch():
+    params = SamplingParams(max_tokens=12, seed=42)
+    [alone] = run(fake_engine(peak=1.0, seed=1), [PROMPT], params)
+    crowd = run(fake_engine(peak=1.0, seed=2), [[7, 7, 7], PROMPT[:4], PROMPT, [2] * 9],
+                [SamplingParams(max_tokens=5), SamplingParams(max_tokens=20), params, SamplingParams(max_tokens=3)])
+    assert crowd[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert alone.outputs[0].token_ids != reference_completion(PROMPT, 12)  # really sampled
+    [other] = run(fake_engine(peak=1.0, seed=1), [PROMPT], SamplingParams(max_tokens=12, seed=43))
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def test_logprobs_and_cumulative_logprob():
+    [out] = run(fake_engine(peak=1.0), [PROMPT], SamplingParams(max_tokens=6, logprobs=2, seed=0))
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 6
+    total = 0.0
+    for token_id, logprobs in zip(completion.token_ids, completion.logprobs):
+        assert token_id in logprobs and len(logprobs) in (2, 3)
+        assert logprobs[token_id].decoded_token == f" {token_id}"
+        assert sorted(lp.rank for t, lp in logprobs.items() if t != token_id) == [1, 2][:len(logprobs) - 1]
+        total += logprobs[token_id].logprob
+    assert abs(completion.cumulative_logprob - total) < 1e-6
+    [plain] = run(fake_engine(), [PROMPT], SamplingParams(max_tokens=2))
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
+
+
+def test_metrics_are_in_order():
+    [out] = run(fake_engine(), [PROMPT], SamplingParams(max_tokens=3))
+    metrics = out.metrics
+    assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
+
+
+def collect(deltas):
+    """Texts and token ids per (request_id, index), and how many finished deltas each got."""
+    texts, token_ids, finishes = defaultdict(str), defaultdict(list), defaultdict(int)
+    for delta in deltas:
+        key = (delta.request_id, delta.index)
+        assert not finishes[key], "nothing after the finished delta"
+        assert delta.text or delta.token_ids or delta.finished
+        texts[key] += delta.text
+        token_ids[key] += delta.token_ids
+        finishes[key] += delta.finished
+    return texts, token_ids, finishes
+
+
+def test_stream_deltas_concatenate_to_the_final_outputs():
+    reference = reference_completion(PROMPT, 12)
+    stop = f"{str(reference[6])[-1]} {reference[7]}"
+    prompts = [PROMPT, [4, 4, 2], [9, 1]]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop=stop), SamplingParams(n=2, max_tokens=7, seed=3),
+              SamplingParams(temperature=0, max_tokens=5)]
+    deltas = list(fake_engine(peak=1.0).stream(prompts, params))
+    final = fake_engine(peak=1.0).generate(prompts, params, use_tqdm=False)
+    texts, token_ids, finishes = collect(deltas)
+    assert len(texts) == 4 and set(finishes.values()) == {1}
+    for out in final:
+        for completion in out.outputs:
+            key = (out.request_id, completion.index)
+            assert texts[key] == completion.text and token_ids[key] == completion.token_ids
+    assert stop not in texts[("0", 0)] and final[0].outputs[0].stop_reason == stop
+    steps_with_text = [d for d in deltas if d.request_id == "2" and d.text]
+    assert len(steps_with_text) == 5  # one delta per generated token, not one at the end
+
+
+def test_closing_a_stream_early_aborts_its_requests():
+    engine = fake_engine()
+    stream = engine.stream([PROMPT, [1, 2]], [SamplingParams(max_tokens=20)] * 2)
+    next(stream)
+    stream.close()
+    assert not engine.has_unfinished() and not engine.requests
+    assert engine.scheduler.block_manager.num_free_blocks == 64

@@ -1,0 +1,29 @@
+"""`nanograph bench throughput` on CPU: nano-vllm's draws, and the whole report path on a tiny model."""
+from random import randint, seed
+
+import pytest
+
+from nanograph.bench import nano_vllm_workload, throughput
+
+from .tiny_models import make_tiny_model
+
+
+def test_workload_repeats_nano_vllm_bench_draws():
+    seed(0)  # nano-vllm's bench.py, verbatim in substance
+    prompt_token_ids = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
+    max_tokens = [randint(100, 1024) for _ in range(256)]
+    prompts, params = nano_vllm_workload()
+    assert prompts == prompt_token_ids and [p.max_tokens for p in params] == max_tokens
+    assert all(p.temperature == 0.6 and p.ignore_eos for p in params)
+
+
+@pytest.mark.slow
+def test_throughput_bench_reports_on_cpu_with_the_hf_comparison(tmp_path, capsys):
+    make_tiny_model(tmp_path, "llama3-untied")
+    result = throughput(str(tmp_path), num_seqs=12, max_input_len=40, max_output_len=12, compare_hf=True,
+                        hf_subset=4, device="cpu", num_kv_blocks=8, block_size=8, max_num_batched_tokens=64)
+    assert result["preemptions"] > 0 and result["kv_blocks"] == 8 and result["block_size"] == 8
+    assert result["output_tok_s"] > 0 and result["total_tok_s"] > result["output_tok_s"]
+    assert 0 < result["host_share"] < 1 and result["speedup"] > 0
+    out = capsys.readouterr().out
+    assert "output tok/s" in out and "preemptions" in out and "HF transformers" in out
