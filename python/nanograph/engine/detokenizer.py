@@ -2,7 +2,9 @@
 
 Each token is decoded inside a short window of the tokens before it (starting in the prompt), because a token's
 text can depend on its neighbours (a leading space, a character split over several byte tokens). Text is only
-released once it no longer ends in "\\ufffd", i.e. never in the middle of a UTF-8 character."""
+released once it no longer ends in "\\ufffd", i.e. never in the middle of a UTF-8 character. Without stop
+strings nothing needs the text token by token, so it is decoded only when read: one decode per read instead of one
+per token keeps detokenisation off the per-step path of large batches."""
 from __future__ import annotations
 
 from ..sampling_params import SamplingParams
@@ -24,7 +26,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # the window: token_ids[prefix_offset:read_offset] is already text
         self.read_offset = len(self.token_ids)
         self.num_output_tokens = 0
-        self.output_text = ""
+        self._text = ""
         self.num_streamed_chars = 0
 
     def update(self, token_id: int, stopped_by_token: bool) -> str | None:
@@ -34,26 +36,39 @@ class IncrementalDetokenizer:
         if stopped_by_token and not self.include_stop_str_in_output:
             return None
         self.token_ids.append(token_id)
-        new_text = self._pending_text()
-        if not new_text or new_text.endswith("\ufffd"):
+        if not self.stop:
             return None
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.output_text += new_text
-        if self.stop and self.num_output_tokens > self.min_tokens:
-            return self._truncate_at_stop_string(len(new_text))
+        num_new_chars = self._release()
+        if num_new_chars and self.num_output_tokens > self.min_tokens:
+            return self._truncate_at_stop_string(num_new_chars)
         return None
+
+    @property
+    def output_text(self) -> str:
+        self._release()
+        return self._text
 
     def flush(self):
         """At the end of a sequence: release the text still held back, even an incomplete character."""
-        self.output_text += self._pending_text()
+        self._text += self._pending_text()
         self.prefix_offset = self.read_offset = len(self.token_ids)
+
+    def _release(self) -> int:
+        """Moves the pending tokens' text into the output unless it ends inside a character; returns its length."""
+        new_text = self._pending_text()
+        if not new_text or new_text.endswith("\ufffd"):
+            return 0
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self._text += new_text
+        return len(new_text)
 
     def take_new_text(self, finished: bool) -> str:
         """Text not streamed yet; it keeps the stop-string margin back until the sequence is finished."""
-        end = len(self.output_text) - (0 if finished else self.stop_buffer_length)
+        output_text = self.output_text
+        end = len(output_text) - (0 if finished else self.stop_buffer_length)
         if end <= self.num_streamed_chars:
             return ""
-        text, self.num_streamed_chars = self.output_text[self.num_streamed_chars:end], end
+        text, self.num_streamed_chars = output_text[self.num_streamed_chars:end], end
         return text
 
     def decode_each(self, token_ids: list[int]) -> list[str]:
@@ -72,8 +87,8 @@ class IncrementalDetokenizer:
         """Find a stop string that ends in the new text; cut the text before it (after it, if included)."""
         for stop_str in self.stop:
             # The match must end within the new characters; it may start in the text before.
-            index = self.output_text.find(stop_str, max(0, len(self.output_text) - num_new_chars - len(stop_str) + 1))
+            index = self._text.find(stop_str, max(0, len(self._text) - num_new_chars - len(stop_str) + 1))
             if index != -1:
-                self.output_text = self.output_text[:index + (len(stop_str) if self.include_stop_str_in_output else 0)]
+                self._text = self._text[:index + (len(stop_str) if self.include_stop_str_in_output else 0)]
                 return stop_str
         return None
