@@ -1,12 +1,18 @@
 """Access to the compiled C++/CUDA core (nanograph._C), which may be absent or unusable."""
 from __future__ import annotations
 
-try:
-    from . import _C as core
-    CORE_ERROR: str | None = None
-except ImportError as exc:  # built without nvcc, or a shared library is missing
+import importlib.util
+
+if importlib.util.find_spec(f"{__package__}._C") is None:
     core = None
-    CORE_ERROR = str(exc)
+    CORE_ERROR: str | None = "nanograph was installed without its C++/CUDA core (no nvcc at install time)"
+else:
+    try:
+        from . import _C as core
+        CORE_ERROR = None
+    except ImportError as exc:  # e.g. a shared library it links (cuBLAS) is missing
+        core = None
+        CORE_ERROR = f"the compiled core failed to load: {exc}"
 
 
 def core_available() -> bool:

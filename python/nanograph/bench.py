@@ -10,6 +10,7 @@ throughput: nano-vllm's bench.py workload (256 requests of random token ids, 100
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from contextlib import contextmanager
@@ -91,11 +92,13 @@ def kv_bytes_per_token(llm: LLM) -> int:
 
 
 def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: int) -> float:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, CompileConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+    # A static cache makes generate() compile the decode forward itself (wrapping forward by hand
+    # trips over its CUDA-graph output buffers).
     model.generation_config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    model.generation_config.compile_config = CompileConfig(mode="reduce-overhead", fullgraph=True)
     ids = torch.tensor([prompt], device="cuda")
 
     def generate(n):
@@ -135,6 +138,7 @@ def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, com
     if compare_hf:
         path = llm.engine.runner.model_config.path
         del llm
+        gc.collect()  # frees the core's KV cache before HF loads
         torch.cuda.empty_cache()
         hf = hf_decode_seconds_per_token(path, prompt, output_len)
         result.update(hf_ms_per_token=hf * 1e3, hf_tok_s=1 / hf, speedup=hf / seconds)
