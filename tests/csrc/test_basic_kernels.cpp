@@ -8,19 +8,14 @@
 
 #include "activation.h"
 #include "norm.h"
+#include "gpu_test.h"
 
 namespace nanograph {
 namespace {
 
 class BasicKernels : public ::testing::Test {
  protected:
-  void SetUp() override {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device visible; these tests need a GPU";
-    }
-  }
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
 };
 
 float round_bf16(float x) { return __bfloat162float(__float2bfloat16(x)); }

@@ -6,18 +6,10 @@
 #include <vector>
 
 #include "gemm.h"
+#include "gpu_test.h"
 
 namespace nanograph {
 namespace {
-
-bool has_gpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
 
 std::vector<bf16> random_bf16(size_t n, float scale, std::mt19937& rng) {
   std::normal_distribution<float> dist(0.0f, scale);
@@ -41,7 +33,7 @@ struct Shape {
 class GemmTest : public ::testing::TestWithParam<std::tuple<Shape, bool>> {
  protected:
   void SetUp() override {
-    if (!has_gpu()) GTEST_SKIP() << "no CUDA GPU is visible";
+    SKIP_WITHOUT_GPU();
   }
 };
 
@@ -90,7 +82,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmTest,
                                             ::testing::Bool()));
 
 TEST(GemmErrors, RejectsMisalignedPointer) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA GPU is visible";
+  SKIP_WITHOUT_GPU();
   bf16* buf = nullptr;
   CUDA_CHECK(cudaMalloc(&buf, 4096 * sizeof(bf16)));
   Gemm gemm;

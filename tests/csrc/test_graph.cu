@@ -5,18 +5,10 @@
 #include <vector>
 
 #include "graph.h"
+#include "gpu_test.h"
 
 namespace nanograph {
 namespace {
-
-bool has_gpu() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return n > 0;
-}
 
 __global__ void affine_kernel(float* x, const int* n, float a, float b) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -46,7 +38,7 @@ TEST(GraphBuckets, SmallestBucketAtLeastTheBatch) {
 }
 
 TEST(GraphManager, ReplayMatchesEagerAndReadsDeviceInputs) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA GPU visible";
+  SKIP_WITHOUT_GPU();
   const int capacity = 4096;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);

@@ -4,6 +4,8 @@ import torch
 
 from nanograph import ops
 
+from .linear_reference import poisoned_out, reference
+
 pytestmark = pytest.mark.gpu
 
 # (N, K) of Qwen3-0.6B's projections (qkv, o, gate_up, down) and a small-model MLP shape.
@@ -25,15 +27,6 @@ def make_inputs(M, N, K, with_bias, seed=0):
     w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
     b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
     return x, w, b
-
-
-def reference(x, w, b):
-    ref = x.float() @ w.float().T
-    return ref + b.float() if b is not None else ref
-
-
-def poisoned_out(M, N):
-    return torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
 def assert_close(out, ref):

@@ -7,6 +7,8 @@ import torch
 
 from nanograph import ops
 
+from .linear_reference import poisoned_out, reference
+
 pytestmark = pytest.mark.gpu
 
 MAX_M = 16  # kGemvMaxM; test_max_m_matches_core keeps the two in step
@@ -34,15 +36,6 @@ def make_inputs(M, N, K, with_bias, seed=0):
     x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
     b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
     return x, b
-
-
-def reference(x, w, b):
-    ref = x.float() @ w.float().T
-    return ref + b.float() if b is not None else ref
-
-
-def poisoned_out(M, N):
-    return torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
 
 
 def misaligned_out(M, N):
