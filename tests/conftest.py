@@ -13,7 +13,6 @@ def _gpu_skip_reason():
 
 
 GPU_SKIP_REASON = _gpu_skip_reason()
-requires_gpu = pytest.mark.skipif(GPU_SKIP_REASON is not None, reason=GPU_SKIP_REASON or "")
 
 
 def pytest_collection_modifyitems(config, items):

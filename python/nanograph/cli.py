@@ -8,6 +8,8 @@ import argparse
 from .llm import LLM
 from .sampling_params import SamplingParams
 
+MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
+
 
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="nanograph", description="Generate text with nanograph.")
@@ -16,13 +18,13 @@ def main(argv: list[str] | None = None):
                             ("chat", "answer one user message, with the model's chat template")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("prompt")
-        command.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+        command.add_argument("--model", help=MODEL_HELP)
         command.add_argument("--max-tokens", type=int, default=256)
         command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         command.add_argument("--device", default="auto", help="auto, cuda, cpu, or torch:<torch device>")
     bench = commands.add_parser("bench", help="measure speed on a GPU")
     bench.add_argument("workload", choices=["latency", "throughput"])
-    bench.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)")
+    bench.add_argument("--model", help=MODEL_HELP)
     bench.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")
     bench.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     bench.add_argument("--output-len", type=int, default=256, help="latency: output tokens")

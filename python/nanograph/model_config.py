@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
 # Configs written from a GGUF (and some hand-made ones) carry model_type but no "architectures".
 _ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_BY_MODEL_TYPE.values())
 
 
 @dataclass

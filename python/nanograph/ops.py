@@ -1,7 +1,7 @@
 """Thin Python entry points to the core's kernels, for tests, benchmarks and eager use.
 
-Each function checks that the core and a GPU are present, then calls the binding, which
-validates shapes, dtypes and devices and runs on torch's current stream.
+Looking up a kernel (`ops.rmsnorm`) checks that the core and a GPU are present and returns the binding,
+which validates shapes, dtypes and devices and runs on torch's current stream.
 """
 from ._core import require_core
 

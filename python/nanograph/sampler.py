@@ -2,7 +2,8 @@
 penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a Gumbel-max draw.
 
 Per-row parameters travel as tensors (pinned, non-blocking uploads) and row subsets are chosen on the host from
-the parameters, so the only host synchronisation is the final copy of the results."""
+the parameters, so the only host synchronisation is the copy of the results (the sampled ids, and the
+logprobs when asked for)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
@@ -87,7 +88,8 @@ class Sampler:
     def _truncated(self, logits: torch.Tensor, params) -> torch.Tensor:
         """Mask, in place and in one pass, what min_p, top-k and top-p drop from each row."""
         vocab_size = logits.shape[-1]
-        if any(p.min_p for p in params):
+        has_min_p = any(p.min_p for p in params)
+        if has_min_p:
             thresholds = min_p_thresholds(logits, self._upload([p.min_p for p in params], torch.float32))
         else:
             thresholds = torch.full((len(params),), float("-inf"), device=logits.device)
@@ -104,7 +106,7 @@ class Sampler:
             thresholds[rows] = top_p_thresholds(logits[rows],
                                                 self._upload([params[i].top_p for i in top_p_rows], torch.float32),
                                                 self._upload([top_ks[i] for i in top_p_rows]), thresholds[rows])
-        if top_k_rows or top_p_rows or any(p.min_p for p in params):
+        if has_min_p or top_k_rows or top_p_rows:
             logits.masked_fill_(logits < thresholds[:, None], float("-inf"))
         return logits
 
