@@ -8,6 +8,7 @@
 #include "activation.h"
 
 #include "bf16x8.cuh"
+#include "launch.h"
 
 namespace nanograph {
 
@@ -18,6 +19,8 @@ constexpr int kThreads = 256;
 __global__ void __launch_bounds__(kThreads)
     silu_mul_kernel(const bf16* __restrict__ gate_up, bf16* __restrict__ out, int64_t total_vecs,
                     int vecs_per_row) {
+  wait_for_producers();  // PDL: see launch.h
+  allow_dependents();
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (idx >= total_vecs) return;
   const int64_t row = idx / vecs_per_row;
@@ -43,9 +46,8 @@ void silu_mul(const bf16* gate_up, bf16* out, int rows, int inter, cudaStream_t 
   const int64_t total_vecs = static_cast<int64_t>(rows) * (inter / 8);
   if (total_vecs == 0) return;
   const int64_t blocks = (total_vecs + kThreads - 1) / kThreads;
-  silu_mul_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(gate_up, out, total_vecs,
-                                                                          inter / 8);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(silu_mul_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, stream,
+             gate_up, out, total_vecs, inter / 8);
 }
 
 }  // namespace nanograph

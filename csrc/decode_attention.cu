@@ -24,12 +24,16 @@
 // The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
 // combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
 // Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
-// each split at least kSplitGranule keys, and none at large batch.
+// each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
+// per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
+// behind each other's load latency in a handful of them.
+// Both kernels are launched with PDL (launch.h) and wait for their producers before any read.
 #include <algorithm>
 #include <cmath>
 
 #include "attention.h"
 #include "bf16x8.cuh"
+#include "launch.h"
 
 namespace nanograph {
 namespace {
@@ -38,7 +42,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;
 constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one mma tile
-constexpr int kSplitGranule = 256;     // split lengths are multiples of this many keys
+constexpr int kSplitGranule = kWarps * kTileKeys;  // split lengths are multiples of this
 constexpr int kTargetCtas = 2048;      // ~15 CTAs per SM on a 132-SM H200
 constexpr int kMaxSplits = 128;        // longer contexts get longer splits
 constexpr float kLog2e = 1.4426950408889634f;
@@ -108,6 +112,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   __shared__ float s_max[kWarps][kMaxGroup];
   __shared__ float s_sum[kWarps][kMaxGroup];
 
+  wait_for_producers();
+  allow_dependents();
   const PagedKv& kv = args.kv;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int group = args.num_q_heads / kv.num_kv_heads;
@@ -334,6 +340,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs a
   __shared__ float s_inv_sum;
   __shared__ float4 s_part[kSplitLanes][kColumns];
 
+  wait_for_producers();
+  allow_dependents();
   const int row = blockIdx.x;
   const int len = args.kv.context_lens[row / args.num_q_heads];
   const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));
@@ -424,12 +432,11 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
           "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
-    split_kernel<HD><<<grid, kThreads, 0, stream>>>(args, plan.split_keys, plan.num_splits);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(split_kernel<HD>, grid, dim3(kThreads), 0, stream, args, plan.split_keys,
+               plan.num_splits);
     if (plan.num_splits > 1) {
-      combine_kernel<HD><<<args.num_seqs * args.num_q_heads, kThreads, 0, stream>>>(
-          args, plan.split_keys, plan.num_splits);
-      CUDA_CHECK_LAUNCH();
+      launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
+                 stream, args, plan.split_keys, plan.num_splits);
     }
   });
 }

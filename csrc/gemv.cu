@@ -26,6 +26,8 @@
 // so a captured graph is valid for any data.
 #include "gemv.h"
 
+#include "launch.h"
+
 #include <string>
 
 namespace nanograph {
@@ -94,26 +96,33 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
   const int split = warp % splits;
   const int n0 = (blockIdx.x * (kWarpsPerCta / splits) + warp / splits) * kRowsPerGroup;
 
+  // Rows past N load row N - 1 and are not stored; x rows past M are zero.
+  const bf16* w_row = weight + static_cast<int64_t>(min(n0 + g, N - 1)) * K + 8 * c;
+  const int steps = (K + kStepK - 1) / kStepK;
+  const int begin = split * steps_per_split;
+  const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
+  uint4 w[kUnroll];
+  auto load_weights = [&](int step0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = (step0 + u) * kStepK;
+      w[u] = load_weight(w_row + k, step0 + u < end && k + 8 * c < K);
+    }
+  };
+  // The weight does not come from the previous kernel: its first batch is in flight before the
+  // wait for x (PDL, launch.h).
+  load_weights(begin);
+  wait_for_producers();
+  allow_dependents();
+
   // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
   float acc[2][4] = {};
   if (n0 < N) {
-    // Rows past N load row N - 1 and are not stored; x rows past M are zero.
-    const bf16* w_row = weight + static_cast<int64_t>(min(n0 + g, N - 1)) * K + 8 * c;
     const bf16* x_lo = x + static_cast<int64_t>(g) * K + 8 * c;
     const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
-    const int steps = (K + kStepK - 1) / kStepK;
-    const int begin = split * steps_per_split;
-    const int end = min(begin + steps_per_split, steps);
-
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
-      uint4 w[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int k = (step0 + u) * kStepK;
-        const bool in_range = step0 + u < end && k + 8 * c < K;
-        w[u] = load_weight(w_row + k, in_range);
-      }
+      if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStepK;
@@ -188,9 +197,8 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
   const int grid = ceil_div(row_groups, kWarpsPerCta / splits);
   const int steps_per_split = ceil_div(steps, splits);
   auto kernel = M > 8 ? gemv_kernel<true> : gemv_kernel<false>;
-  kernel<<<grid, kWarpsPerCta * 32, 0, stream>>>(x, weight, bias, out, M, N, K, splits,
-                                                 steps_per_split);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(kernel, dim3(grid), dim3(kWarpsPerCta * 32), 0, stream, x, weight, bias, out, M, N,
+             K, splits, steps_per_split);
 }
 
 }  // namespace nanograph

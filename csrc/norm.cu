@@ -12,6 +12,7 @@
 #include "norm.h"
 
 #include "bf16x8.cuh"
+#include "launch.h"
 
 namespace nanograph {
 
@@ -34,6 +35,8 @@ template <int VPT, bool kAddResidual>
 __global__ void __launch_bounds__(kMaxCtaThreads)
     rmsnorm_kernel(const bf16* x, bf16* residual, const bf16* __restrict__ weight, bf16* out,
                    int rows, int dim, float eps) {
+  wait_for_producers();  // PDL: see launch.h
+  allow_dependents();
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   if (row >= rows) return;
   const int vecs = dim / 8;
@@ -109,8 +112,7 @@ void launch_rmsnorm(const bf16* x, bf16* residual, const bf16* weight, bf16* out
     grid = dim3(rows);
   }
   auto launch = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(x, residual, weight, out, rows, dim, eps);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(kernel, grid, block, 0, stream, x, residual, weight, out, rows, dim, eps);
   };
   switch (vpt) {
     case 1: return launch(rmsnorm_kernel<1, kAddResidual>);

@@ -26,6 +26,7 @@
 #include <climits>
 
 #include "bf16x8.cuh"
+#include "launch.h"
 
 namespace nanograph {
 
@@ -78,6 +79,8 @@ __device__ __forceinline__ void norm_rope(Float8& x, const bf16* norm_weight,
 
 template <int HEAD_DIM, bool QK_NORM>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvArgs args) {
+  wait_for_producers();  // PDL: see launch.h
+  allow_dependents();
   constexpr int kLanes = HEAD_DIM / kVec;
   const int heads_per_token = args.num_q_heads + args.num_kv_heads;
   const int item = (blockIdx.x * kThreads + threadIdx.x) / kLanes;  // fits int: see the launcher
@@ -130,12 +133,9 @@ void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream) {
                 std::to_string(args.num_q_heads + args.num_kv_heads) +
                 " heads is too many for one launch; split the batch");
     const int blocks = static_cast<int>(ceil_div(static_cast<int>(threads), kThreads));
-    if (qk_norm) {
-      qk_norm_rope_kv_store_kernel<HEAD_DIM, true><<<blocks, kThreads, 0, stream>>>(args);
-    } else {
-      qk_norm_rope_kv_store_kernel<HEAD_DIM, false><<<blocks, kThreads, 0, stream>>>(args);
-    }
-    CUDA_CHECK_LAUNCH();
+    auto kernel = qk_norm ? qk_norm_rope_kv_store_kernel<HEAD_DIM, true>
+                          : qk_norm_rope_kv_store_kernel<HEAD_DIM, false>;
+    launch_pdl(kernel, dim3(blocks), dim3(kThreads), 0, stream, args);
   });
 }
 

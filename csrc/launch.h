@@ -1,0 +1,54 @@
+// Kernel launches with programmatic dependent launch (PDL, sm_90+).
+//
+// Normally a kernel starts only after the previous one on its stream has finished and flushed its
+// writes, so every step of the decode chain pays a launch ramp and a drain. With PDL the next
+// kernel is launched as soon as every CTA of the previous one has called allow_dependents() (or
+// exited): its CTAs get resident early, may do work that does not read the previous kernel's
+// output (e.g. a GEMV prefetching its weight), and then block in wait_for_producers() until the
+// previous grid has completed and its memory is visible.
+//
+// Rules for a kernel launched with launch_pdl():
+//   - every CTA calls wait_for_producers() before it reads anything an earlier kernel wrote and
+//     before it exits (so that completion stays transitive down the chain);
+//   - before the wait it reads only data no kernel of the current chain writes (weights).
+// On older GPUs, or with NANOGRAPH_PDL=0 in the environment, launches are ordinary and the two
+// device functions compile to nothing.
+#pragma once
+#include "common.h"
+
+#include <utility>
+
+namespace nanograph {
+
+__device__ __forceinline__ void wait_for_producers() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// True when launches on the current device use PDL.
+bool pdl_enabled();
+
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = pdl_enabled() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace nanograph
