@@ -38,11 +38,19 @@ __global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const in
   }
 }
 
+// input_ids[t] = sampled[input_src[t]] where input_src[t] >= 0 (StepLayout), in place.
+__global__ void resolve_input_ids_kernel(int32_t* input_ids, const int32_t* input_src,
+                                         const int32_t* sampled, int num_tokens) {
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < num_tokens && input_src[t] >= 0) input_ids[t] = sampled[input_src[t]];
+}
+
 }  // namespace
 
 StepLayout::StepLayout(int num_tokens, int num_seqs, int block_table_width) {
   input_ids = 0;
-  positions = input_ids + num_tokens;
+  input_src = input_ids + num_tokens;
+  positions = input_src + num_tokens;
   slot_mapping = positions + num_tokens;
   cu_seqlens_q = slot_mapping + num_tokens;
   context_lens = cu_seqlens_q + num_seqs + 1;
@@ -93,6 +101,8 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   act_ = alloc<bf16>(static_cast<size_t>(T) * c.intermediate_size);
   last_hidden_ = alloc<bf16>(static_cast<size_t>(2) * S * c.hidden_size);
   logits_ = alloc<bf16>(static_cast<size_t>(S) * c.vocab_size);
+  sampled_tokens_ = alloc<int32_t>(S);
+  CUDA_CHECK(cudaMemset(sampled_tokens_, 0, S * sizeof(int32_t)));
   size_t workspace = 0;
   for (int b = 1; b <= S; ++b) {
     workspace = std::max(workspace, decode_attention_workspace_bytes(b, c.num_q_heads, c.head_dim,
@@ -157,6 +167,7 @@ void Model::write_inert_decode_metadata(int num_seqs) {
   int32_t* meta = host_metadata();
   std::fill(meta, meta + layout.total, 0);
   std::fill(meta + layout.slot_mapping, meta + layout.slot_mapping + num_seqs, -1);
+  std::fill(meta + layout.input_src, meta + layout.input_src + num_seqs, -1);
   for (int s = 0; s <= num_seqs; ++s) meta[layout.cu_seqlens_q + s] = s;
   CUDA_CHECK(cudaMemcpyAsync(device_meta_, meta, layout.total * sizeof(int32_t),
                              cudaMemcpyHostToDevice, stream_));
@@ -189,7 +200,7 @@ size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
 void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
-  const int32_t* input_ids = device_meta_ + layout.input_ids;
+  int32_t* input_ids = device_meta_ + layout.input_ids;
   const int32_t* positions = device_meta_ + layout.positions;
   const int32_t* slot_mapping = device_meta_ + layout.slot_mapping;
   const int32_t* cu_seqlens_q = device_meta_ + layout.cu_seqlens_q;
@@ -202,6 +213,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
 
+  resolve_input_ids_kernel<<<ceil_div(T, 256), 256, 0, st>>>(
+      input_ids, device_meta_ + layout.input_src, sampled_tokens_, T);
+  CUDA_CHECK_LAUNCH();
   embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
   rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
   for (int l = 0; l < c.num_layers; ++l) {

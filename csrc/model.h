@@ -55,8 +55,12 @@ struct EngineLimits {
 // Where each field of the step metadata sits in the int32 metadata buffer for a step of
 // `num_tokens` new tokens over `num_seqs` sequences; the fields are packed back to back so one
 // copy moves exactly the bytes the step uses.
+// input_src[t] >= 0 says that token t is not in input_ids yet: it is sampled_tokens()[input_src[t]],
+// which the previous step's sampler wrote on the device (so the host can queue a step before it
+// has read the tokens of the one before). -1: input_ids[t] holds the token.
 struct StepLayout {
-  int input_ids, positions, slot_mapping, cu_seqlens_q, context_lens, block_tables, total;
+  int input_ids, input_src, positions, slot_mapping, cu_seqlens_q, context_lens, block_tables,
+      total;
   StepLayout(int num_tokens, int num_seqs, int block_table_width);
 };
 
@@ -83,6 +87,7 @@ class Model {
   // last new token land in logits()[0 : num_seqs]. Asynchronous on stream().
   void step(int num_tokens, int num_seqs, int max_q_len, bool use_graph);
   const bf16* logits() const { return logits_; }  // [max_num_seqs, vocab]
+  int32_t* sampled_tokens() const { return sampled_tokens_; }  // [max_num_seqs], see StepLayout
 
   // Decode graphs: capture every bucket (largest first); returns the device bytes they took.
   size_t capture_decode_graphs(const std::vector<int>& buckets);
@@ -116,6 +121,7 @@ class Model {
   bf16* act_ = nullptr;
   bf16* last_hidden_ = nullptr;
   bf16* logits_ = nullptr;
+  int32_t* sampled_tokens_ = nullptr;
   float* attn_workspace_ = nullptr;
   bf16* kv_cache_ = nullptr;
   int num_kv_blocks_ = 0;

@@ -79,6 +79,7 @@ py::dict step_views(Model& m, int num_tokens, int num_seqs, py::handle owner) {
   };
   py::dict d;
   d["input_ids"] = view(layout.input_ids, {num_tokens});
+  d["input_src"] = view(layout.input_src, {num_tokens});
   d["positions"] = view(layout.positions, {num_tokens});
   d["slot_mapping"] = view(layout.slot_mapping, {num_tokens});
   d["cu_seqlens_q"] = view(layout.cu_seqlens_q, {num_seqs + 1});
@@ -104,6 +105,9 @@ NANOGRAPH_BINDINGS(bind_model) {
       })
       .def_property_readonly("logits_ptr", [](const Model& self) {
         return reinterpret_cast<uintptr_t>(self.logits());
+      })
+      .def_property_readonly("sampled_tokens_ptr", [](const Model& self) {
+        return reinterpret_cast<uintptr_t>(self.sampled_tokens());
       })
       .def_property_readonly("graph_buckets", [](const Model& self) {
         return self.graphs() ? self.graphs()->buckets() : std::vector<int>{};

@@ -165,34 +165,30 @@ class StepStats:
     """What the engine's steps did during one generate call."""
     steps: int = 0
     context_tokens: int = 0  # summed over steps: the tokens each scheduled sequence attends, whose K and V it reads
-    forward_seconds: float = 0.0  # in the runner, up to the end of the device work
+    device_wait_seconds: float = 0.0  # the host waiting for sampled tokens: the device was the bottleneck
     preemptions: int = 0
 
 
 @contextmanager
 def recorded_steps(llm: LLM):
-    """Counts steps, context tokens and preemptions, and times the model forward (synchronised, so the time is the
-    device's and the rest of the step is host work: scheduling, batch building, sampling, postprocessing)."""
-    runner, scheduler, stats = llm.engine.runner, llm.engine.scheduler, StepStats()
+    """Counts steps, context tokens and preemptions, and the time the host spent waiting for the device (the host
+    queues step N + 1 before it waits for step N's tokens, so the rest is host work the device did not hide)."""
+    engine, runner, scheduler, stats = llm.engine, llm.engine.runner, llm.engine.scheduler, StepStats()
     run = runner.run
 
     def recorded_run(batch):
-        start = time.perf_counter()
-        logits = run(batch)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        stats.forward_seconds += time.perf_counter() - start
         stats.steps += 1
         stats.context_tokens += int(batch.context_lens.sum())
-        return logits
+        return run(batch)
 
-    preemptions = scheduler.num_preemptions
+    preemptions, waited = scheduler.num_preemptions, engine.device_wait_seconds
     runner.run = recorded_run
     try:
         yield stats
     finally:
         del runner.run
         stats.preemptions = scheduler.num_preemptions - preemptions
+        stats.device_wait_seconds = engine.device_wait_seconds - waited
 
 
 def _timed_generate(llm: LLM, prompts, params) -> tuple[float, StepStats]:
@@ -249,13 +245,14 @@ def throughput(model: str | None, num_seqs: int = 256, max_input_len: int = 1024
     result = {"seconds": seconds, "output_tok_s": output_tokens / seconds,
               "total_tok_s": (prompt_tokens + output_tokens) / seconds, "steps": stats.steps,
               "preemptions": stats.preemptions, "kv_blocks": runner.num_kv_blocks, "block_size": runner.block_size,
-              "host_share": 1 - stats.forward_seconds / seconds}
+              "host_share": 1 - stats.device_wait_seconds / seconds}
     print(f"nanograph  {num_seqs} requests, {prompt_tokens} prompt + {output_tokens} output tokens in "
           f"{seconds:.2f} s: {result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s",
           flush=True)
     print(f"  {stats.steps} steps, {stats.preemptions} preemptions, KV cache {runner.num_kv_blocks} blocks of "
-          f"{runner.block_size} tokens; host work (scheduling, batch building, sampling, postprocessing) "
-          f"{100 * result['host_share']:.1f}% of the step time", flush=True)
+          f"{runner.block_size} tokens; the host was busy (scheduling, batch building, queueing the sampler, "
+          f"applying tokens) {100 * result['host_share']:.1f}% of the wall time and waited for the device the rest; "
+          "its work overlaps the device's", flush=True)
     if runner.device.type == "cuda":
         moved = stats.steps * weight_bytes(llm) + stats.context_tokens * kv_bytes_per_token(llm)
         bandwidth = copy_bandwidth_gbs(runner.device)

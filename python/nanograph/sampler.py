@@ -28,6 +28,29 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
 
 
+class PendingSample:
+    """A step's sampled token ids, still being computed on the device: the engine feeds them to the next step from
+    there and reads them later with result()."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs=None):
+        self.token_ids = token_ids  # [rows] on the logits' device
+        self._logprobs = logprobs  # None, or a callable giving the per-row TokenLogprobs (it synchronises)
+        self._host = token_ids
+        self._ready = None
+        if token_ids.is_cuda:
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> SamplerOutput:
+        """Waits for the device; the token ids and logprobs as host lists."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        logprobs = self._logprobs() if self._logprobs else [None] * len(self._host)
+        return SamplerOutput(self._host.tolist(), logprobs)
+
+
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids=(), seed: int = 0):
         self.device = torch.device(device)
@@ -39,6 +62,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [num_rows, vocab], one row per sequence, left unmodified."""
+        return self.sample(logits, seqs).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
+        unmodified) without waiting for the device."""
         params = [seq.params for seq in seqs]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = logits[self._upload(logprob_rows)].float().log_softmax(dim=-1) if logprob_rows else None
@@ -56,11 +84,16 @@ class Sampler:
             token_ids = self._draw(self._truncated(logits, params), seqs)
             if greedy_ids is not None:
                 token_ids = torch.where(self._upload(greedy, torch.bool), greedy_ids, token_ids)
-        row_logprobs = [None] * len(seqs)
-        if logprob_rows:
-            for row, logprobs in zip(logprob_rows, self._logprobs(raw_logprobs, token_ids, logprob_rows, params)):
-                row_logprobs[row] = logprobs
-        return SamplerOutput(token_ids.tolist(), row_logprobs)
+        if not logprob_rows:
+            return PendingSample(token_ids)
+
+        def logprobs() -> list[TokenLogprobs | None]:
+            row_logprobs = [None] * len(seqs)
+            for row, row_result in zip(logprob_rows, self._logprobs(raw_logprobs, token_ids, logprob_rows, params)):
+                row_logprobs[row] = row_result
+            return row_logprobs
+
+        return PendingSample(token_ids, logprobs)
 
     def _penalised_and_scaled(self, logits: torch.Tensor, seqs: list[Sequence], penalty_rows: list[int],
                               masked: list[tuple[int, int]]) -> torch.Tensor:

@@ -33,10 +33,17 @@ class FakeRunner:
         self.kv_tokens = np.full(num_kv_blocks * block_size, -1)
         self.kv_positions = np.full(num_kv_blocks * block_size, -1)
         self.batches = []
+        self.sampled = None
+
+    def publish_sampled(self, token_ids: torch.Tensor):
+        self.sampled = token_ids.numpy().copy()
 
     def run(self, batch) -> torch.Tensor:
         self.batches.append(batch)
-        self.kv_tokens[batch.slot_mapping] = batch.input_ids
+        pending = batch.input_src >= 0
+        input_ids = np.where(pending, self.sampled[np.maximum(batch.input_src, 0)] if pending.any() else 0,
+                             batch.input_ids)
+        self.kv_tokens[batch.slot_mapping] = input_ids
         self.kv_positions[batch.slot_mapping] = batch.positions
         logits = torch.full((batch.num_seqs, VOCAB_SIZE), -self.peak)
         for i, context_len in enumerate(batch.context_lens):

@@ -76,8 +76,8 @@ def test_n_completions_are_distinct_and_share_the_prompt_blocks():
     engine = fake_engine(peak=1.0)  # blocks of 4: the 10-token prompt has 2 full blocks that can be shared
     request_id = engine.add_request(PROMPT, SamplingParams(n=4, max_tokens=8, seed=0))
     seqs = engine.requests[request_id].seqs
-    engine.step()
-    engine.step()
+    for _ in range(3):  # prefill; the first token is read (the siblings join) while the next is fed; siblings run
+        engine.step()
     assert len({tuple(seq.block_table[:2]) for seq in seqs}) == 1
     shared = engine.scheduler.block_manager.blocks[seqs[0].block_table[0]]
     assert shared.ref_count == 4

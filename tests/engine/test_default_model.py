@@ -34,7 +34,8 @@ def test_converted_model_matches_hf(monkeypatch, tmp_path):
     runner = TorchRunner(mc, block_size=16, num_kv_blocks=8, max_model_len=128)
     positions = np.arange(len(prompt), dtype=np.int32)
     logits = runner.run(ForwardBatch(
-        input_ids=np.array(prompt, dtype=np.int32), positions=positions, slot_mapping=positions,
+        input_ids=np.array(prompt, dtype=np.int32), input_src=np.full(len(prompt), -1, dtype=np.int32),
+        positions=positions, slot_mapping=positions,
         cu_seqlens_q=np.array([0, len(prompt)], dtype=np.int32), context_lens=np.array([len(prompt)], dtype=np.int32),
         block_tables=np.arange(8, dtype=np.int32)[None], is_decode=False))[0]
 

@@ -3,7 +3,7 @@ from nanograph.config import Config
 from nanograph.engine.batch import build_forward_batch
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.scheduler import Scheduler
-from nanograph.engine.sequence import Sequence, SequenceStatus
+from nanograph.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 from .fake_model import EOS, fake_engine, reference_completion
 
@@ -24,9 +24,18 @@ def add_requests(scheduler, count, prompt_len, max_tokens=16) -> list[Sequence]:
 
 
 def step(scheduler):
+    """One step whose sampled tokens (7) are known at once."""
     batch = scheduler.schedule()
-    scheduler.postprocess(batch, [7] * sum(batch.samples))
+    finish_step(scheduler, batch)
     return batch
+
+
+def finish_step(scheduler, batch):
+    scheduler.advance(batch)
+    sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
+    for seq in sampled:
+        seq.token_ids.append(PENDING_TOKEN)
+    scheduler.postprocess(sampled, [7] * len(sampled))
 
 
 def test_max_num_seqs_caps_the_running_set():
@@ -70,7 +79,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_beside_a_decoding_sequence():
         long_positions = list(range(long_start, long_start + num_new[1]))
         assert forward.positions.tolist()[num_new[0]:] == long_positions
         assert forward.input_ids.tolist()[num_new[0]:] == long.token_ids[long_start:long_start + num_new[1]]
-        scheduler.postprocess(batch, [7] * sum(batch.samples))
+        finish_step(scheduler, batch)
     assert short.num_completion_tokens == 4 and long.num_completion_tokens == 2
 
 
@@ -84,7 +93,7 @@ def test_prompt_longer_than_the_budget_is_prefilled_in_pieces():
         assert forward.positions.tolist() == list(range(start, start + num_new))
         assert forward.input_ids.tolist() == seq.token_ids[start:start + num_new]
         assert forward.context_lens.tolist() == [start + num_new]
-        scheduler.postprocess(batch, [7] * sum(batch.samples))
+        finish_step(scheduler, batch)
     assert seq.num_completion_tokens == 1 and seq.num_computed_tokens == 40
 
 

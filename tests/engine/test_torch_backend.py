@@ -40,6 +40,7 @@ def forward_batch(steps):
         row[:len(table)] = table
     return ForwardBatch(
         input_ids=np.concatenate([new for _, _, new in steps]).astype(np.int32),
+        input_src=np.full(sum(len(new) for _, _, new in steps), -1, dtype=np.int32),
         positions=positions.astype(np.int32),
         slot_mapping=(block_tables[seq_of_token, positions // BLOCK] * BLOCK + positions % BLOCK).astype(np.int32),
         cu_seqlens_q=np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32),

@@ -51,6 +51,8 @@ class CudaRunner:
         self.logits = torch.as_tensor(
             _DeviceArray(self.model.logits_ptr, (config.max_num_seqs, mc.vocab_size), "<i2"),
             device=self.device).view(torch.bfloat16)
+        self.sampled_tokens = torch.as_tensor(
+            _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
         self.num_kv_blocks = self._size_kv_cache()
         self.use_graphs = not config.enforce_eager
         if self.use_graphs:
@@ -89,6 +91,7 @@ class CudaRunner:
         num_tokens, num_seqs = int(lens.sum()), len(lens)
         v = self.model.step_views(num_tokens, num_seqs)
         v["input_ids"][:] = np.random.default_rng(0).integers(0, self.model_config.vocab_size, num_tokens)
+        v["input_src"][:] = -1
         v["positions"][:] = np.concatenate([np.arange(n) for n in lens])
         v["slot_mapping"][:] = -1  # nothing is stored: the warm-up must not need cache blocks
         v["cu_seqlens_q"][:] = np.concatenate([[0], np.cumsum(lens)])
@@ -107,6 +110,11 @@ class CudaRunner:
         print(f"nanograph: captured {len(buckets)} decode graphs (batch {buckets[0]}..{buckets[-1]}) in "
               f"{time.perf_counter() - start:.2f} s, using {graph_bytes / 2**20:.1f} MiB", flush=True)
 
+    def publish_sampled(self, token_ids: torch.Tensor):
+        """The tokens just sampled, one per sampling row, copied on torch's stream into the core's buffer, where a
+        later batch's input_src points (StepLayout in csrc/model.h)."""
+        self.sampled_tokens[:len(token_ids)].copy_(token_ids)
+
     def run(self, batch) -> torch.Tensor:
         num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
         rows, tokens = num_seqs, num_tokens
@@ -118,6 +126,7 @@ class CudaRunner:
                 use_graph = True
         v = self.model.step_views(tokens, rows)
         v["input_ids"][:num_tokens] = batch.input_ids
+        v["input_src"][:num_tokens] = batch.input_src
         v["positions"][:num_tokens] = batch.positions
         v["slot_mapping"][:num_tokens] = batch.slot_mapping
         v["cu_seqlens_q"][:num_seqs + 1] = batch.cu_seqlens_q
@@ -126,11 +135,14 @@ class CudaRunner:
         v["block_tables"][:num_seqs, :width] = batch.block_tables
         if rows > num_seqs:  # inert padding rows of a graph bucket
             v["input_ids"][num_tokens:] = 0
+            v["input_src"][num_tokens:] = -1
             v["positions"][num_tokens:] = 0
             v["slot_mapping"][num_tokens:] = -1
             v["cu_seqlens_q"][num_seqs + 1:] = np.arange(num_tokens + 1, tokens + 1)
             v["context_lens"][num_seqs:] = 0
         q_lens = np.diff(batch.cu_seqlens_q)
+        # The previous step's sampler (on torch's stream) wrote the tokens this step may read.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.model.step(tokens, rows, int(q_lens.max()), use_graph)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self.logits[:num_seqs].float()

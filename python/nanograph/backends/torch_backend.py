@@ -48,13 +48,25 @@ class TorchRunner:
         meta = _AttentionMetadata.build(batch, self.block_size, self.device)
         positions = torch.from_numpy(batch.positions).to(self.device, torch.long)
         cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
-        h = w["embed_tokens"][torch.from_numpy(batch.input_ids).to(self.device, torch.long)]
+        h = w["embed_tokens"][self._input_ids(batch)]
         for i in range(mc.num_layers):
             p = f"layers.{i}."
             h = h + self._attention(i, _rms_norm(h, w[p + "input_layernorm"], mc.rms_norm_eps), cos, sin, meta)
             h = h + self._mlp(i, _rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
         last = _rms_norm(h[meta.last_token_rows], w["norm"], mc.rms_norm_eps)
         return F.linear(last, w["lm_head"]).float()
+
+    def publish_sampled(self, token_ids: torch.Tensor):
+        """The tokens just sampled, one per sampling row: a later batch's input_src points into them."""
+        self._sampled = token_ids.to(self.device, torch.long)
+
+    def _input_ids(self, batch) -> torch.Tensor:
+        input_ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
+        pending = batch.input_src >= 0
+        if pending.any():
+            rows = torch.from_numpy(pending).to(self.device)
+            input_ids[rows] = self._sampled[torch.from_numpy(batch.input_src[pending]).to(self.device, torch.long)]
+        return input_ids
 
     def _attention(self, layer: int, x, cos, sin, meta: _AttentionMetadata) -> torch.Tensor:
         mc, w, p = self.model_config, self.weights, f"layers.{layer}."

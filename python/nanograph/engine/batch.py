@@ -8,11 +8,14 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .scheduler import ScheduledBatch
+from .sequence import PENDING_TOKEN
 
 
 @dataclass
 class ForwardBatch:
     input_ids: np.ndarray     # int32 [num_tokens]: the new tokens of every scheduled sequence, concatenated
+    input_src: np.ndarray     # int32 [num_tokens]: -1, or the row of the previous step's sampled tokens that holds
+                              # this token (input_ids has PENDING_TOKEN there; the runner reads it on the device)
     positions: np.ndarray     # int32 [num_tokens]
     slot_mapping: np.ndarray  # int32 [num_tokens]: block_table[pos // block_size] * block_size + pos % block_size
     cu_seqlens_q: np.ndarray  # int32 [num_seqs + 1]: prefix sums of new tokens per sequence
@@ -50,10 +53,16 @@ def build_forward_batch(batch: ScheduledBatch, block_manager: BlockManager) -> F
             seq.token_ids[start:start + n] for seq, start, n in zip(seqs, starts.tolist(), batch.num_new_tokens)),
             np.int32, num_tokens)
 
+    input_src = np.full(num_tokens, -1, dtype=np.int32)
+    pending = input_ids == PENDING_TOKEN
+    if pending.any():
+        sample_rows = np.fromiter((seq.sample_row for seq in seqs), np.int32, num_seqs)
+        input_src[pending] = sample_rows[seq_of_token[pending]]
+
     max_blocks = -(-int(context_lens.max()) // block_size)
     block_tables = block_manager.block_tables[block_manager.rows(seqs), :max_blocks]
     slot_mapping = (block_tables[seq_of_token, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
-    return ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+    return ForwardBatch(input_ids=input_ids, input_src=input_src, positions=positions, slot_mapping=slot_mapping,
                         cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, block_tables=block_tables,
                         is_decode=num_tokens == num_seqs)

@@ -1,5 +1,10 @@
-"""LLMEngine: request intake and validation, the step loop (schedule → run → sample → postprocess), results and
-streamed deltas."""
+"""LLMEngine: request intake and validation, the step loop, results and streamed deltas.
+
+The loop keeps the device busy while the host works: a step queues its batch on the device first, then waits for
+the tokens the previous step sampled and applies them (stop checks, text, outputs), then queues its own sampling.
+The tokens a batch feeds that the host has not read yet stay on the device (PENDING_TOKEN, ForwardBatch.input_src).
+A sequence that stops on a token the host had not read yet was fed in one step too many; that step's row is
+dropped."""
 from __future__ import annotations
 
 import time
@@ -17,14 +22,14 @@ from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..sampler import Sampler, SamplerOutput, TokenLogprobs
+from ..sampler import PendingSample, Sampler, TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 Prompt = str | list[int]
 
@@ -45,6 +50,8 @@ class LLMEngine:
         self.sampler = Sampler(runner.device, sorted(self.eos_token_ids), config.seed)
         self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
+        self._in_flight: tuple[list[Sequence], PendingSample] | None = None  # sampled, not read yet
+        self.device_wait_seconds = 0.0  # host time spent waiting for sampled tokens (the device was behind)
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -75,23 +82,50 @@ class LLMEngine:
         request.held_back = []
 
     def has_unfinished(self) -> bool:
+        # A sequence stays running or waiting until the token that ends it has been read.
         return self.scheduler.has_unfinished()
 
     def step(self) -> tuple[list[RequestOutput], ScheduledBatch]:
-        """Run one batch; return the requests it finished, and the batch (for throughput accounting)."""
+        """Queue one batch, and apply the tokens of the one before; return the requests that finished, and the batch
+        (for throughput accounting; empty when only the previous step's tokens were left to apply)."""
         batch = self.scheduler.schedule()
-        logits = self.runner.run(build_forward_batch(batch, self.scheduler.block_manager))
-        rows = [i for i, samples in enumerate(batch.samples) if samples]
-        if len(rows) < len(batch.seqs):  # prompts cut short by the token budget sample nothing yet
-            logits = logits[rows]
-        seqs = [batch.seqs[i] for i in rows]
-        sampled = self.sampler(logits, seqs) if seqs else SamplerOutput([], [])
-        self.scheduler.postprocess(batch, sampled.token_ids)
-        for seq, logprobs in zip(seqs, sampled.logprobs):
-            self._postprocess(seq, logprobs)
+        logits = self.runner.run(build_forward_batch(batch, self.scheduler.block_manager)) if batch.seqs else None
+        finished = self._apply_sampled()
+        if not batch.seqs:
+            return finished, batch
+        self.scheduler.advance(batch)
+        # Prompts cut short by the token budget sample nothing yet, nor do sequences that ended meanwhile.
+        rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs)
+            self.runner.publish_sampled(pending.token_ids)
+            for row, seq in enumerate(seqs):
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.sample_row = row
+            self._in_flight = (seqs, pending)
+        return finished, batch
+
+    def _apply_sampled(self) -> list[RequestOutput]:
+        """Read the tokens the last step sampled and apply them; return the requests this finished."""
+        if self._in_flight is None:
+            return []
+        seqs, pending = self._in_flight
+        self._in_flight = None
+        start = time.perf_counter()
+        sampled = pending.result()
+        self.device_wait_seconds += time.perf_counter() - start
+        self.scheduler.postprocess(seqs, sampled.token_ids)
         now = time.time()
+        requests = {}
+        for seq, logprobs in zip(seqs, sampled.logprobs):
+            request = self.requests.get(seq.request_id)
+            if request is None:  # aborted
+                continue
+            self._postprocess(seq, logprobs)
+            requests[seq.request_id] = request
         finished = []
-        for request in {seq.request_id: self.requests[seq.request_id] for seq in seqs}.values():
+        for request in requests.values():
             request.metrics.first_token_time = request.metrics.first_token_time or now
             for sibling in request.held_back:  # the prompt's blocks are cached now
                 self.scheduler.add(sibling)
@@ -99,7 +133,7 @@ class LLMEngine:
             if request.finished:
                 request.metrics.finished_time = now
                 finished.append(self.requests.pop(request.request_id).output())
-        return finished, batch
+        return finished
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
                  ) -> list[RequestOutput]:
@@ -111,8 +145,9 @@ class LLMEngine:
             while self.has_unfinished():
                 start = time.perf_counter()
                 finished, batch = self.step()
-                throughput["prefill" if batch.is_prefill else "decode"] = \
-                    batch.num_tokens / (time.perf_counter() - start)
+                if batch.seqs:
+                    throughput["prefill" if batch.is_prefill else "decode"] = \
+                        batch.num_tokens / (time.perf_counter() - start)
                 bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()}, refresh=False)
                 for output in finished:
                     if output.request_id in index:  # requests queued with add_request before are not ours

@@ -38,7 +38,8 @@ class Request:
         deltas = []
         for seq in self.seqs:
             i = seq.index
-            token_ids = seq.token_ids[seq.num_prompt_tokens + self.num_streamed_tokens[i]:]
+            known = seq.num_tokens - seq.has_pending_token  # a token on its way from the device is not out yet
+            token_ids = seq.token_ids[seq.num_prompt_tokens + self.num_streamed_tokens[i]:known]
             text = seq.detokenizer.take_new_text(seq.is_finished) if seq.detokenizer else ""
             if not token_ids and not text and (self.finish_streamed[i] or not seq.is_finished):
                 continue

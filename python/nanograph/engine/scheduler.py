@@ -58,6 +58,9 @@ class Scheduler:
         unscheduled, self.running = self.running, deque()
         while unscheduled:
             seq = unscheduled.popleft()
+            if seq.has_pending_token and self._reached_length(seq):
+                self.running.append(seq)  # it ends when its pending token is read: feeding it would be wasted
+                continue
             num_new = min(seq.num_pending_tokens, budget)
             if self._reserve(seq, num_new, unscheduled):
                 self.running.append(seq)
@@ -99,16 +102,21 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int]) -> list[Sequence]:
-        """Advance the batch by its computed tokens and sampled tokens (one per sampling row); return the finished."""
+    def advance(self, batch: ScheduledBatch):
+        """The batch's tokens are in the KV cache now (queued on the device, in order): count them, and offer the
+        blocks they filled to the prefix cache. Call once the tokens they hold are known."""
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            if not seq.is_finished:  # ended (stop token, abort) while the batch was queued: its blocks are gone
+                seq.num_computed_tokens += num_new
+                self.block_manager.cache_full_blocks(seq, num_new)
+
+    def postprocess(self, seqs: list[Sequence], sampled_token_ids: list[int]) -> list[Sequence]:
+        """Put each sequence's sampled token in place of its pending one; return the sequences that ended."""
         finished = []
-        sampled = iter(sampled_token_ids)
-        for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
-            seq.num_computed_tokens += num_new
-            self.block_manager.cache_full_blocks(seq, num_new)
-            if not samples:
+        for seq, token_id in zip(seqs, sampled_token_ids):
+            seq.token_ids[-1] = token_id
+            if seq.is_finished:  # aborted while its token was on its way
                 continue
-            seq.token_ids.append(next(sampled))
             seq.finish_reason = self._finish_reason(seq)
             if seq.finish_reason:
                 self.finish(seq)
@@ -125,6 +133,7 @@ class Scheduler:
         token_id, params = seq.token_ids[-1], seq.params
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in (params.stop_token_ids or ()):
             return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self._reached_length(seq) else None
+
+    def _reached_length(self, seq: Sequence) -> bool:
+        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len

@@ -10,6 +10,11 @@ from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
 
+# Stands in token_ids for a token sampled on the device whose value the host has not read yet; the step that
+# feeds it reads it on the device (ForwardBatch.input_src).
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -29,6 +34,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; the rest are fed in the next step(s)
         self.num_cached_tokens: int | None = None  # prefix-cache hit tokens at first scheduling
+        self.sample_row = -1  # while token_ids[-1] is PENDING_TOKEN: its row in the last step's sampled tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.generator: torch.Generator | None = None  # the request's seeded random stream
@@ -51,6 +57,10 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.token_ids[-1] == PENDING_TOKEN
 
     @property
     def is_finished(self) -> bool:
