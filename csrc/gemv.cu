@@ -2,8 +2,6 @@
 // fp32 accumulation, (sum + bias) rounded once to bf16.
 //
 // Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
-// gemv_silu_mul reads x as the MLP's gate/up projection [M, 2K] and computes each 16-byte x
-// fragment as silu(gate) * up on the fly, which saves the decode step a kernel per layer.
 //
 // Why: at decode the whole weight (4-300 MB) is read once per step and nothing is reused, so the
 // kernel is bound by how many bytes are in flight across all SMs, not by arithmetic. Every weight
@@ -87,28 +85,8 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 8 elements of the MLP activation silu(gate) * up, from 8 gate and the 8 matching up elements,
-// computed and rounded exactly as silu_mul_kernel (activation.cu) does.
-__device__ __forceinline__ uint4 silu_mul_bf16x8(const uint4& gate, const uint4& up) {
-  uint4 result;
-  const uint32_t* g = reinterpret_cast<const uint32_t*>(&gate);
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(&up);
-  uint32_t* r = reinterpret_cast<uint32_t*>(&result);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 gf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&g[i]));
-    const float2 uf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u[i]));
-    const __nv_bfloat162 v = __floats2bfloat162_rn(gf.x / (1.f + __expf(-gf.x)) * uf.x,
-                                                   gf.y / (1.f + __expf(-gf.y)) * uf.y);
-    r[i] = *reinterpret_cast<const uint32_t*>(&v);
-  }
-  return result;
-}
-
-// kWideM: M > 8, so x rows g + 8 exist. kSiluMul: x is the gate/up projection [M, 2K] and the
-// kernel's input is silu(gate) * up (gemv_silu_mul). steps_per_split: warp steps in each split's
-// K range.
-template <bool kWideM, bool kSiluMul>
+// kWideM: M > 8, so x rows g + 8 exist. steps_per_split: warp steps in each split's K range.
+template <bool kWideM>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
@@ -140,22 +118,17 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
   // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
   float acc[2][4] = {};
   if (n0 < N) {
-    const int64_t x_stride = kSiluMul ? 2 * static_cast<int64_t>(K) : K;
-    const bf16* x_lo = x + g * x_stride + 8 * c;
-    const bf16* x_hi = x_lo + 8 * x_stride;
+    const bf16* x_lo = x + static_cast<int64_t>(g) * K + 8 * c;
+    const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
-    auto load_input = [&](const bf16* ptr, bool pred) {
-      if constexpr (kSiluMul) return silu_mul_bf16x8(load_x(ptr, pred), load_x(ptr + K, pred));
-      return load_x(ptr, pred);
-    };
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
       if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStepK;
         const bool in_range = step0 + u < end && k + 8 * c < K;
-        const uint4 lo = load_input(x_lo + k, in_range && has_lo);
-        const uint4 hi = load_input(x_hi + k, in_range && has_hi);
+        const uint4 lo = load_x(x_lo + k, in_range && has_lo);
+        const uint4 hi = load_x(x_hi + k, in_range && has_hi);
         mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
         mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
       }
@@ -200,9 +173,14 @@ void require_aligned(const void* ptr, const char* name) {
               "-byte aligned; pass a contiguous copy instead of an offset view");
 }
 
-template <bool kSiluMul>
-void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                 int K, cudaStream_t stream) {
+}  // namespace
+
+bool gemv_supported(int M, int N, int K) {
+  return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
+}
+
+void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
+          cudaStream_t stream) {
   require(gemv_supported(M, N, K),
           "gemv: unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
@@ -218,25 +196,9 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   }
   const int grid = ceil_div(row_groups, kWarpsPerCta / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = M > 8 ? gemv_kernel<true, kSiluMul> : gemv_kernel<false, kSiluMul>;
+  auto kernel = M > 8 ? gemv_kernel<true> : gemv_kernel<false>;
   launch_pdl(kernel, dim3(grid), dim3(kWarpsPerCta * 32), 0, stream, x, weight, bias, out, M, N,
              K, splits, steps_per_split);
-}
-
-}  // namespace
-
-bool gemv_supported(int M, int N, int K) {
-  return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
-}
-
-void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream) {
-  launch_gemv<false>(x, weight, bias, out, M, N, K, stream);
-}
-
-void gemv_silu_mul(const bf16* gate_up, const bf16* weight, bf16* out, int M, int N, int K,
-                   cudaStream_t stream) {
-  launch_gemv<true>(gate_up, weight, nullptr, out, M, N, K, stream);
 }
 
 }  // namespace nanograph

@@ -20,10 +20,4 @@ bool gemv_supported(int M, int N, int K);
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
           cudaStream_t stream);
 
-// The MLP's down projection with the activation folded in: out[M, N] = act . weight[N, K]^T with
-// act = silu(gate) * up, gate_up [M, 2K] (gate in columns [0, K), up in [K, 2K)), act rounded to
-// bf16 exactly as silu_mul() (activation.h) rounds it, so the result equals silu_mul then gemv.
-void gemv_silu_mul(const bf16* gate_up, const bf16* weight, bf16* out, int M, int N, int K,
-                   cudaStream_t stream);
-
 }  // namespace nanograph

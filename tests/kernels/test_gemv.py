@@ -63,42 +63,6 @@ def test_gemv_matches_torch(N, K, M, with_bias):
     assert_close(out, reference(x, w, b))
 
 
-# (N, K) of down projections: Qwen3-0.6B, Qwen3-8B, a small model's, a K tail.
-SILU_SHAPES = [(1024, 3072), (4096, 12288), (576, 1536), (100, 72)]
-
-
-@pytest.mark.parametrize("N,K", SILU_SHAPES)
-@pytest.mark.parametrize("M", [1, 5, 9, MAX_M])
-def test_gemv_silu_mul_equals_silu_mul_then_gemv(N, K, M):
-    """The fused activation rounds like silu_mul, so the results are bit-identical; and both match fp32."""
-    g = torch.Generator(device="cuda").manual_seed(N + K + M)
-    gate_up = (torch.randn(M, 2 * K, device="cuda", generator=g) * 2).to(torch.bfloat16)
-    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
-    act = torch.full((M, K), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ops.silu_mul(gate_up, act)
-    unfused, fused = poisoned_out(M, N), poisoned_out(M, N)
-    ops.gemv(act, w, None, unfused)
-    ops.gemv_silu_mul(gate_up, w, fused)
-    assert torch.equal(fused, unfused)
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    assert_close(fused, reference((torch.nn.functional.silu(gate) * up).to(torch.bfloat16), w, None))
-
-
-def test_gemv_silu_mul_rejects_bad_shapes():
-    gate_up = torch.randn(1, 2 * 64, device="cuda").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="weight"):
-        ops.gemv_silu_mul(gate_up, torch.randn(32, 128, device="cuda").to(torch.bfloat16),
-                          torch.empty(1, 32, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="even"):
-        ops.gemv_silu_mul(torch.randn(1, 127, device="cuda").to(torch.bfloat16),
-                          torch.randn(32, 63, device="cuda").to(torch.bfloat16),
-                          torch.empty(1, 32, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="GEMV|M="):
-        ops.gemv_silu_mul(torch.randn(MAX_M + 1, 128, device="cuda").to(torch.bfloat16),
-                          torch.randn(32, 64, device="cuda").to(torch.bfloat16),
-                          torch.empty(MAX_M + 1, 32, device="cuda", dtype=torch.bfloat16))
-
-
 def test_max_m_matches_core():
     assert ops.GEMV_MAX_M == MAX_M
 
