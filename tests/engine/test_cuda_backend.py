@@ -59,7 +59,8 @@ class Tables:
         for row, s in zip(bt, seq_ids):
             row[:len(self.tables[s])] = self.tables[s]
         q = [len(t) for t in new_tokens]
-        return ForwardBatch(np.concatenate(ids).astype(np.int32), np.concatenate(pos).astype(np.int32),
+        input_ids = np.concatenate(ids).astype(np.int32)
+        return ForwardBatch(input_ids, np.full(len(input_ids), -1, np.int32), np.concatenate(pos).astype(np.int32),
                             np.concatenate(slots).astype(np.int32),
                             np.concatenate([[0], np.cumsum(q)]).astype(np.int32),
                             np.asarray(lens, np.int32), bt, all(n == 1 for n in q))
