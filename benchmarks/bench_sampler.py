@@ -2,10 +2,11 @@
 batch (the fast path) and for a batch mixing every parameter: greedy, temperature, top-k, top-p, min_p, the three
 penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs.
 
-    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda]
+    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--profile]
 
-A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids (the one
-synchronisation) included, as the engine pays it. Target on an H200: mixed <= 1 ms."""
+A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids
+included, as the engine pays it. Target on an H200: mixed <= 1 ms. --profile then runs the mixed batch under
+torch.profiler and prints where the time goes, by operator."""
 import argparse
 import os
 import statistics
@@ -60,11 +61,25 @@ def time_ms(fn, warmup: int = 5, repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
+def profile(fn, device: torch.device, repeats: int = 20):
+    """Print fn's operators (a device's kernels under them), totalled over repeats calls, costliest first."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(repeats):
+            fn()
+    sort_by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"mixed batch under torch.profiler, {repeats} calls:")
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=25))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", action="store_true", help="profile the mixed batch, by operator")
     args = parser.parse_args()
     device = torch.device(args.device)
     sampler = Sampler(device, eos_token_ids=[0], seed=0)
@@ -73,6 +88,9 @@ def main():
     for name, params in [("all greedy", [SamplingParams(temperature=0)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
         print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")
+    if args.profile:
+        seqs = sequences(MIXED, args.rows, args.vocab, sampler)
+        profile(lambda: sampler(logits, seqs), device)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,24 @@
 """Token sampling on the logits' device, one row per sequence, in vLLM's order: logprobs of the raw logits →
-penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a Gumbel-max draw.
+penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a draw.
 
-Per-row parameters travel as tensors (pinned, non-blocking uploads) and row subsets are chosen on the host from
-the parameters, so the only host synchronisation is the copy of the results (the sampled ids, and the
-logprobs when asked for)."""
+The host splits the rows by what they need (SamplingPlan): greedy rows take the argmax; rows without truncation draw from the
+whole row; truncated rows draw among their candidates, the largest logits found by torch.topk (no row is sorted), and
+only a row whose kept tokens spill past its candidates is drawn again from the whole row. Per-row parameters go to
+the device in one copy. The host waits for the device once when rows are truncated (to learn which spill) and
+otherwise not until PendingSample.result()."""
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
 import torch
 
-from .logits_processors import apply_penalties, min_p_thresholds, top_k_thresholds, top_p_thresholds
+from .logits_processors import (TruncationParams, apply_penalties, output_counts, sorted_top_p_thresholds,
+                                truncation_thresholds)
+from .sampling_plan import DeviceArrays, SamplingPlan, TokenHistories
 
 if TYPE_CHECKING:
     from .engine.sequence import Sequence
-
 
 class TokenLogprobs(NamedTuple):
     token_ids: list[int]  # the sampled token, then the top ones
@@ -28,18 +31,37 @@ class SamplerOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # per row; None where the request asked for none
 
 
+class _Truncation(NamedTuple):
+    """The truncated rows' logits [rows, vocab], candidates [rows, k] and thresholds (floors: of top-k and min_p;
+    thresholds: of all three) [rows, 1]."""
+    rows: torch.Tensor
+    candidates: torch.Tensor
+    floors: torch.Tensor
+    thresholds: torch.Tensor
+
+
+class _Logprobs(NamedTuple):
+    """The logprobs a call computed, on the device, for rows (those that asked), each wanting num_top top ones."""
+    rows: list[int]
+    num_top: list[int]
+    sampled: torch.Tensor  # float32 [len(rows)]: the sampled token's logprob
+    ranks: torch.Tensor  # int64 [len(rows)]: the number of tokens more likely than the sampled one
+    top: torch.Tensor  # float32 [len(rows), max(num_top)]
+    top_ids: torch.Tensor  # int64 [len(rows), max(num_top)]
+
+
 class PendingSample:
     """A step's sampled token ids, still being computed on the device: the engine feeds them to the next step from
-    there and reads them later with result()."""
+    there and reads them (and the logprobs) later with result()."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs=None):
-        self.token_ids = token_ids  # [rows] on the logits' device
-        self._logprobs = logprobs  # None, or a callable giving the per-row TokenLogprobs (it synchronises)
-        self._host = token_ids
+    def __init__(self, token_ids: torch.Tensor, logprobs: _Logprobs | None = None):
+        self.token_ids = token_ids  # int64 [rows] on the logits' device
+        self._logprobs = logprobs
+        tensors = [token_ids] if logprobs is None else \
+            [token_ids, logprobs.sampled, logprobs.ranks, logprobs.top, logprobs.top_ids]
+        self._host = [tensor.to("cpu", non_blocking=True) for tensor in tensors]  # pinned; result() waits for them
         self._ready = None
         if token_ids.is_cuda:
-            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host.copy_(token_ids, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -47,18 +69,27 @@ class PendingSample:
         """Waits for the device; the token ids and logprobs as host lists."""
         if self._ready is not None:
             self._ready.synchronize()
-        logprobs = self._logprobs() if self._logprobs else [None] * len(self._host)
-        return SamplerOutput(self._host.tolist(), logprobs)
+        token_ids = self._host[0].tolist()
+        row_logprobs = [None] * len(token_ids)
+        if self._logprobs is not None:
+            sampled, ranks, top, top_ids = (tensor.tolist() for tensor in self._host[1:])
+            for i, (row, k) in enumerate(zip(self._logprobs.rows, self._logprobs.num_top)):
+                row_logprobs[row] = TokenLogprobs([token_ids[row]] + top_ids[i][:k], [sampled[i]] + top[i][:k],
+                                                  [ranks[i] + 1] + list(range(1, k + 1)))
+        return SamplerOutput(token_ids, row_logprobs)
 
 
 class Sampler:
     def __init__(self, device: torch.device, eos_token_ids=(), seed: int = 0):
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
-        self.generator = self.new_generator(seed)  # for the rows without a seed of their own
+        self.generator = torch.Generator(self.device).manual_seed(seed)  # for the rows without a seed of their own
+        self._histories = TokenHistories()
 
-    def new_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(self.device).manual_seed(seed)
+    def new_generator(self, seed: int) -> random.Random:
+        """A request's own random stream, on the host: each of its draws takes one uniform from it, so a seeded row's
+        tokens do not depend on the rest of the batch."""
+        return random.Random(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: [num_rows, vocab], one row per sequence, left unmodified."""
@@ -66,115 +97,105 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
-        unmodified) without waiting for the device."""
-        params = [seq.params for seq in seqs]
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = logits[self._upload(logprob_rows)].float().log_softmax(dim=-1) if logprob_rows else None
-        penalty_rows = [i for i, p in enumerate(params)
-                        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1]
-        masked = [(i, token_id) for i, seq in enumerate(seqs) if seq.num_completion_tokens < seq.params.min_tokens
-                  for token_id in seq.params.stop_token_ids + self.eos_token_ids]
-        greedy = [p.is_greedy for p in params]
-        if penalty_rows or masked or not all(greedy):
-            logits = self._penalised_and_scaled(logits, seqs, penalty_rows, masked)
-        if all(greedy):
+        unmodified) without waiting for the device, unless rows are truncated (see the module's docstring)."""
+        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._histories)
+        rows = plan.upload(self.device)  # sent when first read
+        if plan.logprob_rows:
+            raw_logprobs = _rows(logits, rows.logprob_rows).float().log_softmax(dim=-1)
+            top, top_ids = raw_logprobs.topk(max(plan.num_top_logprobs), dim=-1)
+        if plan.transforms:
+            logits = self._penalised_and_scaled(logits, plan, rows)
+        if len(plan.greedy_rows) == plan.num_rows:
             token_ids = logits.argmax(dim=-1)
         else:
-            greedy_ids = logits.argmax(dim=-1) if any(greedy) else None  # before truncation changes the logits
-            token_ids = self._draw(self._truncated(logits, params), seqs)
-            if greedy_ids is not None:
-                token_ids = torch.where(self._upload(greedy, torch.bool), greedy_ids, token_ids)
-        if not logprob_rows:
+            token_ids = self._drawn(logits, plan, rows)
+        if not plan.logprob_rows:
             return PendingSample(token_ids)
+        sampled = raw_logprobs.gather(1, _rows(token_ids, rows.logprob_rows)[:, None])
+        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs, sampled.squeeze(1),
+                                                  (raw_logprobs > sampled).sum(dim=-1), top, top_ids))
 
-        def logprobs() -> list[TokenLogprobs | None]:
-            row_logprobs = [None] * len(seqs)
-            for row, row_result in zip(logprob_rows, self._logprobs(raw_logprobs, token_ids, logprob_rows, params)):
-                row_logprobs[row] = row_result
-            return row_logprobs
-
-        return PendingSample(token_ids, logprobs)
-
-    def _penalised_and_scaled(self, logits: torch.Tensor, seqs: list[Sequence], penalty_rows: list[int],
-                              masked: list[tuple[int, int]]) -> torch.Tensor:
+    def _penalised_and_scaled(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:
         """A new float32 tensor: penalties, then division by the temperature (1 for greedy rows), then -inf at the
-        stop tokens of rows short of min_tokens."""
-        temperatures = self._upload([seq.params.temperature or 1.0 for seq in seqs], torch.float32)[:, None]
-        scaled = logits.float() / temperatures
-        if penalty_rows:
-            rows = self._upload(penalty_rows)
-            penalty_seqs = [seqs[i] for i in penalty_rows]
-            vocab_size = logits.shape[-1]
-            prompt_ids = None
-            if any(seq.params.repetition_penalty != 1 for seq in penalty_seqs):
-                prompt_ids = self._padded([seq.token_ids[:seq.num_prompt_tokens] for seq in penalty_seqs], vocab_size)
+        stop tokens of rows short of min_tokens. Penalties touch only the tokens a row has seen, gathered and put
+        back by their flat position in the logits."""
+        scaled = logits.float() / rows.temperatures
+        if plan.penalty_rows:
+            positions = torch.add(rows.penalty_token_ids, rows.penalty_rows, alpha=logits.shape[-1])  # flat
             penalised = apply_penalties(
-                logits[rows].float(), self._padded([seq.completion_token_ids for seq in penalty_seqs], vocab_size),
-                prompt_ids, *(self._upload([getattr(seq.params, name) for seq in penalty_seqs], torch.float32)
-                              for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")))
-            scaled[rows] = penalised / temperatures[rows]
-        if masked:
-            rows, token_ids = zip(*masked)
-            scaled[self._upload(rows), self._upload(token_ids)] = float("-inf")
+                torch.take(logits, positions).float(),
+                output_counts(rows.penalty_token_ids, rows.penalty_in_output, logits.shape[-1]),
+                rows.presence_penalties, rows.frequency_penalties, rows.repetition_penalties)
+            scaled.put_(positions, penalised.div_(rows.penalty_temperatures))
+        if plan.has_masked:
+            scaled.view(-1).index_fill_(0, rows.masked_positions, float("-inf"))
         return scaled
 
-    def _truncated(self, logits: torch.Tensor, params) -> torch.Tensor:
-        """Mask, in place and in one pass, what min_p, top-k and top-p drop from each row."""
-        vocab_size = logits.shape[-1]
-        has_min_p = any(p.min_p for p in params)
-        if has_min_p:
-            thresholds = min_p_thresholds(logits, self._upload([p.min_p for p in params], torch.float32))
-        else:
-            thresholds = torch.full((len(params),), float("-inf"), device=logits.device)
-        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
-        top_k_rows = [i for i, p in enumerate(params) if p.top_k > 0 and p.top_p == 1]
-        if top_k_rows:
-            rows = self._upload(top_k_rows)
-            kth = top_k_thresholds(logits[rows], self._upload([top_ks[i] for i in top_k_rows]),
-                                   max(top_ks[i] for i in top_k_rows))
-            thresholds[rows] = torch.maximum(thresholds[rows], kth)
-        top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1]
-        if top_p_rows:
-            rows = self._upload(top_p_rows)
-            thresholds[rows] = top_p_thresholds(logits[rows],
-                                                self._upload([params[i].top_p for i in top_p_rows], torch.float32),
-                                                self._upload([top_ks[i] for i in top_p_rows]), thresholds[rows])
-        if has_min_p or top_k_rows or top_p_rows:
-            logits.masked_fill_(logits < thresholds[:, None], float("-inf"))
-        return logits
+    def _drawn(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:
+        """int64 [num_rows]: the argmax of the greedy rows, a draw from the others (full rows, then truncated ones,
+        each with a uniform in (0, 1] from its own stream or the sampler's generator)."""
+        uniforms = 1 - torch.rand(len(plan.full_rows) + len(plan.truncated_rows), dtype=torch.float64,
+                                  device=logits.device, generator=self.generator)
+        if plan.has_seeded:
+            uniforms.index_copy_(0, rows.seeded, rows.seeded_uniforms)
+        drawn = []
+        if len(plan.greedy_rows):
+            drawn.append(_rows(logits, rows.greedy_rows).argmax(dim=-1))
+        if len(plan.full_rows):
+            full = _rows(logits, rows.full_rows)
+            drawn.append(_draw((full - full.amax(dim=-1, keepdim=True)).exp_(), uniforms[:len(plan.full_rows)]))
+        if len(plan.truncated_rows):
+            truncated_ids, truncation = self._drawn_truncated(logits, plan, rows, uniforms[len(plan.full_rows):])
+            drawn.append(truncated_ids)
+        token_ids = drawn[0] if len(drawn) == 1 else torch.cat(drawn).index_select(0, rows.order)
+        if len(plan.truncated_rows) and plan.num_candidates < logits.shape[-1]:
+            self._redraw_spilled(truncation, plan, rows, uniforms[len(plan.full_rows):], token_ids)
+        return token_ids
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """argmax(logits + Gumbel noise) draws from softmax(logits). A seeded row takes its noise from its own
-        generator, so its draws do not depend on the rest of the batch."""
-        noise = torch.empty_like(logits).exponential_(generator=self.generator)
-        for row, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[row].exponential_(generator=seq.generator)
-        return logits.sub_(noise.log_()).argmax(dim=-1)
+    def _drawn_truncated(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays,
+                         uniforms: torch.Tensor) -> tuple[torch.Tensor, _Truncation]:
+        """int64 [truncated rows]: each drawn among its candidates, where its threshold is found too."""
+        truncated = _rows(logits, rows.truncated_rows)
+        candidates, candidate_ids = truncated.topk(plan.num_candidates, dim=-1)
+        weights = (candidates - candidates[:, :1]).exp_()
+        params = TruncationParams(rows.candidate_top_ks, rows.no_top_k, rows.log_min_ps,
+                                  rows.top_ps if plan.has_top_p else None,
+                                  rows.open_top_p if plan.has_open_top_p else None)
+        floors, thresholds = truncation_thresholds(truncated, candidates, weights, params, plan.has_open_min_p)
+        drawn = _draw(weights.masked_fill_(candidates < thresholds, 0), uniforms)
+        return (candidate_ids.gather(1, drawn[:, None]).squeeze(1),
+                _Truncation(truncated, candidates, floors, thresholds))
 
-    def _logprobs(self, raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: list[int],
-                  params) -> list[TokenLogprobs]:
-        """The sampled token's logprob and rank (1 + the tokens more likely), then each row's top logprobs."""
-        vocab_size = raw_logprobs.shape[-1]
-        num_top = [vocab_size if params[i].logprobs == -1 else min(params[i].logprobs, vocab_size) for i in rows]
-        sampled_ids = token_ids[self._upload(rows)][:, None]
-        sampled = raw_logprobs.gather(1, sampled_ids)
-        ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True) + 1
-        top_logprobs, top_ids = raw_logprobs.topk(max(num_top), dim=-1)
-        ids, logprobs = torch.cat([sampled_ids, top_ids], 1).tolist(), torch.cat([sampled, top_logprobs], 1).tolist()
-        return [TokenLogprobs(row_ids[:k + 1], row_logprobs[:k + 1], [rank] + list(range(1, k + 1)))
-                for row_ids, row_logprobs, [rank], k in zip(ids, logprobs, ranks.tolist(), num_top)]
+    def _redraw_spilled(self, t: _Truncation, plan: SamplingPlan, rows: DeviceArrays, uniforms: torch.Tensor,
+                        token_ids: torch.Tensor):
+        """Draw again, from their whole rows, the truncated rows whose kept tokens may reach past their candidates
+        (the last candidate is kept), with the exact top-p threshold of the sorted row. The host waits here."""
+        spilled = (t.candidates[:, -1:] >= t.thresholds).squeeze(1).nonzero().squeeze(1)
+        if len(spilled) == 0:
+            return
+        whole = t.rows.index_select(0, spilled)
+        thresholds = t.thresholds.index_select(0, spilled)
+        if plan.has_top_p:
+            exact = sorted_top_p_thresholds(whole, rows.top_ps.index_select(0, spilled),
+                                            rows.top_ks.index_select(0, spilled), t.floors.index_select(0, spilled))
+            thresholds = torch.where(rows.top_ps.index_select(0, spilled) < 1, exact, thresholds)
+        weights = (whole - t.candidates[:, :1].index_select(0, spilled)).exp_().masked_fill_(whole < thresholds, 0)
+        token_ids.index_copy_(0, rows.truncated_rows.index_select(0, spilled),
+                              _draw(weights, uniforms.index_select(0, spilled)))
 
-    def _upload(self, values, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return self._to_device(torch.tensor(values, dtype=dtype))
 
-    def _padded(self, token_lists: list[list[int]], pad: int) -> torch.Tensor:
-        """int64 [len(token_lists), max_len]: each list, then pad."""
-        padded = np.full((len(token_lists), max(1, max(map(len, token_lists)))), pad, dtype=np.int64)
-        for row, token_ids in zip(padded, token_lists):
-            row[:len(token_ids)] = token_ids
-        return self._to_device(torch.from_numpy(padded))
+def _rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor's rows (sorted, distinct indices): the tensor itself when they are all of them."""
+    return tensor if len(rows) == len(tensor) else tensor.index_select(0, rows)
 
-    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A non-blocking copy from pinned memory: the host does not wait for the GPU work queued before."""
-        return host if self.device.type == "cpu" else host.pin_memory().to(self.device, non_blocking=True)
+
+def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One position per row, drawn with probability proportional to weights (exp(logit - max_logit): in [0, 1],
+    the max 1; 0 where the token may not be drawn), by inverse CDF with uniforms in (0, 1]. The weights are made
+    whole numbers, floor(weight * 2^s), summed in float64 below 2^52, exactly in any order: a token has exactly its
+    share, and one of weight 0 is never drawn. Tokens under 2^-s of the most likely (2^-34 at Qwen3's vocabulary)
+    get weight 0. Overwrites weights."""
+    scale = 2.0 ** (52 - weights.shape[-1].bit_length())
+    cdf = weights.mul_(scale).floor_().cumsum(dim=-1, dtype=torch.float64)
+    targets = cdf[:, -1:].mul(uniforms[:, None]).ceil_()
+    return torch.searchsorted(cdf, targets).squeeze(1)

@@ -7,7 +7,7 @@ import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import Sequence
-from nanograph.logits_processors import apply_penalties
+from nanograph.logits_processors import apply_penalties, output_counts
 from nanograph.sampler import Sampler
 
 EOS = 0
@@ -116,11 +116,15 @@ def test_penalties_match_the_reference_formula():
              ([8, 9, 10], [10, 11, 11], 0.0, 0.0, 1.3), ([2, 2, 12], [12, 13, 13, 2], -0.4, 1.1, 0.8),
              ([1], [], 1.0, 1.0, 2.0)]
     logits = torch.randn(len(cases), vocab) * 3
-    width = max(len(c[1]) for c in cases)
-    output_ids = torch.tensor([c[1] + [vocab] * (width - len(c[1])) for c in cases])
-    prompt_ids = torch.tensor([c[0] + [vocab] * (3 - len(c[0])) for c in cases])
-    presence, frequency, repetition = (torch.tensor([c[i] for c in cases]) for i in (2, 3, 4))
-    penalised = apply_penalties(logits, output_ids, prompt_ids, presence, frequency, repetition)
+    seen = [prompt + output for prompt, output, *_ in cases]  # padded with the row's last token, as the sampler does
+    width = max(map(len, seen))
+    token_ids = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in seen])
+    in_output = torch.tensor([[float(len(prompt) <= j < len(prompt) + len(output)) for j in range(width)]
+                              for prompt, output, *_ in cases])
+    presence, frequency, repetition = (torch.tensor([[c[i]] for c in cases]) for i in (2, 3, 4))
+    counts = output_counts(token_ids, in_output, vocab)
+    penalised = logits.scatter(1, token_ids, apply_penalties(logits.gather(1, token_ids), counts, presence,
+                                                             frequency, repetition))
     for row, (prompt, output, p, f, r) in enumerate(cases):
         assert torch.allclose(penalised[row], reference_penalties(logits[row], prompt, output, p, f, r))
 

@@ -1,9 +1,8 @@
 """One completion of a request: its tokens, its progress through the KV cache, and what it has produced."""
 from __future__ import annotations
 
+import random
 from enum import Enum, auto
-
-import torch
 
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
@@ -37,7 +36,7 @@ class Sequence:
         self.sample_row = -1  # while token_ids[-1] is PENDING_TOKEN: its row in the last step's sampled tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.generator: torch.Generator | None = None  # the request's seeded random stream
+        self.generator: random.Random | None = None  # the request's seeded random stream (Sampler.new_generator)
         self.detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
