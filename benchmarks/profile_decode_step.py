@@ -1,28 +1,35 @@
-"""Per-kernel time of one eager batch-1 decode step, for `ncu` (each kernel timed alone):
+"""Per-kernel time of one eager decode step, for `ncu` (each kernel timed alone):
 
     ncu --clock-control none --nvtx --nvtx-include "decode_step/" --metrics gpu__time_duration.sum \
-        --csv python benchmarks/profile_decode_step.py MODEL > profile.csv
+        --csv python benchmarks/profile_decode_step.py MODEL [BATCH [CONTEXT]] > profile.csv
     python benchmarks/profile_decode_step.py --summarize profile.csv
+
+BATCH sequences (default 1) each attend CONTEXT cached tokens (default 131: the middle of the latency
+benchmark's batch-1 run); the cache holds unwritten memory, which costs the same time to read.
 """
 import csv
 import sys
 from collections import defaultdict
 
 
-def run(model):
+def run(model, batch=1, context=131):
     import torch
 
     from nanograph import LLM, SamplingParams
     from nanograph.bench import write_decode_metadata
 
-    llm = LLM(model, device="cuda", enforce_eager=True, max_num_seqs=1, max_model_len=512, num_kv_blocks=64)
+    max_model_len = max(512, context + 1)
+    block_size = 16
+    width = -(-max_model_len // block_size) + 1  # the core's block-table width
+    llm = LLM(model, device="cuda", enforce_eager=True, max_num_seqs=batch, max_model_len=max_model_len,
+              max_num_batched_tokens=max(4096, batch), block_size=block_size, num_kv_blocks=batch * width)
     llm.generate([list(range(100, 228))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)  # warms cuBLASLt and fills the cache blocks the step reads
+                 use_tqdm=False)  # warms cuBLASLt
     model = llm.engine.runner.model
-    write_decode_metadata(model, 131)
+    write_decode_metadata(model, context, batch)
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_push("decode_step")
-    model.step(1, 1, 1, False)
+    model.step(batch, batch, 1, False)
     model.synchronize()
     torch.cuda.nvtx.range_pop()
 
@@ -48,4 +55,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--summarize":
         summarize(sys.argv[2])
     else:
-        run(sys.argv[1])
+        run(sys.argv[1], *map(int, sys.argv[2:4]))

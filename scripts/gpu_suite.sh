@@ -3,8 +3,9 @@
 # ctest, the GPU tests, the sanitizers, the profiles and the benchmarks, in the order given.
 #   scripts/gpu_suite.sh STAGE...
 # Stages: build, ctest, pytest (files from $PYTEST_FILES, default: every kernel and engine test),
-# sanitize (memcheck + racecheck over the gtest binary and $SANITIZE_FILES' pytest runs),
-# bench (kernel benchmarks), profile (ncu per-kernel times of one decode step of $MODEL),
+# sanitize (memcheck + racecheck over the gtest binary and the kernel tests),
+# bench (kernel benchmarks), profile (ncu per-kernel times of one decode step of $MODEL;
+# $PROFILE_ARGS: batch and context, e.g. "256 1024"),
 # latency, throughput, sampler (the benchmarks of the nanograph CLI and benchmarks/).
 # $MODEL is a model folder, or the name of a config in tests/hf_models.py (random weights made
 # under /tmp/models); default qwen3-0.6b.
@@ -62,14 +63,29 @@ for stage in "$@"; do
         compute-sanitizer --tool $tool --error-exitcode 9 build/ctest/nanograph_tests > "$LOGS/sanitize_${tool}_gtest.log" 2>&1 || status=1
         echo "gtest $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize_${tool}_gtest.log" | tail -1)"
       fi
-      for f in ${SANITIZE_FILES:-}; do
-        name=$(basename "$f" .py)
-        # torch's caching allocator hides out-of-bounds accesses inside its pools from memcheck.
-        PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 9 \
-          --target-processes all python3 -m pytest "$f" -q -x -p no:cacheprovider ${SANITIZE_ARGS:-} \
-          > "$LOGS/sanitize_${tool}_$name.log" 2>&1 || status=1
-        echo "$f $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$LOGS/sanitize_${tool}_$name.log" | tail -1); $(grep -E 'passed|failed' "$LOGS/sanitize_${tool}_$name.log" | tail -1)"
-      done
+    done
+    # The kernel tests under the sanitizers, in parallel processes (each is slow, mostly on the host).
+    # memcheck: every kernel test; racecheck (much slower): the cases of the kernels that use shared memory.
+    # torch's caching allocator would hide out-of-bounds accesses inside its pools from memcheck.
+    sanitized() {
+      local tool=$1 name=$2; shift 2
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 600 compute-sanitizer --tool $tool --error-exitcode 9 \
+        --target-processes all python3 -m pytest -q -p no:cacheprovider "$@" > "$LOGS/sanitize_${tool}_$name.log" 2>&1
+      echo "rc=$?" >> "$LOGS/sanitize_${tool}_$name.log"
+    }
+    for f in tests/kernels/test_*.py; do sanitized memcheck "$(basename "$f" .py)" "$f" & done
+    sanitized racecheck decode tests/kernels/test_decode_attention.py \
+      -k "edges or hd64_bs256 or q8kv1 or q28kv4 or ratio16 or all_empty or max_len_0 or graph_replay" &
+    sanitized racecheck prefill tests/kernels/test_prefill_attention.py \
+      -k "single_sequence and (15 or 17 or 65 or 200) or decode_rows or peaked" &
+    sanitized racecheck gemv tests/kernels/test_gemv.py -k "deterministic or graph_replay or offset_views" &
+    sanitized racecheck basic tests/kernels/test_basic_kernels.py \
+      -k "rmsnorm and 2048 or argmax_random or argmax_strided" &
+    wait
+    for f in "$LOGS"/sanitize_*_test_*.log "$LOGS"/sanitize_racecheck_*.log; do
+      [ -f "$f" ] && [[ "$f" != *gtest* ]] || continue
+      grep -q "rc=0" "$f" || status=1
+      echo "$(basename "$f" .log): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1) | $(grep -E ' passed| failed' "$f" | tail -1)"
     done
     ;;
   bench)
@@ -80,7 +96,7 @@ for stage in "$@"; do
     step profile
     folder=$(model_folder)
     ncu --clock-control none --nvtx --nvtx-include "decode_step/" --metrics gpu__time_duration.sum --csv \
-      python3 benchmarks/profile_decode_step.py "$folder" > "$LOGS/profile.csv" 2> "$LOGS/profile.err" || { tail -20 "$LOGS/profile.err"; status=1; }
+      python3 benchmarks/profile_decode_step.py "$folder" ${PROFILE_ARGS:-} > "$LOGS/profile.csv" 2> "$LOGS/profile.err" || { tail -20 "$LOGS/profile.err"; status=1; }
     python3 benchmarks/profile_decode_step.py --summarize "$LOGS/profile.csv" 2>&1 | tee "$LOGS/profile.txt" | head -30
     ;;
   latency)

@@ -71,16 +71,18 @@ def graph_step_seconds(runner, context_len: int, steps: int = 200) -> float | No
     return (time.perf_counter() - start) / steps
 
 
-def write_decode_metadata(model, context_len: int):
-    """A batch-1 decode step that attends context_len cached tokens (blocks 0, 1, ...) and stores nothing."""
-    v = model.step_views(1, 1)
+def write_decode_metadata(model, context_len: int, num_seqs: int = 1):
+    """A decode step of num_seqs sequences that each attend context_len cached tokens (sequence s in its own blocks
+    s * W, s * W + 1, ..., W the block-table width) and store nothing."""
+    v = model.step_views(num_seqs, num_seqs)
+    width = v["block_tables"].shape[1]
     v["input_ids"][:] = 0
     v["input_src"][:] = -1
     v["positions"][:] = context_len - 1
     v["slot_mapping"][:] = -1
-    v["cu_seqlens_q"][:] = [0, 1]
+    v["cu_seqlens_q"][:] = np.arange(num_seqs + 1)
     v["context_lens"][:] = context_len
-    v["block_tables"][:] = np.arange(v["block_tables"].shape[1])
+    v["block_tables"][:] = np.arange(num_seqs * width).reshape(num_seqs, width)
 
 
 def step_bytes(llm: LLM, context_len: float) -> float:
