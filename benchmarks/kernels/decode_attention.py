@@ -35,6 +35,9 @@ def cases():
     g = torch.Generator().manual_seed(0)
     yield _case(torch.randint(1024, 2049, (256,), generator=g).tolist(), 32, 8, 128, 16, 2048,
                 "256x(1k-2k)")
+    # Qwen3-0.6B's heads at the throughput benchmark's batch (contexts of 100..2,047 tokens).
+    yield _case(torch.randint(100, 2048, (256,), generator=g).tolist(), 16, 8, 128, 16, 2048, "256x(100-2k)")
+    yield _case([1024] * 256, 16, 8, 128, 16, 1024, "256x1024")
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
     yield _case([4096] * 64, 64, 8, 128, 16, 4096, "64x4096")
