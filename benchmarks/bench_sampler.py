@@ -2,7 +2,7 @@
 batch (the fast path) and for a batch mixing every parameter: greedy, temperature, top-k, top-p, min_p, the three
 penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs.
 
-    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--profile]
+    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16] [--profile]
 
 A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids
 included, as the engine pays it. Target on an H200: mixed <= 1 ms. --profile then runs the mixed batch under
@@ -79,12 +79,14 @@ def main():
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the logits' dtype (the engine's are bfloat16)")
     parser.add_argument("--profile", action="store_true", help="profile the mixed batch, by operator")
     args = parser.parse_args()
     device = torch.device(args.device)
     sampler = Sampler(device, eos_token_ids=[0], seed=0)
-    logits = torch.randn(args.rows, args.vocab, device=device) * 4
-    print(f"sampler, {args.rows} rows x {args.vocab} vocabulary, float32 logits on {device}")
+    logits = (torch.randn(args.rows, args.vocab, device=device) * 4).to(getattr(torch, args.dtype))
+    print(f"sampler, {args.rows} rows x {args.vocab} vocabulary, {args.dtype} logits on {device}")
     for name, params in [("all greedy", [SamplingParams(temperature=0)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
         print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")

@@ -1,4 +1,5 @@
-// Greedy argmax over rows of logits.
+// Token sampling on the device: greedy argmax over rows of logits, and sample_rows, which draws
+// one token per row with temperature, top-k, top-p and min_p.
 #pragma once
 #include "common.h"
 
@@ -7,5 +8,31 @@ namespace nanograph {
 // logits: [rows, vocab] with row stride `stride` elements; out: [rows] int32.
 // Ties resolve to the lowest index, like torch.argmax.
 void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream);
+
+// One token per row, in vLLM's order, on x = logit / temperature:
+//   1. floor: the higher of the k-th largest x (top-k) and max x + log(min_p) (min_p);
+//   2. top-p over the tokens at or above the floor, counting at most the first k by rank: the
+//      nucleus is the fewest most likely tokens whose renormalised probability reaches top_p;
+//   3. the row keeps every token whose x reaches the threshold (the nucleus' smallest x, else the
+//      floor; ties included) and draws one with probability proportional to exp(x).
+// The draw is a function of the row's logits, parameters and key alone (not of the batch).
+struct SampleRowsArgs {
+  const void* logits;  // [rows, vocab] bf16 (logits_bf16) or float32, row stride logits_stride
+  bool logits_bf16;
+  int64_t logits_stride;
+  const float* overrides = nullptr;  // [n, vocab] float32, row stride overrides_stride
+  int64_t overrides_stride = 0;
+  const int32_t* override_rows = nullptr;  // [rows]: row r reads overrides[override_rows[r]] if >= 0
+  int rows;
+  int vocab;
+  const float* temperatures;  // [rows]; 0: greedy (argmax, ties to the lowest index)
+  const int32_t* top_ks;      // [rows]; <= 0 or >= vocab: none
+  const float* top_ps;        // [rows] in (0, 1]; 1: none
+  const float* min_ps;        // [rows] in [0, 1]; 0: none
+  const uint64_t* keys;       // [rows]: the random key of each row's draw
+  int64_t* out;               // [rows] token ids
+  float* thresholds = nullptr;  // [rows] optional: the smallest x a row may draw (greedy: the max)
+};
+void sample_rows(const SampleRowsArgs& args, cudaStream_t stream);
 
 }  // namespace nanograph

@@ -1,4 +1,5 @@
-// Bindings for the memory-bound layer kernels: embedding, RMSNorm, SiLU-and-mul and argmax.
+// Bindings for the memory-bound layer kernels: embedding, RMSNorm, SiLU-and-mul, argmax and
+// sample_rows.
 #include <climits>
 #include <vector>
 
@@ -33,7 +34,7 @@ std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
 
 // logits may be a row slice of a wider buffer ([rows, vocab] out of [rows, padded]): only the
 // last dimension must be contiguous. Returns the tensor and its row stride in elements.
-std::pair<Tensor, int64_t> row_strided_logits(py::object logits) {
+std::pair<Tensor, int64_t> row_strided_logits(py::object logits, const char* dtype = "bfloat16") {
   const auto stride = logits.attr("stride")().cast<std::vector<int64_t>>();
   if (stride.size() != 2) {
     throw_invalid_argument("logits must be 2-D [rows, vocab], got " + std::to_string(stride.size()) +
@@ -47,7 +48,7 @@ std::pair<Tensor, int64_t> row_strided_logits(py::object logits) {
   }
   // One row is contiguous, so it passes the usual device/dtype/contiguity checks.
   py::object first_row = shape[0] > 0 ? logits.attr("narrow")(0, 0, 1) : logits;
-  Tensor t = cuda_tensor(first_row, "logits", "bfloat16");
+  Tensor t = cuda_tensor(first_row, "logits", dtype);
   t.shape = shape;
   return {t, shape[0] > 1 ? stride[0] : shape[1]};
 }
@@ -139,6 +140,64 @@ NANOGRAPH_BINDINGS(bind_basic) {
       py::arg("logits"), py::arg("out"),
       "out[r] = argmax(logits[r]) with ties to the lowest index, like torch.argmax; logits "
       "[rows, vocab] bf16 (rows may be strided, vocab must be contiguous), out [rows] int32.");
+
+  m.def(
+      "sample_rows",
+      [](py::object logits, py::object temperatures, py::object top_ks, py::object top_ps,
+         py::object min_ps, py::object keys, py::object out, py::object thresholds,
+         py::object overrides, py::object override_rows) {
+        const bool bf16_logits = py::str(logits.attr("dtype")).cast<std::string>() == "torch.bfloat16";
+        auto [tl, row_stride] = row_strided_logits(logits, bf16_logits ? "bfloat16" : "float32");
+        const int64_t rows = tl.size(0);
+        Tensor tt = cuda_tensor(temperatures, "temperatures", "float32");
+        Tensor tk = cuda_tensor(top_ks, "top_ks", "int32");
+        Tensor tp = cuda_tensor(top_ps, "top_ps", "float32");
+        Tensor tm = cuda_tensor(min_ps, "min_ps", "float32");
+        Tensor tkeys = cuda_tensor(keys, "keys", "int64");
+        Tensor to = cuda_tensor(out, "out", "int64");
+        Tensor tth = optional_cuda_tensor(thresholds, "thresholds", "float32");
+        Tensor tov = optional_cuda_tensor(overrides, "overrides", "float32");
+        Tensor tor = optional_cuda_tensor(override_rows, "override_rows", "int32");
+        for (const Tensor* t : {&tt, &tk, &tp, &tm, &tkeys, &to}) expect_shape(*t, {rows});
+        std::vector<const Tensor*> all = {&tl, &tt, &tk, &tp, &tm, &tkeys, &to};
+        if (tth.ptr) expect_shape(tth, {rows}), all.push_back(&tth);
+        if ((tov.ptr == nullptr) != (tor.ptr == nullptr)) {
+          throw_invalid_argument("overrides and override_rows go together: pass both or neither");
+        }
+        if (tov.ptr) {
+          expect_shape(tov, {-1, tl.size(1)});
+          expect_shape(tor, {rows});
+          all.push_back(&tov);
+          all.push_back(&tor);
+        }
+        same_device(all);
+        SampleRowsArgs args;
+        args.logits = tl.ptr;
+        args.logits_bf16 = bf16_logits;
+        args.logits_stride = row_stride;
+        args.overrides = tov.data<float>();
+        args.overrides_stride = tov.ptr ? tov.size(1) : 0;
+        args.override_rows = tor.data<int32_t>();
+        args.rows = checked_int(rows, "rows");
+        args.vocab = checked_int(tl.size(1), "vocab");
+        args.temperatures = tt.data<float>();
+        args.top_ks = tk.data<int32_t>();
+        args.top_ps = tp.data<float>();
+        args.min_ps = tm.data<float>();
+        args.keys = tkeys.data<uint64_t>();
+        args.out = to.data<int64_t>();
+        args.thresholds = tth.data<float>();
+        sample_rows(args, torch_current_stream());
+      },
+      py::arg("logits"), py::arg("temperatures"), py::arg("top_ks"), py::arg("top_ps"),
+      py::arg("min_ps"), py::arg("keys"), py::arg("out"), py::arg("thresholds") = py::none(),
+      py::arg("overrides") = py::none(), py::arg("override_rows") = py::none(),
+      "One token per row into out [rows] int64, from logits [rows, vocab] bf16 or float32 (rows "
+      "may be strided): temperature (0: greedy), top_k (<= 0 or >= vocab: none), top_p, min_p "
+      "([rows] float32 / int32), and keys [rows] int64, each row's random key (see "
+      "csrc/sampling.h). thresholds [rows] float32, optional, receives the smallest logit / "
+      "temperature a row may draw. overrides [n, vocab] float32 with override_rows [rows] int32: "
+      "row r reads overrides[override_rows[r]] instead of logits[r] where that is >= 0.");
 }
 
 }  // namespace nanograph::py_ext

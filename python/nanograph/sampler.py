@@ -1,11 +1,13 @@
 """Token sampling on the logits' device, one row per sequence, in vLLM's order: logprobs of the raw logits →
 penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a draw.
 
-The host splits the rows by what they need (SamplingPlan): greedy rows take the argmax; rows without truncation draw from the
-whole row; truncated rows draw among their candidates, the largest logits found by torch.topk (no row is sorted), and
-only a row whose kept tokens spill past its candidates is drawn again from the whole row. Per-row parameters go to
-the device in one copy. The host waits for the device once when rows are truncated (to learn which spill) and
-otherwise not until PendingSample.result()."""
+On a GPU with the core, one kernel (csrc/sample_rows.cu) samples every row from its parameters and a 64-bit key
+drawn on the host (from the request's own stream when it has a seed); rows with penalties or masked tokens are
+first copied out and modified. Elsewhere the torch path splits the rows by what they need (SamplingPlan): greedy
+rows take the argmax; rows without truncation draw from the whole row; truncated rows draw among their candidates,
+the largest logits found by torch.topk (no row is sorted), and only a row whose kept tokens spill past its
+candidates is drawn again from the whole row; that path waits for the device once when rows are truncated.
+Per-row parameters go to the device in one copy; otherwise the host does not wait until PendingSample.result()."""
 from __future__ import annotations
 
 import random
@@ -15,6 +17,7 @@ import torch
 
 from .logits_processors import (TruncationParams, apply_penalties, output_counts, sorted_top_p_thresholds,
                                 truncation_thresholds)
+from ._core import core_available, require_core
 from .sampling_plan import DeviceArrays, SamplingPlan, TokenHistories
 
 if TYPE_CHECKING:
@@ -85,6 +88,9 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for the rows without a seed of their own
         self._histories = TokenHistories()
+        # On a GPU with the core, one kernel samples every row; its draws take 64-bit keys from the host.
+        self._kernel = self.device.type == "cuda" and core_available()
+        self._keys = random.Random(seed)
 
     def new_generator(self, seed: int) -> random.Random:
         """A request's own random stream, on the host: each of its draws takes one uniform from it, so a seeded row's
@@ -98,34 +104,57 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
         unmodified) without waiting for the device, unless rows are truncated (see the module's docstring)."""
-        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._histories)
+        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._histories,
+                            self._keys if self._kernel else None)
         rows = plan.upload(self.device)  # sent when first read
         if plan.logprob_rows:
             raw_logprobs = _rows(logits, rows.logprob_rows).float().log_softmax(dim=-1)
             top, top_ids = raw_logprobs.topk(max(plan.num_top_logprobs), dim=-1)
-        if plan.transforms:
-            logits = self._penalised_and_scaled(logits, plan, rows)
-        if len(plan.greedy_rows) == plan.num_rows:
-            token_ids = logits.argmax(dim=-1)
+        if self._kernel:
+            token_ids = self._drawn_on_core(logits, plan, rows)
+        elif plan.transforms:
+            token_ids = self._drawn(self._penalised_and_scaled(logits, plan, rows), plan, rows)
         else:
-            token_ids = self._drawn(logits, plan, rows)
+            token_ids = logits.argmax(dim=-1)
         if not plan.logprob_rows:
             return PendingSample(token_ids)
         sampled = raw_logprobs.gather(1, _rows(token_ids, rows.logprob_rows)[:, None])
         return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs, sampled.squeeze(1),
                                                   (raw_logprobs > sampled).sum(dim=-1), top, top_ids))
 
+    def _drawn_on_core(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:
+        """int64 [num_rows] from the core's sampling kernel, which reads the penalised and masked rows from a float32
+        copy of them (the overrides)."""
+        token_ids = torch.empty(plan.num_rows, dtype=torch.int64, device=logits.device)
+        overrides = override_rows = None
+        if len(plan.override_source):
+            overrides = logits.index_select(0, rows.override_source).float()
+            if plan.penalty_rows:
+                overrides.put_(*self._penalised(overrides, rows))
+            if plan.has_masked:
+                overrides.view(-1).index_fill_(0, rows.masked_positions, float("-inf"))
+            override_rows = rows.override_rows
+        require_core().sample_rows(logits, rows.kernel_temperatures, rows.top_ks, rows.top_ps, rows.min_ps, rows.keys,
+                                   token_ids, None, overrides, override_rows)
+        return token_ids
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, rows: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat positions in logits of the tokens the penalised rows have seen, and their penalised logits
+        (float32): penalties touch only those tokens."""
+        positions = torch.add(rows.penalty_token_ids, rows.penalty_rows, alpha=logits.shape[-1])
+        penalised = apply_penalties(
+            torch.take(logits, positions).float(),
+            output_counts(rows.penalty_token_ids, rows.penalty_in_output, logits.shape[-1]),
+            rows.presence_penalties, rows.frequency_penalties, rows.repetition_penalties)
+        return positions, penalised
+
     def _penalised_and_scaled(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:
         """A new float32 tensor: penalties, then division by the temperature (1 for greedy rows), then -inf at the
-        stop tokens of rows short of min_tokens. Penalties touch only the tokens a row has seen, gathered and put
-        back by their flat position in the logits."""
+        stop tokens of rows short of min_tokens."""
         scaled = logits.float() / rows.temperatures
         if plan.penalty_rows:
-            positions = torch.add(rows.penalty_token_ids, rows.penalty_rows, alpha=logits.shape[-1])  # flat
-            penalised = apply_penalties(
-                torch.take(logits, positions).float(),
-                output_counts(rows.penalty_token_ids, rows.penalty_in_output, logits.shape[-1]),
-                rows.presence_penalties, rows.frequency_penalties, rows.repetition_penalties)
+            positions, penalised = self._penalised(logits, rows)
             scaled.put_(positions, penalised.div_(rows.penalty_temperatures))
         if plan.has_masked:
             scaled.view(-1).index_fill_(0, rows.masked_positions, float("-inf"))

@@ -2,6 +2,7 @@
 per-row arrays the device needs, sent in one copy."""
 from __future__ import annotations
 
+import random
 import weakref
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,10 @@ class SamplingPlan:
     """The host's part of one call, decided from the parameters: which rows take which path (row lists: sorted
     numpy int64), and the per-row arrays the device needs (self.arrays, sent in one copy by upload)."""
 
-    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], histories: TokenHistories):
+    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], histories: TokenHistories,
+                 keys: random.Random | None = None):
+        """keys: the sampler's own random stream, for a plan of the core's sampling kernel (None: of the torch
+        path), which takes every row's parameters and a 64-bit random key per sampled row."""
         params = [seq.params for seq in seqs]
         self.num_rows = num_rows = len(seqs)
         temperatures = np.fromiter([p.temperature for p in params], np.float32, num_rows)
@@ -50,18 +54,7 @@ class SamplingPlan:
         top_ks[(top_ks <= 0) | (top_ks > vocab_size)] = vocab_size
         top_ps = np.fromiter([p.top_p for p in sampled_params], np.float32, len(sampled))
         min_ps = np.fromiter([p.min_p for p in sampled_params], np.float32, len(sampled))
-        truncated = (top_ks < vocab_size) | (top_ps < 1) | (min_ps > 0)
-        self.full_rows = sampled[~truncated]
-        self.truncated_rows = sampled[truncated]
-        sampled_rows = np.concatenate([self.full_rows, self.truncated_rows])  # the order of the draws' uniforms
-        self.arrays = {"temperatures": np.where(greedy, np.float32(1), temperatures)[:, None],
-                       "greedy_rows": self.greedy_rows, "full_rows": self.full_rows,
-                       "truncated_rows": self.truncated_rows}
-        if sum(len(group) > 0 for group in (self.greedy_rows, self.full_rows, self.truncated_rows)) > 1:
-            # The draws come greedy rows first, then full rows, then truncated ones: order puts them back.
-            self.arrays["order"] = np.argsort(np.concatenate([self.greedy_rows, sampled_rows]))
-        self._truncations(vocab_size, top_ks[truncated], top_ps[truncated], min_ps[truncated])
-        self._seeds(seqs, sampled_rows)
+        self.arrays: dict[str, np.ndarray] = {}
         self._penalties(seqs, params, vocab_size, histories)
         self._min_tokens(seqs, params, vocab_size, eos_token_ids)
         self.transforms = not greedy.all() or bool(self.penalty_rows) or self.has_masked
@@ -69,6 +62,46 @@ class SamplingPlan:
         self.num_top_logprobs = [vocab_size if params[i].logprobs == -1 else min(params[i].logprobs, vocab_size)
                                  for i in self.logprob_rows]
         self.arrays["logprob_rows"] = np.array(self.logprob_rows, dtype=np.int64)
+        if keys is not None:
+            self._kernel_rows(seqs, vocab_size, temperatures, sampled, top_ks, top_ps, min_ps, keys)
+            return
+        truncated = (top_ks < vocab_size) | (top_ps < 1) | (min_ps > 0)
+        self.full_rows = sampled[~truncated]
+        self.truncated_rows = sampled[truncated]
+        sampled_rows = np.concatenate([self.full_rows, self.truncated_rows])  # the order of the draws' uniforms
+        self.arrays.update(temperatures=np.where(greedy, np.float32(1), temperatures)[:, None],
+                           greedy_rows=self.greedy_rows, full_rows=self.full_rows, truncated_rows=self.truncated_rows)
+        if sum(len(group) > 0 for group in (self.greedy_rows, self.full_rows, self.truncated_rows)) > 1:
+            # The draws come greedy rows first, then full rows, then truncated ones: order puts them back.
+            self.arrays["order"] = np.argsort(np.concatenate([self.greedy_rows, sampled_rows]))
+        self._truncations(vocab_size, top_ks[truncated], top_ps[truncated], min_ps[truncated])
+        self._seeds(seqs, sampled_rows)
+        self.arrays["masked_positions"] = self.masked_rows * vocab_size + self.masked_tokens
+
+    def _kernel_rows(self, seqs: list[Sequence], vocab_size: int, temperatures: np.ndarray, sampled: np.ndarray,
+                     top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray, keys: random.Random):
+        """The kernel's per-row arrays: temperature (0: greedy), top-k (0: none), top_p, min_p, the draw's key (from
+        the row's own stream if it has one), and the rows it reads from the overrides (penalised and masked rows,
+        copied out of the logits: penalty_rows and masked_positions then index the overrides)."""
+        num_rows = self.num_rows
+        row_top_ks = np.zeros(num_rows, np.int32)
+        row_top_ks[sampled] = np.where(top_ks < vocab_size, top_ks, 0)
+        row_top_ps = np.ones(num_rows, np.float32)
+        row_top_ps[sampled] = top_ps
+        row_min_ps = np.zeros(num_rows, np.float32)
+        row_min_ps[sampled] = min_ps
+        row_keys = np.zeros(num_rows, np.uint64)
+        row_keys[sampled] = [(seqs[row].generator or keys).getrandbits(64) for row in sampled.tolist()]
+        overridden = np.union1d(np.array(self.penalty_rows, dtype=np.int64), self.masked_rows)
+        override_rows = np.full(num_rows, -1, np.int32)
+        override_rows[overridden] = np.arange(len(overridden), dtype=np.int32)
+        self.override_source = overridden
+        self.arrays.update(kernel_temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
+                           keys=row_keys.view(np.int64), override_rows=override_rows, override_source=overridden,
+                           masked_positions=override_rows[self.masked_rows].astype(np.int64) * vocab_size
+                           + self.masked_tokens)
+        if self.penalty_rows:
+            self.arrays["penalty_rows"] = override_rows[self.arrays["penalty_rows"]].astype(np.int64)
 
     def _truncations(self, vocab_size: int, top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray):
         """The truncated rows' parameters ([rows, 1]), and their number of candidates: CANDIDATES past the largest
@@ -134,12 +167,12 @@ class SamplingPlan:
             penalty_temperatures=temperatures[:, None])
 
     def _min_tokens(self, seqs: list[Sequence], params: list, vocab_size: int, eos_token_ids: list[int]):
-        """The flat positions of the stop tokens (EOS included) of the rows short of min_tokens."""
-        masked = [row * vocab_size + token_id for row, p in enumerate(params)
+        """The rows and stop tokens (EOS included) of the rows short of min_tokens, one pair per masked token."""
+        masked = [(row, token_id) for row, p in enumerate(params)
                   if p.min_tokens and seqs[row].num_completion_tokens < p.min_tokens
                   for token_id in p.stop_token_ids + eos_token_ids]
         self.has_masked = bool(masked)
-        self.arrays["masked_positions"] = np.array(masked, dtype=np.int64)
+        self.masked_rows, self.masked_tokens = np.array(masked, dtype=np.int64).reshape(-1, 2).T
 
     def upload(self, device: torch.device) -> DeviceArrays:
         return DeviceArrays(self.arrays, device)
@@ -181,5 +214,5 @@ class DeviceArrays:
         self._typed = {dtype: on_device.view(dtype) for dtype in TORCH_DTYPES.values()}
 
 
-TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.float32): torch.float32,
+TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.float32): torch.float32,
                  np.dtype(np.float64): torch.float64, np.dtype(np.bool_): torch.bool}

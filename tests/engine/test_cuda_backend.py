@@ -83,12 +83,12 @@ def test_teacher_forced_logprobs_match_hf(model_pair):
     logits = runner.run(tables.batch(range(len(seqs)), [0] * len(seqs),
                                      [s[:n].tolist() for s, n in zip(seqs, lengths)]))
     for i in range(len(seqs)):
-        ours[i].append(torch.log_softmax(logits[i], -1))
+        ours[i].append(torch.log_softmax(logits[i].float(), -1))
     for step in range(24 - 1):
         logits = runner.run(tables.batch(range(len(seqs)), [n + step for n in lengths],
                                          [[s[n + step].item()] for s, n in zip(seqs, lengths)]))
         for i in range(len(seqs)):
-            ours[i].append(torch.log_softmax(logits[i], -1))
+            ours[i].append(torch.log_softmax(logits[i].float(), -1))
     for i, (s, n) in enumerate(zip(seqs, lengths)):
         got = torch.stack(ours[i])
         want = ref[i][n - 1:n + 23]

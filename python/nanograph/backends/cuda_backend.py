@@ -116,6 +116,8 @@ class CudaRunner:
         self.sampled_tokens[:len(token_ids)].copy_(token_ids)
 
     def run(self, batch) -> torch.Tensor:
+        """The batch's logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid until the next step
+        is queued (the sampler reads it first, on torch's stream)."""
         num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
         rows, tokens = num_seqs, num_tokens
         use_graph = False
@@ -145,4 +147,4 @@ class CudaRunner:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self.model.step(tokens, rows, int(q_lens.max()), use_graph)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return self.logits[:num_seqs].float()
+        return self.logits[:num_seqs]

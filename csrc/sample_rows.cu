@@ -1,0 +1,409 @@
+// Sampling of one token per row from logits, with temperature, top-k, top-p and min_p, in one
+// kernel (see sampling.h for the arguments and the semantics).
+//
+// Launch: one CTA of 512 threads per row; the CTA streams its row from global memory once per
+// pass, with 16-byte loads, four per thread in flight. Passes of a row, by what it asks:
+//   greedy:                        argmax (1 pass)
+//   temperature only:              draw (1)
+//   with truncations:              max/min (1), top-k select (up to 3), top-p select (up to 3),
+//                                  draw (1)
+// No row is sorted. A select finds the threshold element by refining a histogram over the
+// elements' order-preserving 32-bit keys: 2048 bins of equal key width over the range still in
+// question, the bin where the running count (top-k) or probability mass (top-p) crosses its
+// target, then 2048 bins over that bin, until a bin is one key wide (at most three passes).
+// Masses are whole numbers, floor(exp(x - x_max) * 2^s) with s = 52 - bit_length(vocab), summed
+// exactly in 64-bit integers: the threshold does not depend on the order of the additions.
+// The draw is an exponential race: among the kept tokens, the one with the largest
+// x - log(E), E ~ Exp(1) drawn from Philox-4x32-10 keyed by the row's key and counted by the
+// token id. That picks token i with probability exp(x_i) / sum over kept exp(x), needs no prefix
+// sum, and makes a row's token a function of its logits, parameters and key alone.
+#include <climits>
+
+#include "sampling.h"
+
+namespace nanograph {
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kLoadsInFlight = 4;
+constexpr int kBins = 2048;
+constexpr int kBinsPerThread = kBins / kThreads;
+
+// Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest).
+__device__ __forceinline__ uint32_t ordered_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key ^ 0x80000000u) : ~key);
+}
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+
+// Calls f(first_index, x[4], count) for the row's elements in aligned groups of four (count < 4
+// only at the end of the row), each thread taking every kThreads-th group.
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_quad(const T* row, int vocab, F&& f) {
+  constexpr int kPerVec = 16 / sizeof(T);
+  if (reinterpret_cast<uintptr_t>(row) % 16 == 0 && vocab % kPerVec == 0) {
+    const uint4* vecs = reinterpret_cast<const uint4*>(row);
+    const int num_vecs = vocab / kPerVec;
+    auto emit = [&](const uint4& raw, int first) {
+      const T* x = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int q = 0; q < kPerVec / 4; ++q) {
+        const float quad[4] = {to_float(x[4 * q]), to_float(x[4 * q + 1]), to_float(x[4 * q + 2]),
+                               to_float(x[4 * q + 3])};
+        f(first + 4 * q, quad, 4);
+      }
+    };
+    int v = threadIdx.x;
+    for (; v + (kLoadsInFlight - 1) * kThreads < num_vecs; v += kLoadsInFlight * kThreads) {
+      uint4 raw[kLoadsInFlight];
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) raw[i] = __ldg(vecs + v + i * kThreads);
+#pragma unroll
+      for (int i = 0; i < kLoadsInFlight; ++i) emit(raw[i], (v + i * kThreads) * kPerVec);
+    }
+    for (; v < num_vecs; v += kThreads) emit(__ldg(vecs + v), v * kPerVec);
+  } else {
+    for (int first = 4 * threadIdx.x; first < vocab; first += 4 * kThreads) {
+      const int count = min(4, vocab - first);
+      float quad[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) quad[e] = e < count ? to_float(row[first + e]) : -INFINITY;
+      f(first, quad, count);
+    }
+  }
+}
+
+// Philox-4x32 with 10 rounds (Salmon et al., SC'11): four 32-bit random words per counter.
+__device__ __forceinline__ uint4 philox(uint64_t key, uint32_t counter) {
+  uint32_t c0 = counter, c1 = 0, c2 = 0, c3 = 0;
+  uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const uint32_t hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// x - log(E) for E ~ Exp(1) from 32 random bits: E = -log(1 - v), v uniform in (0, 1], computed
+// as -log1p(-v) so that the small E that win races keep their precision.
+__device__ __forceinline__ float race_score(float x, uint32_t bits) {
+  const float v = fmaf(static_cast<float>(bits), 0x1p-32f, 0x1p-33f);
+  return x - logf(-log1pf(-v));
+}
+
+// A (value, index) candidate: larger values win, ties go to the lower index.
+struct Best {
+  float value;
+  int index;
+};
+
+__device__ __forceinline__ void keep_better(Best& best, float value, int index) {
+  if (value > best.value || (value == best.value && index < best.index)) best = {value, index};
+}
+
+struct Shared {
+  uint32_t count[kBins];
+  unsigned long long mass[kBins];
+  uint32_t warp_count[kWarps];
+  unsigned long long warp_mass[kWarps];
+  Best warp_best[kWarps];
+  float warp_min[kWarps];
+  unsigned long long total_mass;
+  int pick;  // the bin where a select's target is reached, and the count and mass above it
+  uint32_t pick_count;
+  unsigned long long pick_mass;
+};
+
+__device__ Best block_best(Best best, Shared& sh) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float value = __shfl_xor_sync(0xffffffffu, best.value, offset);
+    const int index = __shfl_xor_sync(0xffffffffu, best.index, offset);
+    keep_better(best, value, index);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // the scratch may still be read by a previous reduction
+  if (lane == 0) sh.warp_best[warp] = best;
+  __syncthreads();
+  best = sh.warp_best[0];
+  for (int w = 1; w < kWarps; ++w) keep_better(best, sh.warp_best[w].value, sh.warp_best[w].index);
+  return best;
+}
+
+__device__ float block_min(float x, Shared& sh) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x = fminf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.warp_min[threadIdx.x / 32] = x;
+  __syncthreads();
+  x = sh.warp_min[0];
+  for (int w = 1; w < kWarps; ++w) x = fminf(x, sh.warp_min[w]);
+  return x;
+}
+
+// Exclusive prefix sums over the threads (in thread order) of a count and a mass.
+__device__ void block_exclusive_scan(uint32_t& count, unsigned long long& mass, Shared& sh) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint32_t c = count;
+  unsigned long long m = mass;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const uint32_t c_up = __shfl_up_sync(0xffffffffu, c, offset);
+    const unsigned long long m_up = __shfl_up_sync(0xffffffffu, m, offset);
+    if (lane >= offset) c += c_up, m += m_up;
+  }
+  __syncthreads();
+  if (lane == 31) sh.warp_count[warp] = c, sh.warp_mass[warp] = m;
+  __syncthreads();
+  uint32_t c_before = 0;
+  unsigned long long m_before = 0;
+  for (int w = 0; w < warp; ++w) c_before += sh.warp_count[w], m_before += sh.warp_mass[w];
+  count = c_before + c - count;
+  mass = m_before + m - mass;
+}
+
+// A row being sampled: its logits (any element type) scaled by 1 / temperature.
+template <typename T>
+struct Row {
+  const T* logits;
+  int vocab;
+  float temperature;
+  float x_max = 0.f;
+  float weight_scale = 0.f;  // 2^s: weights are floor(exp(x - x_max) * 2^s)
+
+  template <typename F>
+  __device__ __forceinline__ void for_each(F&& f) const {
+    for_each_quad(logits, vocab, [&](int first, const float (&quad)[4], int count) {
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = quad[e] / temperature;
+      f(first, x, count);
+    });
+  }
+
+  __device__ __forceinline__ unsigned long long weight(float x) const {
+    return __float2ull_rz(expf(x - x_max) * weight_scale);
+  }
+};
+
+// The result of a select: the threshold key, and the domain's elements strictly above it.
+struct Selected {
+  bool found;
+  uint32_t key;
+  uint32_t count_above;
+  unsigned long long mass_above;
+};
+
+// Finds, among the elements whose keys lie in [lo, hi], the first in descending order at which
+// the running count reaches `target_count` (mass_target <= 0) or the running mass reaches
+// mass_target * (the domain's mass, or `total_mass` when nonzero). Not found: the domain holds
+// less than the target.
+template <typename T>
+__device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t target_count,
+                          double mass_target, unsigned long long total_mass, Shared& sh) {
+  const bool by_mass = mass_target > 0;
+  double target = by_mass ? 0.0 : static_cast<double>(target_count);
+  Selected result = {false, 0u, 0u, 0ull};
+  for (bool first_level = true;; first_level = false) {
+    const uint32_t range = hi - lo;
+    int shift = 0;
+    while ((range >> shift) >= kBins) ++shift;
+    for (int b = threadIdx.x; b < kBins; b += kThreads) sh.count[b] = 0, sh.mass[b] = 0;
+    __syncthreads();
+    row.for_each([&](int first, const float (&x)[4], int count) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t key = ordered_key(x[e]);
+        if (e < count && key >= lo && key <= hi) {
+          const uint32_t bin = (hi - key) >> shift;
+          atomicAdd(&sh.count[bin], 1u);
+          const unsigned long long w = row.weight(x[e]);
+          if (w) atomicAdd(&sh.mass[bin], w);
+        }
+      }
+    });
+    __syncthreads();
+    // Each thread owns kBinsPerThread consecutive bins, scanned from the highest keys down.
+    uint32_t count = 0;
+    unsigned long long mass = 0;
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      count += sh.count[threadIdx.x * kBinsPerThread + j];
+      mass += sh.mass[threadIdx.x * kBinsPerThread + j];
+    }
+    uint32_t count_before = count;
+    unsigned long long mass_before = mass;
+    block_exclusive_scan(count_before, mass_before, sh);
+    if (first_level && by_mass) {
+      unsigned long long total = total_mass;
+      if (total == 0) {  // the domain's mass: the last thread's exclusive sum plus its own
+        if (threadIdx.x == kThreads - 1) sh.total_mass = mass_before + mass;
+        __syncthreads();
+        total = sh.total_mass;
+      }
+      target = mass_target * static_cast<double>(total);
+    }
+    if (threadIdx.x == 0) sh.pick = -1;
+    __syncthreads();
+    uint32_t c = result.count_above + count_before;
+    unsigned long long m = result.mass_above + mass_before;
+#pragma unroll
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      const int bin = threadIdx.x * kBinsPerThread + j;
+      const uint32_t c_next = c + sh.count[bin];
+      const unsigned long long m_next = m + sh.mass[bin];
+      const bool reached = by_mass ? static_cast<double>(m_next) >= target
+                                   : static_cast<double>(c_next) >= target;
+      const bool reached_before = by_mass ? static_cast<double>(m) >= target
+                                          : static_cast<double>(c) >= target;
+      if (reached && !reached_before) {
+        sh.pick = bin;
+        sh.pick_count = c;
+        sh.pick_mass = m;
+      }
+      c = c_next;
+      m = m_next;
+    }
+    __syncthreads();
+    const int pick = sh.pick;
+    if (pick < 0) return result;
+    result.count_above = sh.pick_count;
+    result.mass_above = sh.pick_mass;
+    __syncthreads();  // before the scratch is reused
+    const uint32_t new_hi = hi - (static_cast<uint32_t>(pick) << shift);
+    const int64_t bin_lo = static_cast<int64_t>(new_hi) - (int64_t{1} << shift) + 1;
+    lo = static_cast<uint32_t>(max(static_cast<int64_t>(lo), bin_lo));
+    hi = new_hi;
+    if (shift == 0) {
+      result.found = true;
+      result.key = hi;
+      return result;
+    }
+  }
+}
+
+template <typename T>
+__device__ void sample_row(const T* logits, int r, const SampleRowsArgs& a, Shared& sh) {
+  const float temperature = a.temperatures[r];
+  Row<T> row{logits, a.vocab, temperature > 0.f ? temperature : 1.f};
+  if (!(temperature > 0.f)) {  // greedy
+    Best best = {-INFINITY, INT_MAX};
+    row.for_each([&](int first, const float (&x)[4], int count) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (e < count) keep_better(best, x[e], first + e);
+      }
+    });
+    best = block_best(best, sh);
+    if (threadIdx.x == 0) {
+      a.out[r] = best.index == INT_MAX ? 0 : best.index;
+      if (a.thresholds) a.thresholds[r] = best.value;
+    }
+    return;
+  }
+
+  const int top_k = a.top_ks[r];
+  const float top_p = a.top_ps[r], min_p = a.min_ps[r];
+  const bool has_top_k = top_k > 0 && top_k < a.vocab, has_top_p = top_p < 1.f;
+  const bool has_min_p = min_p > 0.f;
+  float threshold = -INFINITY;
+  if (has_top_k || has_top_p || has_min_p) {
+    Best max = {-INFINITY, INT_MAX};
+    float min = INFINITY;
+    row.for_each([&](int first, const float (&x)[4], int count) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (e < count) keep_better(max, x[e], first + e), min = fminf(min, x[e]);
+      }
+    });
+    row.x_max = block_best(max, sh).value;
+    min = block_min(min, sh);
+    row.weight_scale = ldexpf(1.f, 52 - (32 - __clz(a.vocab)));
+    const float floor = has_min_p ? row.x_max + logf(min_p) : min;
+    const uint32_t lo = ordered_key(floor), hi = ordered_key(row.x_max);
+    threshold = has_min_p ? floor : -INFINITY;
+    Selected kth = {false, 0u, 0u, 0ull};
+    if (has_top_k && lo <= hi) {
+      kth = select(row, lo, hi, static_cast<uint32_t>(top_k), 0.0, 0ull, sh);
+      if (kth.found) threshold = key_value(kth.key);
+    }
+    // With top-k, top-p sees the first k by rank: the nucleus is searched above the k-th, with
+    // the mass of the first k (ties with the k-th beyond rank k do not count); not reaching
+    // top_p there, it ends at the k-th.
+    if (has_top_p && lo <= hi && !(kth.found && kth.key == hi)) {
+      const unsigned long long total =
+          kth.found ? kth.mass_above + static_cast<unsigned long long>(top_k - kth.count_above) *
+                                           row.weight(key_value(kth.key))
+                    : 0ull;
+      const Selected nucleus = select(row, kth.found ? kth.key + 1 : lo, hi, 0u,
+                                      static_cast<double>(top_p), total, sh);
+      if (nucleus.found) threshold = key_value(nucleus.key);
+    }
+  }
+
+  const uint32_t kept_from = ordered_key(threshold);
+  const uint64_t key = a.keys[r];
+  Best best = {-INFINITY, INT_MAX};
+  row.for_each([&](int first, const float (&x)[4], int count) {
+    const uint4 bits = philox(key, static_cast<uint32_t>(first) >> 2);
+    const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < count && ordered_key(x[e]) >= kept_from && x[e] > -INFINITY) {
+        keep_better(best, race_score(x[e], word[e]), first + e);
+      }
+    }
+  });
+  best = block_best(best, sh);
+  if (threadIdx.x == 0) {
+    a.out[r] = best.index == INT_MAX ? 0 : best.index;
+    if (a.thresholds) a.thresholds[r] = threshold;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(SampleRowsArgs a) {
+  __shared__ Shared sh;
+  const int r = blockIdx.x;
+  const int override_row = a.override_rows ? a.override_rows[r] : -1;
+  if (override_row >= 0) {
+    sample_row(a.overrides + override_row * a.overrides_stride, r, a, sh);
+  } else {
+    sample_row(static_cast<const T*>(a.logits) + r * a.logits_stride, r, a, sh);
+  }
+}
+
+}  // namespace
+
+void sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
+  require(args.vocab > 0, "sample_rows: vocab must be positive, got " + std::to_string(args.vocab));
+  require(args.logits_stride >= args.vocab,
+          "sample_rows: the logits' row stride " + std::to_string(args.logits_stride) +
+              " is smaller than vocab " + std::to_string(args.vocab));
+  require(!args.override_rows || (args.overrides && args.overrides_stride >= args.vocab),
+          "sample_rows: override_rows needs overrides with rows of at least vocab elements");
+  if (args.rows == 0) return;
+  if (args.logits_bf16) {
+    sample_rows_kernel<bf16><<<args.rows, kThreads, 0, stream>>>(args);
+  } else {
+    sample_rows_kernel<float><<<args.rows, kThreads, 0, stream>>>(args);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nanograph
