@@ -15,19 +15,14 @@
 // on num_seqs, the heads and max_context_len, so a captured graph replays for any lengths up to
 // that bound (context_lens must not exceed it): splits that start past a sequence's length
 // return at once. The CTA serves every q head of its kv head (up to 16, the rows of an m16n8k16
-// tile), so K and V are read once. Warps take steps in turn, a step being 8 KB of K and V
-// (one 16-key tile at head_dim 128, two at 64). Each lane copies exactly the 16-byte pieces
-// its mma fragments need with cp.async into its own slots of a per-warp double buffer in
-// shared memory (the head_dim order inside a fragment is permuted to match what one lane
-// copies, which a dot product over head_dim does not notice). A warp keeps two steps in flight:
-// once a step has landed and been read into registers, its buffer is refilled with the step
-// after next before the math, so the memory pipe never drains between steps. 64 KB of buffers
-// per CTA admit 3 CTAs (12 warps, up to 192 KB in flight) per Hopper SM, as do 168 registers.
+// tile), so K and V are read once. Warps take 16-key tiles in turn; per tile each lane issues
+// its 16-byte K and V loads straight from global memory into mma fragments (no shared memory):
+// the head_dim order inside a fragment is permuted to match what one lane loads, which a dot
+// product over head_dim does not notice.
 // S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online softmax;
 // decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost nothing.
-// The 4 warps merge through the buffers once all are done with them. One split writes bf16 out
-// directly; otherwise combine_kernel merges the splits' (out, lse) pairs with log-sum-exp
-// weights.
+// The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
+// combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
 // Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
 // each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
 // per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
@@ -38,7 +33,6 @@
 
 #include "attention.h"
 #include "bf16x8.cuh"
-#include "cp_async.cuh"
 #include "launch.h"
 
 namespace nanograph {
@@ -47,9 +41,6 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;
-constexpr int kStepBytes = 8192;       // K and V a warp copies per step, for either head_dim
-constexpr int kRingBytes = kWarps * 2 * kStepBytes;  // two steps per warp: dynamic shared memory
-constexpr int kCtasPerSm = 3;          // 3 rings fit a Hopper SM's 228 KB; <= 168 registers
 constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one mma tile
 constexpr int kSplitGranule = kWarps * kTileKeys;  // split lengths are multiples of this
 constexpr int kTargetCtas = 2048;      // ~15 CTAs per SM on a 132-SM H200
@@ -68,6 +59,10 @@ SplitPlan plan_splits(int num_seqs, int num_kv_heads, int max_context_len) {
   int splits = std::max(1, std::min({wanted, ceil_div(keys, kSplitGranule), kMaxSplits}));
   int split_keys = ceil_div(ceil_div(keys, splits), kSplitGranule) * kSplitGranule;
   return {ceil_div(keys, split_keys), split_keys};
+}
+
+__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
@@ -101,27 +96,19 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 //   K (B operand of S = Q K^T, n = key): the same 8 dims of keys g and g + 8 of the tile.
 //   S, P (C of Q K^T, then A of P V): keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1).
 //   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
-//     the lane copies dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
+//     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
 template <int HD>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    split_kernel(DecodeAttentionArgs args, int split_keys, int num_splits) {
-  constexpr int kChunks = HD / 32;      // 16-byte K pieces per key per lane
-  constexpr int kHalves = HD / 64;      // 16-byte V pieces per key per lane
+__global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
+                                                         int num_splits) {
+  constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
+  constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
   constexpr int kNTiles = HD / 8;       // n-tiles of O
-  constexpr int kTilesPerStep = 128 / HD;
+  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of K+V per warp in flight
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
-  constexpr int kTilePieces = 2 * kChunks + 4 * kHalves;  // K pieces first, then V
-  constexpr int kStepPieces = kTilesPerStep * kTilePieces;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
-  static_assert(kStepPieces * 32 * 16 == kStepBytes, "a step is 8 KB per warp");
-  static_assert(kWarps * kMaxGroup * kRowPad * sizeof(float) <= kRingBytes,
-                "the merge rows reuse the ring");
 
-  // Per warp, two buffers of one step each. Piece p of a lane's step (in the order of the mma
-  // fragments below) sits at [buffer][p][lane]: 32 lanes touch 512 contiguous bytes, free of
-  // bank conflicts, and a lane reads back only what it copied.
-  extern __shared__ uint4 s_ring[];  // [kWarps][2][kStepPieces][32], then the merge rows
+  __shared__ float s_out[kWarps][kMaxGroup][kRowPad];
   __shared__ float s_max[kWarps][kMaxGroup];
   __shared__ float s_sum[kWarps][kMaxGroup];
 
@@ -168,179 +155,126 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 #pragma unroll
   for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  // A tile never crosses a block: tiles start at multiples of 16 and block_size >= 16.
+  // A tile never crosses a block: tiles start at multiples of 16 and block_size >= 16. The
+  // block ids of the next step are fetched one step ahead, off the K/V loads' critical path.
   auto block_of = [&](int tile_start) {
     return tile_start < end ? block_table[tile_start >> block_shift] : 0;
   };
   constexpr int kWarpStride = kWarps * kStepKeys;
-  const uint4* ring = s_ring + warp * 2 * kStepPieces * 32 + lane;
-  const uint32_t ring_address = smem_address(ring);
+  int32_t next_block[kTilesPerStep];
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerStep; ++tile) {
+    next_block[tile] = block_of(start + warp * kStepKeys + tile * kTileKeys);
+  }
 
-  // Copies this lane's pieces of the step at key `step` into `buffer` as one cp.async group
-  // (empty past the end, so that every step commits exactly one group).
-  auto copy_step = [&](int buffer, int step, const int32_t (&blocks)[kTilesPerStep]) {
-    if (step < end) {
+  for (int step = start + warp * kStepKeys; step < end; step += kWarpStride) {
+    uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
+    uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerStep; ++tile) {
-        const int tile_start = step + tile * kTileKeys;
-        const int64_t slot = static_cast<int64_t>(blocks[tile]) * kv.block_size +
-                             (tile_start & (kv.block_size - 1));
-        const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
-        const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
-        const uint32_t dst = ring_address + (buffer * kStepPieces + tile * kTilePieces) * 32 * 16;
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + tile * kTileKeys;
+      const int64_t block = next_block[tile];
+      next_block[tile] = block_of(tile_start + kWarpStride);
+      const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
+      const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
+      const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int key = g + 8 * h;
+      for (int h = 0; h < 2; ++h) {
+        const int key = g + 8 * h;
+        const bool valid = tile_start + key < end;
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            cp_async_16(dst + (h * kChunks + c) * 32 * 16, k + key * key_stride + c * 32 + t * 8,
-                        tile_start + key < end);  // zeros, not garbage: 0 * NaN is NaN
-          }
+        for (int c = 0; c < kChunks; ++c) {
+          k_frag[tile][h][c] = valid ? load_streaming(k + key * key_stride + c * 32 + t * 8)
+                                     : make_uint4(0, 0, 0, 0);
         }
+      }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int key = 2 * t + (j & 1) + 8 * (j >> 1);
+      for (int j = 0; j < 4; ++j) {
+        const int key = 2 * t + (j & 1) + 8 * (j >> 1);
+        const bool valid = tile_start + key < end;  // zeros, not garbage: 0 * NaN is NaN
 #pragma unroll
-          for (int hc = 0; hc < kHalves; ++hc) {
-            cp_async_16(dst + (2 * kChunks + hc * 4 + j) * 32 * 16,
-                        v + key * key_stride + hc * 64 + g * 8, tile_start + key < end);
-          }
+        for (int hc = 0; hc < kHalves; ++hc) {
+          v_frag[tile][hc][j] = valid ? load_streaming(v + key * key_stride + hc * 64 + g * 8)
+                                      : make_uint4(0, 0, 0, 0);
         }
       }
     }
-    cp_async_commit();
-  };
 
-  // Steps first, first + kWarpStride, ... go to buffers 0, 1, 0, ...; block ids are fetched
-  // one step ahead of their copies, off the critical path.
-  const int first = start + warp * kStepKeys;
-  int32_t first_blocks[kTilesPerStep], next_blocks[kTilesPerStep];
 #pragma unroll
-  for (int tile = 0; tile < kTilesPerStep; ++tile) {
-    first_blocks[tile] = block_of(first + tile * kTileKeys);
-    next_blocks[tile] = block_of(first + kWarpStride + tile * kTileKeys);
-  }
-  copy_step(0, first, first_blocks);
-  copy_step(1, first + kWarpStride, next_blocks);
-#pragma unroll
-  for (int tile = 0; tile < kTilesPerStep; ++tile) {
-    next_blocks[tile] = block_of(first + 2 * kWarpStride + tile * kTileKeys);
-  }
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + tile * kTileKeys;
+      if (tile_start >= end) break;
 
-  for (int pair = first; pair < end; pair += 2 * kWarpStride) {
+      float s[2][4] = {};  // [key n-tile][head g: keys 2t, 2t+1; head g+8: keys 2t, 2t+1]
 #pragma unroll
-    for (int buffer = 0; buffer < 2; ++buffer) {
-      const int step = pair + buffer * kWarpStride;
-      if (step >= end) break;
-      // Groups committed so far: one per step up to step + kWarpStride; all but that newest one
-      // have landed once this returns.
-      cp_async_wait<1>();
-      const uint4* pieces = ring + buffer * kStepPieces * 32;  // piece p at pieces[p * 32]
-
-      // S = Q K^T for the step's tiles, then V into registers: the buffer is then refilled
-      // without K and V live at once. A lane reads back only the pieces it copied itself, so
-      // program order alone puts these reads before the refill's writes. A tile past the end
-      // has zero K and gets no softmax.
-      float s[kTilesPerStep][2][4] = {};  // [tile][key n-tile][head g: keys 2t, 2t+1; head g+8]
+      for (int n = 0; n < 2; ++n) {
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerStep; ++tile) {
+        for (int c = 0; c < kChunks; ++c) {
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {  // keys g, g + 8
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c) {
-            const uint4 k = pieces[(tile * kTilePieces + n * kChunks + c) * 32];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const uint32_t a[4] = {word(q_lo[c], 2 * half), word(q_hi[c], 2 * half),
-                                     word(q_lo[c], 2 * half + 1), word(q_hi[c], 2 * half + 1)};
-              mma_bf16_16816(s[tile][n], a, word(k, 2 * half), word(k, 2 * half + 1));
-            }
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t a[4] = {word(q_lo[c], 2 * half), word(q_hi[c], 2 * half),
+                                   word(q_lo[c], 2 * half + 1), word(q_hi[c], 2 * half + 1)};
+            mma_bf16_16816(s[n], a, word(k_frag[tile][n][c], 2 * half),
+                           word(k_frag[tile][n][c], 2 * half + 1));
           }
         }
       }
-      uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+
+      float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int hc = 0; hc < kHalves; ++hc) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            v_frag[tile][hc][j] = pieces[(tile * kTilePieces + 2 * kChunks + hc * 4 + j) * 32];
-          }
+        for (int e = 0; e < 4; ++e) {
+          const bool valid = tile_start + 8 * n + 2 * t + (e & 1) < end;
+          s[n][e] = valid ? s[n][e] * scale_log2 : -INFINITY;
+          tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
         }
       }
-      copy_step(buffer, step + 2 * kWarpStride, next_blocks);
+      float alpha[2];
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerStep; ++tile) {
-        next_blocks[tile] = block_of(step + 3 * kWarpStride + tile * kTileKeys);
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        // Finite: the first tile a warp sees holds at least one valid key.
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        alpha[r] = exp2f(row_max[r] - new_max);
+        row_max[r] = new_max;
+        row_sum[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = exp2f(s[n][e] - row_max[e >> 1]);
+          row_sum[e >> 1] += s[n][e];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kNTiles; ++i) {
+        acc[i][0] *= alpha[0];
+        acc[i][1] *= alpha[0];
+        acc[i][2] *= alpha[1];
+        acc[i][3] *= alpha[1];
       }
 
+      const uint32_t p[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
+                             pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerStep; ++tile) {
-        const int tile_start = step + tile * kTileKeys;
-        if (tile_start >= end) break;
-
-        float tile_max[2] = {-INFINITY, -INFINITY};
+      for (int hc = 0; hc < kHalves; ++hc) {
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool valid = tile_start + 8 * n + 2 * t + (e & 1) < end;
-            s[tile][n][e] = valid ? s[tile][n][e] * scale_log2 : -INFINITY;
-            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[tile][n][e]);
-          }
-        }
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
-          tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
-          // Finite: the first tile a warp sees holds at least one valid key.
-          const float new_max = fmaxf(row_max[r], tile_max[r]);
-          alpha[r] = exp2f(row_max[r] - new_max);
-          row_max[r] = new_max;
-          row_sum[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[tile][n][e] = exp2f(s[tile][n][e] - row_max[e >> 1]);
-            row_sum[e >> 1] += s[tile][n][e];
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kNTiles; ++i) {
-          acc[i][0] *= alpha[0];
-          acc[i][1] *= alpha[0];
-          acc[i][2] *= alpha[1];
-          acc[i][3] *= alpha[1];
-        }
-
-        const uint32_t p[4] = {
-            pack_bf16x2(s[tile][0][0], s[tile][0][1]), pack_bf16x2(s[tile][0][2], s[tile][0][3]),
-            pack_bf16x2(s[tile][1][0], s[tile][1][1]), pack_bf16x2(s[tile][1][2], s[tile][1][3])};
-#pragma unroll
-        for (int hc = 0; hc < kHalves; ++hc) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low bf16 of each key
-            const uint32_t b0 = __byte_perm(word(v_frag[tile][hc][0], j / 2),
-                                            word(v_frag[tile][hc][1], j / 2), selector);
-            const uint32_t b1 = __byte_perm(word(v_frag[tile][hc][2], j / 2),
-                                            word(v_frag[tile][hc][3], j / 2), selector);
-            mma_bf16_16816(acc[hc * 8 + j], p, b0, b1);
-          }
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low bf16 of each key
+          const uint32_t b0 = __byte_perm(word(v_frag[tile][hc][0], j / 2),
+                                          word(v_frag[tile][hc][1], j / 2), selector);
+          const uint32_t b1 = __byte_perm(word(v_frag[tile][hc][2], j / 2),
+                                          word(v_frag[tile][hc][3], j / 2), selector);
+          mma_bf16_16816(acc[hc * 8 + j], p, b0, b1);
         }
       }
     }
   }
 
-  // Merge the warps: each publishes its running max, sum and unnormalised output rows, the
-  // rows over the ring once every warp is done with it (the groups left in flight are empty).
-  cp_async_wait<0>();
-  __syncthreads();
-  auto s_out = reinterpret_cast<float (*)[kMaxGroup][kRowPad]>(s_ring);
+  // Merge the warps: each publishes its running max, sum and unnormalised output rows.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -498,10 +432,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
           "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
-    CUDA_CHECK(cudaFuncSetAttribute(split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    kRingBytes));
-    launch_pdl(split_kernel<HD>, grid, dim3(kThreads), kRingBytes, stream, args,
-               plan.split_keys, plan.num_splits);
+    launch_pdl(split_kernel<HD>, grid, dim3(kThreads), 0, stream, args, plan.split_keys,
+               plan.num_splits);
     if (plan.num_splits > 1) {
       launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
                  stream, args, plan.split_keys, plan.num_splits);
