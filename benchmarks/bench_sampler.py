@@ -8,18 +8,14 @@ A figure is the median wall time of whole sampler calls, host work and the final
 included, as the engine pays it. Target on an H200: mixed <= 1 ms. --profile then runs the mixed batch under
 torch.profiler and prints where the time goes, by operator."""
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
-
-from nanograph import SamplingParams  # noqa: E402
-from nanograph.engine.sequence import Sequence  # noqa: E402
-from nanograph.sampler import Sampler  # noqa: E402
+from nanograph import SamplingParams
+from nanograph.engine.sequence import Sequence
+from nanograph.sampler import Sampler
 
 PROMPT_LEN = 512
 OUTPUT_LEN = 128

@@ -32,7 +32,37 @@ struct SampleRowsArgs {
   const uint64_t* keys;       // [rows]: the random key of each row's draw
   int64_t* out;               // [rows] token ids
   float* thresholds = nullptr;  // [rows] optional: the smallest x a row may draw (greedy: the max)
+  // Logprobs of the raw logits (logits, not overrides), for the rows where num_logprobs >= 0:
+  const int32_t* num_logprobs = nullptr;  // [rows]: -1 none, else n top logprobs (<= logprob_width)
+  int logprob_width = 0;                  // <= kMaxTopLogprobs
+  float* logprobs = nullptr;        // [rows, 1 + logprob_width]: the sampled token's, then the top n
+  int64_t* logprob_ids = nullptr;   // [rows, 1 + logprob_width]: the sampled token's rank (the
+                                    // tokens strictly more likely), then the top n's ids
 };
+constexpr int kMaxTopLogprobs = 32;
 void sample_rows(const SampleRowsArgs& args, cudaStream_t stream);
+
+// overrides[p] = logits[source_rows[p]] as float32, then for each of the row's seen tokens (unique
+// per row; -1: padding) the penalties of vLLM: repetition divides a positive logit and multiplies a
+// negative one; frequency is subtracted per output occurrence, presence once if any; then -inf at
+// its masked tokens (-1: padding).
+struct OverrideArgs {
+  const void* logits;  // [*, vocab] bf16 (logits_bf16) or float32, row stride logits_stride
+  bool logits_bf16;
+  int64_t logits_stride;
+  int vocab;
+  int num_rows;
+  const int32_t* source_rows;    // [num_rows]
+  float* overrides;              // [num_rows, vocab]
+  int num_seen;
+  const int32_t* seen_tokens;    // [num_rows, num_seen]
+  const int32_t* output_counts;  // [num_rows, num_seen]
+  const float* presence;         // [num_rows]
+  const float* frequency;        // [num_rows]
+  const float* repetition;       // [num_rows]
+  int num_masked;
+  const int32_t* masked_tokens;  // [num_rows, num_masked]
+};
+void prepare_overrides(const OverrideArgs& args, cudaStream_t stream);
 
 }  // namespace nanograph

@@ -14,17 +14,10 @@ import torch
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
                     repetition: torch.Tensor) -> torch.Tensor:
     """logits: [rows, n], the logits of tokens each row has seen (in the prompt or the output, repeats allowed);
-    counts: how often each of those tokens occurs in the row's output (output_counts). Repetition divides positive
+    counts: how often each of those tokens occurs in the row's output (SeenTokens). Repetition divides positive
     and multiplies negative logits; then frequency is subtracted per output occurrence, and presence once."""
     repeated = torch.where(logits > 0, logits / repetition, logits * repetition)
     return repeated.addcmul_(counts, frequency, value=-1).addcmul_(counts.sign(), presence, value=-1)
-
-
-def output_counts(token_ids: torch.Tensor, in_output: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """token_ids: int64 [rows, n]; in_output: float32 [rows, n], 1 where that occurrence is in the output. For each
-    position, the number of the row's output occurrences of its token."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size, device=token_ids.device)
-    return counts.scatter_add_(1, token_ids, in_output).gather(1, token_ids)
 
 
 class TruncationParams(NamedTuple):

@@ -13,15 +13,18 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
-from .logits_processors import (TruncationParams, apply_penalties, output_counts, sorted_top_p_thresholds,
+from .logits_processors import (TruncationParams, apply_penalties, sorted_top_p_thresholds,
                                 truncation_thresholds)
 from ._core import core_available, require_core
-from .sampling_plan import DeviceArrays, SamplingPlan, TokenHistories
+from .sampling_plan import DeviceArrays, SamplingPlan, SeenTokens
 
 if TYPE_CHECKING:
     from .engine.sequence import Sequence
+
+MAX_TOP_LOGPROBS = 32  # the kernel's limit (kMaxTopLogprobs); requests for more take torch's topk
 
 class TokenLogprobs(NamedTuple):
     token_ids: list[int]  # the sampled token, then the top ones
@@ -44,13 +47,14 @@ class _Truncation(NamedTuple):
 
 
 class _Logprobs(NamedTuple):
-    """The logprobs a call computed, on the device, for rows (those that asked), each wanting num_top top ones."""
+    """The logprobs a call computed, on the device, for rows (those that asked), each wanting num_top top ones; row
+    rows[i]'s are at[i] of values (float32: the sampled token's logprob, then the top ones) and ids (int64: the
+    number of tokens more likely than the sampled one, then the top ones' ids)."""
     rows: list[int]
     num_top: list[int]
-    sampled: torch.Tensor  # float32 [len(rows)]: the sampled token's logprob
-    ranks: torch.Tensor  # int64 [len(rows)]: the number of tokens more likely than the sampled one
-    top: torch.Tensor  # float32 [len(rows), max(num_top)]
-    top_ids: torch.Tensor  # int64 [len(rows), max(num_top)]
+    at: list[int]
+    values: torch.Tensor
+    ids: torch.Tensor
 
 
 class PendingSample:
@@ -60,8 +64,7 @@ class PendingSample:
     def __init__(self, token_ids: torch.Tensor, logprobs: _Logprobs | None = None):
         self.token_ids = token_ids  # int64 [rows] on the logits' device
         self._logprobs = logprobs
-        tensors = [token_ids] if logprobs is None else \
-            [token_ids, logprobs.sampled, logprobs.ranks, logprobs.top, logprobs.top_ids]
+        tensors = [token_ids] if logprobs is None else [token_ids, logprobs.values, logprobs.ids]
         self._host = [tensor.to("cpu", non_blocking=True) for tensor in tensors]  # pinned; result() waits for them
         self._ready = None
         if token_ids.is_cuda:
@@ -75,10 +78,11 @@ class PendingSample:
         token_ids = self._host[0].tolist()
         row_logprobs = [None] * len(token_ids)
         if self._logprobs is not None:
-            sampled, ranks, top, top_ids = (tensor.tolist() for tensor in self._host[1:])
+            at = self._logprobs.at
+            values, ids = self._host[1].numpy()[at].tolist(), self._host[2].numpy()[at].tolist()
             for i, (row, k) in enumerate(zip(self._logprobs.rows, self._logprobs.num_top)):
-                row_logprobs[row] = TokenLogprobs([token_ids[row]] + top_ids[i][:k], [sampled[i]] + top[i][:k],
-                                                  [ranks[i] + 1] + list(range(1, k + 1)))
+                row_logprobs[row] = TokenLogprobs([token_ids[row]] + ids[i][1:k + 1], values[i][:k + 1],
+                                                  [ids[i][0] + 1] + list(range(1, k + 1)))
         return SamplerOutput(token_ids, row_logprobs)
 
 
@@ -87,10 +91,10 @@ class Sampler:
         self.device = torch.device(device)
         self.eos_token_ids = list(eos_token_ids)
         self.generator = torch.Generator(self.device).manual_seed(seed)  # for the rows without a seed of their own
-        self._histories = TokenHistories()
+        self._seen = SeenTokens()
         # On a GPU with the core, one kernel samples every row; its draws take 64-bit keys from the host.
         self._kernel = self.device.type == "cuda" and core_available()
-        self._keys = random.Random(seed)
+        self._keys = np.random.Generator(np.random.PCG64(seed))
 
     def new_generator(self, seed: int) -> random.Random:
         """A request's own random stream, on the host: each of its draws takes one uniform from it, so a seeded row's
@@ -103,15 +107,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
-        unmodified) without waiting for the device, unless rows are truncated (see the module's docstring)."""
-        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._histories,
+        unmodified) without waiting for the device, unless the torch path truncates rows (see the module's
+        docstring)."""
+        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
                             self._keys if self._kernel else None)
         rows = plan.upload(self.device)  # sent when first read
+        if self._kernel and max(plan.num_top_logprobs, default=0) <= MAX_TOP_LOGPROBS:
+            return self._sample_on_core(logits, plan, rows)
         if plan.logprob_rows:
             raw_logprobs = _rows(logits, rows.logprob_rows).float().log_softmax(dim=-1)
             top, top_ids = raw_logprobs.topk(max(plan.num_top_logprobs), dim=-1)
         if self._kernel:
-            token_ids = self._drawn_on_core(logits, plan, rows)
+            token_ids = self._sample_on_core(logits, plan, rows, with_logprobs=False).token_ids
         elif plan.transforms:
             token_ids = self._drawn(self._penalised_and_scaled(logits, plan, rows), plan, rows)
         else:
@@ -119,34 +126,43 @@ class Sampler:
         if not plan.logprob_rows:
             return PendingSample(token_ids)
         sampled = raw_logprobs.gather(1, _rows(token_ids, rows.logprob_rows)[:, None])
-        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs, sampled.squeeze(1),
-                                                  (raw_logprobs > sampled).sum(dim=-1), top, top_ids))
+        ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True)
+        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs,
+                                                  list(range(len(plan.logprob_rows))),
+                                                  torch.cat([sampled, top], 1), torch.cat([ranks, top_ids], 1)))
 
-    def _drawn_on_core(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:
-        """int64 [num_rows] from the core's sampling kernel, which reads the penalised and masked rows from a float32
-        copy of them (the overrides)."""
+    def _sample_on_core(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays,
+                        with_logprobs: bool = True) -> PendingSample:
+        """The core's kernels: the penalised and masked rows copied out and modified (the overrides), then every
+        row sampled, with the logprobs of the rows that ask (at most MAX_TOP_LOGPROBS top ones)."""
+        core = require_core()
         token_ids = torch.empty(plan.num_rows, dtype=torch.int64, device=logits.device)
         overrides = override_rows = None
         if len(plan.override_source):
-            overrides = logits.index_select(0, rows.override_source).float()
-            if plan.penalty_rows:
-                overrides.put_(*self._penalised(overrides, rows))
-            if plan.has_masked:
-                overrides.view(-1).index_fill_(0, rows.masked_positions, float("-inf"))
+            overrides = torch.empty(len(plan.override_source), logits.shape[-1], device=logits.device)
+            core.prepare_overrides(logits, rows.override_source, overrides, rows.seen_tokens, rows.output_counts,
+                                   rows.penalties[0], rows.penalties[1], rows.penalties[2], rows.masked_tokens)
             override_rows = rows.override_rows
-        require_core().sample_rows(logits, rows.kernel_temperatures, rows.top_ks, rows.top_ps, rows.min_ps, rows.keys,
-                                   token_ids, None, overrides, override_rows)
-        return token_ids
+        num_logprobs = values = ids = None
+        if with_logprobs and plan.logprob_rows:
+            width = 1 + max(plan.num_top_logprobs)
+            values = torch.empty(plan.num_rows, width, device=logits.device)
+            ids = torch.empty(plan.num_rows, width, dtype=torch.int64, device=logits.device)
+            num_logprobs = rows.num_logprobs
+        core.sample_rows(logits, rows.kernel_temperatures, rows.top_ks, rows.top_ps, rows.min_ps, rows.keys,
+                         token_ids, None, overrides, override_rows, num_logprobs, values, ids)
+        if values is None:
+            return PendingSample(token_ids)
+        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs, plan.logprob_rows,
+                                                  values, ids))
 
     @staticmethod
     def _penalised(logits: torch.Tensor, rows: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat positions in logits of the tokens the penalised rows have seen, and their penalised logits
         (float32): penalties touch only those tokens."""
         positions = torch.add(rows.penalty_token_ids, rows.penalty_rows, alpha=logits.shape[-1])
-        penalised = apply_penalties(
-            torch.take(logits, positions).float(),
-            output_counts(rows.penalty_token_ids, rows.penalty_in_output, logits.shape[-1]),
-            rows.presence_penalties, rows.frequency_penalties, rows.repetition_penalties)
+        penalised = apply_penalties(torch.take(logits, positions).float(), rows.penalty_counts,
+                                    rows.presence_penalties, rows.frequency_penalties, rows.repetition_penalties)
         return positions, penalised
 
     def _penalised_and_scaled(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays) -> torch.Tensor:

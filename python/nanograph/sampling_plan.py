@@ -2,7 +2,6 @@
 per-row arrays the device needs, sent in one copy."""
 from __future__ import annotations
 
-import random
 import weakref
 from typing import TYPE_CHECKING
 
@@ -15,52 +14,81 @@ if TYPE_CHECKING:
 CANDIDATES = 1024  # candidates per truncated row beyond the largest top-k; rows keeping more are drawn again
 
 
-class TokenHistories:
-    """int64 copies of sequences' token ids, extended each call by the tokens appended since: converting whole
-    prompts and outputs from Python ints every step would cost more than the rest of the sampler. The last token
-    copied is checked again, as the engine replaces a pending placeholder in place."""
+class SeenTokens:
+    """Per sequence, the distinct tokens its penalties look at (its output, and its prompt too when it has a
+    repetition penalty) and how often each occurs in its output, kept up to date incrementally: recounting whole
+    prompts and outputs from Python ints every step would cost more than the rest of the sampler."""
 
     def __init__(self):
-        self._token_ids: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
+        self._seen: weakref.WeakKeyDictionary[Sequence, _Seen] = weakref.WeakKeyDictionary()
 
-    def __call__(self, seq: Sequence) -> np.ndarray:
-        token_ids, cached = seq.token_ids, self._token_ids.get(seq)
-        if cached is not None and 0 < len(cached) <= len(token_ids) and token_ids[len(cached) - 1] == cached[-1]:
-            if len(cached) == len(token_ids):
-                return cached
-            cached = np.concatenate([cached, np.array(token_ids[len(cached):], dtype=np.int64)])
-        else:
-            cached = np.array(token_ids, dtype=np.int64)
-        self._token_ids[seq] = cached
-        return cached
+    def __call__(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
+        """int32 (token ids, output counts) of seq's distinct seen tokens."""
+        start = 0 if seq.params.repetition_penalty != 1 else seq.num_prompt_tokens
+        seen, token_ids = self._seen.get(seq), seq.token_ids
+        # Rebuilt if the tokens it counted changed (the last one is checked: a placeholder replaced in place).
+        if (seen is None or seen.start != start or seen.consumed > len(token_ids)
+                or (seen.consumed > start and token_ids[seen.consumed - 1] != seen.last)):
+            seen = self._seen[seq] = _Seen(start)
+        seen.extend(token_ids, seq.num_prompt_tokens)
+        return seen.token_ids[:seen.size], seen.counts[:seen.size]
+
+
+class _Seen:
+    def __init__(self, start: int):
+        self.start = self.consumed = start
+        self.last = -1  # the last token counted
+        self.index: dict[int, int] = {}
+        self.token_ids = np.empty(64, np.int32)
+        self.counts = np.zeros(64, np.int32)
+        self.size = 0
+
+    def extend(self, token_ids: list[int], num_prompt_tokens: int):
+        for position in range(self.consumed, len(token_ids)):
+            token_id = token_ids[position]
+            if token_id < 0:  # a token the host has not read yet
+                break
+            i = self.index.get(token_id)
+            if i is None:
+                i = self.index[token_id] = self.size
+                if i == len(self.token_ids):
+                    self.token_ids = np.concatenate([self.token_ids, np.empty_like(self.token_ids)])
+                    self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+                self.token_ids[i] = token_id
+                self.size += 1
+            if position >= num_prompt_tokens:
+                self.counts[i] += 1
+            self.consumed, self.last = position + 1, token_id
 
 
 class SamplingPlan:
     """The host's part of one call, decided from the parameters: which rows take which path (row lists: sorted
     numpy int64), and the per-row arrays the device needs (self.arrays, sent in one copy by upload)."""
 
-    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], histories: TokenHistories,
-                 keys: random.Random | None = None):
+    def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], seen: SeenTokens,
+                 keys: np.random.Generator | None = None):
         """keys: the sampler's own random stream, for a plan of the core's sampling kernel (None: of the torch
         path), which takes every row's parameters and a 64-bit random key per sampled row."""
         params = [seq.params for seq in seqs]
         self.num_rows = num_rows = len(seqs)
-        temperatures = np.fromiter([p.temperature for p in params], np.float32, num_rows)
+        table = np.array([seq.sampling_row for seq in seqs]).reshape(num_rows, 9)  # SamplingParams.numeric_row
+        temperatures = table[:, 0].astype(np.float32)
         greedy = temperatures == 0
         self.greedy_rows = np.flatnonzero(greedy)
         sampled = np.flatnonzero(~greedy)
-        sampled_params = [params[i] for i in sampled.tolist()]
-        top_ks = np.fromiter([p.top_k for p in sampled_params], np.int64, len(sampled))
+        top_ks = table[sampled, 1].astype(np.int64)
         top_ks[(top_ks <= 0) | (top_ks > vocab_size)] = vocab_size
-        top_ps = np.fromiter([p.top_p for p in sampled_params], np.float32, len(sampled))
-        min_ps = np.fromiter([p.min_p for p in sampled_params], np.float32, len(sampled))
+        top_ps = table[sampled, 2].astype(np.float32)
+        min_ps = table[sampled, 3].astype(np.float32)
         self.arrays: dict[str, np.ndarray] = {}
-        self._penalties(seqs, params, vocab_size, histories)
-        self._min_tokens(seqs, params, vocab_size, eos_token_ids)
+        penalised = (table[:, 4] != 0) | (table[:, 5] != 0) | (table[:, 6] != 1)
+        self._penalties(seqs, params, np.flatnonzero(penalised).tolist(), seen)
+        self._min_tokens(seqs, params, np.flatnonzero(table[:, 7] > 0).tolist(), eos_token_ids)
         self.transforms = not greedy.all() or bool(self.penalty_rows) or self.has_masked
-        self.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        self.num_top_logprobs = [vocab_size if params[i].logprobs == -1 else min(params[i].logprobs, vocab_size)
-                                 for i in self.logprob_rows]
+        logprobs = table[:, 8]
+        self.logprob_rows = np.flatnonzero(logprobs != -2).tolist()
+        self.num_top_logprobs = np.where(logprobs == -1, vocab_size,
+                                         np.minimum(logprobs, vocab_size))[self.logprob_rows].astype(int).tolist()
         self.arrays["logprob_rows"] = np.array(self.logprob_rows, dtype=np.int64)
         if keys is not None:
             self._kernel_rows(seqs, vocab_size, temperatures, sampled, top_ks, top_ps, min_ps, keys)
@@ -77,12 +105,15 @@ class SamplingPlan:
         self._truncations(vocab_size, top_ks[truncated], top_ps[truncated], min_ps[truncated])
         self._seeds(seqs, sampled_rows)
         self.arrays["masked_positions"] = self.masked_rows * vocab_size + self.masked_tokens
+        if self.penalty_rows:
+            self._padded_penalty_tokens()
 
     def _kernel_rows(self, seqs: list[Sequence], vocab_size: int, temperatures: np.ndarray, sampled: np.ndarray,
-                     top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray, keys: random.Random):
+                     top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray, keys: np.random.Generator):
         """The kernel's per-row arrays: temperature (0: greedy), top-k (0: none), top_p, min_p, the draw's key (from
-        the row's own stream if it has one), and the rows it reads from the overrides (penalised and masked rows,
-        copied out of the logits: penalty_rows and masked_positions then index the overrides)."""
+        the row's own stream if it has one), the number of top logprobs (-1: none); and the overrides: the rows
+        with penalties or masked tokens, copied out of the logits with their seen tokens (-1 padding), output
+        counts, penalties and masked tokens."""
         num_rows = self.num_rows
         row_top_ks = np.zeros(num_rows, np.int32)
         row_top_ks[sampled] = np.where(top_ks < vocab_size, top_ks, 0)
@@ -91,17 +122,39 @@ class SamplingPlan:
         row_min_ps = np.zeros(num_rows, np.float32)
         row_min_ps[sampled] = min_ps
         row_keys = np.zeros(num_rows, np.uint64)
-        row_keys[sampled] = [(seqs[row].generator or keys).getrandbits(64) for row in sampled.tolist()]
-        overridden = np.union1d(np.array(self.penalty_rows, dtype=np.int64), self.masked_rows)
+        row_keys[sampled] = keys.integers(0, 2**64, len(sampled), dtype=np.uint64, endpoint=False)
+        seeded = [row for row in sampled.tolist() if seqs[row].generator is not None]
+        row_keys[seeded] = [seqs[row].generator.getrandbits(64) for row in seeded]
+        num_logprobs = np.full(num_rows, -1, np.int32)
+        num_logprobs[self.logprob_rows] = self.num_top_logprobs
+        self.arrays.update(kernel_temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
+                           keys=row_keys.view(np.int64), num_logprobs=num_logprobs)
+        self.override_source = overridden = np.union1d(np.array(self.penalty_rows, np.int64), self.masked_rows)
+        if not len(overridden):
+            return
         override_rows = np.full(num_rows, -1, np.int32)
         override_rows[overridden] = np.arange(len(overridden), dtype=np.int32)
-        self.override_source = overridden
-        self.arrays.update(kernel_temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
-                           keys=row_keys.view(np.int64), override_rows=override_rows, override_source=overridden,
-                           masked_positions=override_rows[self.masked_rows].astype(np.int64) * vocab_size
-                           + self.masked_tokens)
+        num = len(overridden)
+        seen_tokens = np.full((num, 1), -1, np.int32)
+        output_counts = np.zeros((num, 1), np.int32)
+        penalties = np.zeros((3, num), np.float32)  # presence, frequency, repetition
+        penalties[2] = 1
         if self.penalty_rows:
-            self.arrays["penalty_rows"] = override_rows[self.arrays["penalty_rows"]].astype(np.int64)
+            at = override_rows[self.penalty_rows]
+            seen_tokens = _padded([token_ids for token_ids, _ in self.seen], [-1] * num, at, num)
+            output_counts = _padded([counts for _, counts in self.seen], [0] * num, at, num)
+            for j, name in enumerate(("presence_penalties", "frequency_penalties", "repetition_penalties")):
+                penalties[j, at] = self.arrays[name][:, 0]
+        masked_tokens = np.full((num, 1), -1, np.int32)
+        if self.has_masked:
+            at = override_rows[self.masked_rows]
+            firsts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])  # pairs come grouped by row
+            column = np.arange(len(at)) - np.repeat(firsts, np.diff(np.r_[firsts, len(at)]))  # within its row
+            masked_tokens = np.full((num, column.max() + 1), -1, np.int32)
+            masked_tokens[at, column] = self.masked_tokens
+        self.arrays.update(override_rows=override_rows, override_source=overridden.astype(np.int32),
+                           seen_tokens=seen_tokens, output_counts=output_counts, penalties=penalties,
+                           masked_tokens=masked_tokens)
 
     def _truncations(self, vocab_size: int, top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray):
         """The truncated rows' parameters ([rows, 1]), and their number of candidates: CANDIDATES past the largest
@@ -133,49 +186,52 @@ class SamplingPlan:
             [(seqs[row].generator.getrandbits(53) + 1) * 2.0 ** -53 for row in sampled_rows[seeded].tolist()],
             dtype=np.float64)
 
-    def _penalties(self, seqs: list[Sequence], params: list, vocab_size: int, histories: TokenHistories):
-        """Each penalised row's seen tokens (its output, and its prompt when a row has a repetition penalty), padded
-        with the row's last one (a repeat changes nothing), with the flags of those in the output, and the row's
+    def _penalties(self, seqs: list[Sequence], params: list, penalised: list[int], seen: SeenTokens):
+        """The penalised rows' distinct seen tokens and their output counts (SeenTokens: self.seen), and the rows'
         penalties and temperature ([rows, 1])."""
-        penalised = [i for i, p in enumerate(params)
-                     if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1]
-        with_prompt = any(params[i].repetition_penalty != 1 for i in penalised)
-        self.penalty_rows, seen, output_starts = [], [], []
-        for i in penalised:
-            start = 0 if with_prompt else seqs[i].num_prompt_tokens
-            token_ids = histories(seqs[i])[start:]
-            if len(token_ids):  # a row that has seen no token has nothing to penalise
-                self.penalty_rows.append(i)
-                seen.append(token_ids)
-                output_starts.append(seqs[i].num_prompt_tokens - start)
+        self.penalty_rows = penalised
+        self.seen = [seen(seqs[i]) for i in self.penalty_rows]
+        # A row that has seen no token has nothing to penalise.
+        self.penalty_rows = [i for i, (token_ids, _) in zip(self.penalty_rows, self.seen) if len(token_ids)]
+        self.seen = [row_seen for row_seen in self.seen if len(row_seen[0])]
         if not self.penalty_rows:
             return
-        output_starts = np.array(output_starts)
-        lengths = np.array([len(token_ids) for token_ids in seen])
-        columns = np.arange(lengths.max())
-        in_row = columns < lengths[:, None]
-        token_ids = np.repeat(np.array([token_ids[-1] for token_ids in seen])[:, None], len(columns), axis=1)
-        token_ids[in_row] = np.concatenate(seen)
         penalty_params = [params[i] for i in self.penalty_rows]
-        temperatures = np.array([p.temperature or 1.0 for p in penalty_params], np.float32)
         self.arrays.update(
-            penalty_token_ids=token_ids, penalty_rows=np.array(self.penalty_rows)[:, None],
-            penalty_in_output=(in_row & (columns >= output_starts[:, None])).astype(np.float32),
+            penalty_rows=np.array(self.penalty_rows)[:, None],
             presence_penalties=np.array([p.presence_penalty for p in penalty_params], np.float32)[:, None],
             frequency_penalties=np.array([p.frequency_penalty for p in penalty_params], np.float32)[:, None],
             repetition_penalties=np.array([p.repetition_penalty for p in penalty_params], np.float32)[:, None],
-            penalty_temperatures=temperatures[:, None])
+            penalty_temperatures=np.array([p.temperature or 1.0 for p in penalty_params], np.float32)[:, None])
 
-    def _min_tokens(self, seqs: list[Sequence], params: list, vocab_size: int, eos_token_ids: list[int]):
+    def _padded_penalty_tokens(self):
+        """For the torch path: the seen tokens [rows, n] and their output counts, padded with each row's first one
+        (a repeat writes the same value)."""
+        token_ids = [row_token_ids for row_token_ids, _ in self.seen]
+        counts = [row_counts for _, row_counts in self.seen]
+        self.arrays.update(
+            penalty_token_ids=_padded(token_ids, [row[0] for row in token_ids]).astype(np.int64),
+            penalty_counts=_padded(counts, [row[0] for row in counts]).astype(np.float32))
+
+    def _min_tokens(self, seqs: list[Sequence], params: list, with_min_tokens: list[int], eos_token_ids: list[int]):
         """The rows and stop tokens (EOS included) of the rows short of min_tokens, one pair per masked token."""
-        masked = [(row, token_id) for row, p in enumerate(params)
-                  if p.min_tokens and seqs[row].num_completion_tokens < p.min_tokens
-                  for token_id in p.stop_token_ids + eos_token_ids]
+        masked = [(row, token_id) for row in with_min_tokens
+                  if seqs[row].num_completion_tokens < params[row].min_tokens
+                  for token_id in params[row].stop_token_ids + eos_token_ids]
         self.has_masked = bool(masked)
         self.masked_rows, self.masked_tokens = np.array(masked, dtype=np.int64).reshape(-1, 2).T
 
     def upload(self, device: torch.device) -> DeviceArrays:
         return DeviceArrays(self.arrays, device)
+
+
+def _padded(rows: list[np.ndarray], fills: list, at=None, num_rows: int | None = None) -> np.ndarray:
+    """int32 [num_rows, longest]: rows[i] at row at[i] (default i), each row's rest filled with fills[row]."""
+    at = range(len(rows)) if at is None else at.tolist()
+    padded = np.repeat(np.array(fills, np.int32)[:, None], max(map(len, rows)), axis=1)
+    for i, row in zip(at, rows):
+        padded[i, :len(row)] = row
+    return padded
 
 
 class DeviceArrays:

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from nanograph import SamplingParams
-from nanograph.engine.sequence import Sequence
-from nanograph.logits_processors import apply_penalties, output_counts
+from nanograph.engine.sequence import PENDING_TOKEN, Sequence
+from nanograph.logits_processors import apply_penalties
 from nanograph.sampler import Sampler
+from nanograph.sampling_plan import SeenTokens
 
 EOS = 0
 NUM_DRAWS = 20000
@@ -110,23 +111,35 @@ def reference_penalties(logits, prompt, output, presence, frequency, repetition)
 
 
 def test_penalties_match_the_reference_formula():
+    """The sampler's pieces: SeenTokens' distinct tokens and output counts, then apply_penalties at them."""
     torch.manual_seed(0)
     vocab = 40
     cases = [([1, 2, 3], [3, 3, 4, 9], 0.5, 0.0, 1.0), ([5, 6], [6, 7, 7, 7], 0.0, 0.7, 1.0),
              ([8, 9, 10], [10, 11, 11], 0.0, 0.0, 1.3), ([2, 2, 12], [12, 13, 13, 2], -0.4, 1.1, 0.8),
              ([1], [], 1.0, 1.0, 2.0)]
     logits = torch.randn(len(cases), vocab) * 3
-    seen = [prompt + output for prompt, output, *_ in cases]  # padded with the row's last token, as the sampler does
-    width = max(map(len, seen))
-    token_ids = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in seen])
-    in_output = torch.tensor([[float(len(prompt) <= j < len(prompt) + len(output)) for j in range(width)]
-                              for prompt, output, *_ in cases])
-    presence, frequency, repetition = (torch.tensor([[c[i]] for c in cases]) for i in (2, 3, 4))
-    counts = output_counts(token_ids, in_output, vocab)
-    penalised = logits.scatter(1, token_ids, apply_penalties(logits.gather(1, token_ids), counts, presence,
-                                                             frequency, repetition))
+    seen = SeenTokens()
     for row, (prompt, output, p, f, r) in enumerate(cases):
-        assert torch.allclose(penalised[row], reference_penalties(logits[row], prompt, output, p, f, r))
+        token_ids, counts = seen(seq(SamplingParams(presence_penalty=p, frequency_penalty=f, repetition_penalty=r),
+                                     prompt, output))
+        assert len(set(token_ids.tolist())) == len(token_ids)  # distinct
+        token_ids = torch.from_numpy(token_ids.astype("int64"))
+        penalised = logits[row].clone()
+        penalised[token_ids] = apply_penalties(logits[row, token_ids][None], torch.from_numpy(counts).float()[None],
+                                               torch.tensor([[p]]), torch.tensor([[f]]), torch.tensor([[r]]))[0]
+        assert torch.allclose(penalised, reference_penalties(logits[row], prompt, output, p, f, r))
+
+
+def test_seen_tokens_follow_a_growing_sequence_and_skip_pending_tokens():
+    seen = SeenTokens()
+    s = seq(SamplingParams(frequency_penalty=1.0), [4, 5], [6])
+    assert [x.tolist() for x in seen(s)] == [[6], [1]]  # no repetition penalty: the output only
+    s.token_ids += [6, 7, PENDING_TOKEN]
+    assert [x.tolist() for x in seen(s)] == [[6, 7], [2, 1]]
+    s.token_ids[-1] = 4
+    assert [x.tolist() for x in seen(s)] == [[6, 7, 4], [2, 1, 1]]
+    r = seq(SamplingParams(repetition_penalty=1.2), [4, 5, 4], [5, 9])
+    assert [x.tolist() for x in seen(r)] == [[4, 5, 9], [0, 1, 1]]  # the prompt too, counted as unseen in output
 
 
 def test_the_sampler_applies_penalties_before_the_greedy_choice():

@@ -42,6 +42,15 @@ class Sequence:
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
 
     @property
+    def params(self) -> SamplingParams:
+        return self._params
+
+    @params.setter
+    def params(self, params: SamplingParams):
+        self._params = params
+        self.sampling_row = params.numeric_row()  # the sampler reads it every step
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
