@@ -16,7 +16,12 @@
 // The draw is an exponential race: among the kept tokens, the one with the largest
 // x - log(E), E ~ Exp(1) drawn from Philox-4x32-10 keyed by the row's key and counted by the
 // token id. That picks token i with probability exp(x_i) / sum over kept exp(x), needs no prefix
-// sum, and makes a row's token a function of its logits, parameters and key alone.
+// sum, and makes a row's token a function of its logits, parameters and key alone. A token
+// too far below a thread's best to win whatever its draw is skipped, random numbers included:
+// with peaked logits almost all are. Rows that ask for logprobs then get two or more passes over
+// their raw logits: log-sum-exp and rank, then a select and collection of the top n.
+// prepare_overrides copies the rows with penalties or masked tokens to float32 and modifies them
+// (16 CTAs per row), for sample_rows to read instead.
 #include <climits>
 
 #include "sampling.h"
@@ -30,6 +35,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kLoadsInFlight = 4;
 constexpr int kBins = 2048;
 constexpr int kBinsPerThread = kBins / kThreads;
+constexpr int kTopCapacity = kMaxTopLogprobs + 256;  // room for ties at the n-th logit
 
 // Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest).
 __device__ __forceinline__ uint32_t ordered_key(float x) {
@@ -99,11 +105,11 @@ __device__ __forceinline__ uint4 philox(uint64_t key, uint32_t counter) {
   return make_uint4(c0, c1, c2, c3);
 }
 
-// x - log(E) for E ~ Exp(1) from 32 random bits: E = -log(1 - v), v uniform in (0, 1], computed
-// as -log1p(-v) so that the small E that win races keep their precision.
-__device__ __forceinline__ float race_score(float x, uint32_t bits) {
+// logit - temperature * log(E) for E ~ Exp(1) from 32 random bits: E = -log(1 - v), v uniform
+// in (0, 1], computed as -log1p(-v) so that the small E that win races keep their precision.
+__device__ __forceinline__ float race_score(float logit, float temperature, uint32_t bits) {
   const float v = fmaf(static_cast<float>(bits), 0x1p-32f, 0x1p-33f);
-  return x - logf(-log1pf(-v));
+  return logit - temperature * logf(-log1pf(-v));
 }
 
 // A (value, index) candidate: larger values win, ties go to the lower index.
@@ -123,6 +129,8 @@ struct Shared {
   unsigned long long warp_mass[kWarps];
   Best warp_best[kWarps];
   float warp_min[kWarps];
+  Best top[kTopCapacity];  // the top logprobs' candidates
+  int num_top;
   unsigned long long total_mass;
   int pick;  // the bin where a select's target is reached, and the count and mass above it
   uint32_t pick_count;
@@ -177,27 +185,22 @@ __device__ void block_exclusive_scan(uint32_t& count, unsigned long long& mass, 
   mass = m_before + m - mass;
 }
 
-// A row being sampled: its logits (any element type) scaled by 1 / temperature.
+// A row being sampled. Its logits are compared as they are (dividing by a temperature > 0 keeps
+// their order); the temperature enters the weights and the race.
 template <typename T>
 struct Row {
   const T* logits;
   int vocab;
   float temperature;
-  float x_max = 0.f;
-  float weight_scale = 0.f;  // 2^s: weights are floor(exp(x - x_max) * 2^s)
+  float max_logit = 0.f;
+  float weight_exponent = 0.f;  // log2(e) / temperature
+  float weight_scale = 0.f;     // 2^s: weights are floor(exp((logit - max) / temperature) * 2^s)
 
   template <typename F>
-  __device__ __forceinline__ void for_each(F&& f) const {
-    for_each_quad(logits, vocab, [&](int first, const float (&quad)[4], int count) {
-      float x[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = quad[e] / temperature;
-      f(first, x, count);
-    });
-  }
+  __device__ __forceinline__ void for_each(F&& f) const { for_each_quad(logits, vocab, f); }
 
-  __device__ __forceinline__ unsigned long long weight(float x) const {
-    return __float2ull_rz(expf(x - x_max) * weight_scale);
+  __device__ __forceinline__ unsigned long long weight(float logit) const {
+    return __float2ull_rz(exp2f((logit - max_logit) * weight_exponent) * weight_scale);
   }
 };
 
@@ -212,11 +215,13 @@ struct Selected {
 // Finds, among the elements whose keys lie in [lo, hi], the first in descending order at which
 // the running count reaches `target_count` (mass_target <= 0) or the running mass reaches
 // mass_target * (the domain's mass, or `total_mass` when nonzero). Not found: the domain holds
-// less than the target.
+// less than the target. The masses above are summed only when by mass or `with_mass`.
 template <typename T>
 __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t target_count,
-                          double mass_target, unsigned long long total_mass, Shared& sh) {
+                          double mass_target, unsigned long long total_mass, bool with_mass,
+                          Shared& sh) {
   const bool by_mass = mass_target > 0;
+  with_mass = with_mass || by_mass;
   double target = by_mass ? 0.0 : static_cast<double>(target_count);
   Selected result = {false, 0u, 0u, 0ull};
   for (bool first_level = true;; first_level = false) {
@@ -232,8 +237,10 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
         if (e < count && key >= lo && key <= hi) {
           const uint32_t bin = (hi - key) >> shift;
           atomicAdd(&sh.count[bin], 1u);
-          const unsigned long long w = row.weight(x[e]);
-          if (w) atomicAdd(&sh.mass[bin], w);
+          if (with_mass) {
+            const unsigned long long w = row.weight(x[e]);
+            if (w) atomicAdd(&sh.mass[bin], w);
+          }
         }
       }
     });
@@ -297,10 +304,14 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
   }
 }
 
+// -log(E) for E ~ Exp(1) never exceeds this: v >= 2^-33 in race_score gives E >= 2^-33.
+constexpr float kMaxRaceBoost = 23.f;
+
+// Samples row r (its logits at `logits`); every thread returns the token.
 template <typename T>
-__device__ void sample_row(const T* logits, int r, const SampleRowsArgs& a, Shared& sh) {
+__device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Shared& sh) {
   const float temperature = a.temperatures[r];
-  Row<T> row{logits, a.vocab, temperature > 0.f ? temperature : 1.f};
+  Row<T> row{logits, a.vocab, temperature};
   if (!(temperature > 0.f)) {  // greedy
     Best best = {-INFINITY, INT_MAX};
     row.for_each([&](int first, const float (&x)[4], int count) {
@@ -310,18 +321,19 @@ __device__ void sample_row(const T* logits, int r, const SampleRowsArgs& a, Shar
       }
     });
     best = block_best(best, sh);
+    const int token = best.index == INT_MAX ? 0 : best.index;
     if (threadIdx.x == 0) {
-      a.out[r] = best.index == INT_MAX ? 0 : best.index;
+      a.out[r] = token;
       if (a.thresholds) a.thresholds[r] = best.value;
     }
-    return;
+    return token;
   }
 
   const int top_k = a.top_ks[r];
   const float top_p = a.top_ps[r], min_p = a.min_ps[r];
   const bool has_top_k = top_k > 0 && top_k < a.vocab, has_top_p = top_p < 1.f;
   const bool has_min_p = min_p > 0.f;
-  float threshold = -INFINITY;
+  float threshold = -INFINITY;  // a logit
   if (has_top_k || has_top_p || has_min_p) {
     Best max = {-INFINITY, INT_MAX};
     float min = INFINITY;
@@ -331,15 +343,17 @@ __device__ void sample_row(const T* logits, int r, const SampleRowsArgs& a, Shar
         if (e < count) keep_better(max, x[e], first + e), min = fminf(min, x[e]);
       }
     });
-    row.x_max = block_best(max, sh).value;
+    row.max_logit = block_best(max, sh).value;
     min = block_min(min, sh);
+    row.weight_exponent = 1.4426950408889634f / temperature;
     row.weight_scale = ldexpf(1.f, 52 - (32 - __clz(a.vocab)));
-    const float floor = has_min_p ? row.x_max + logf(min_p) : min;
-    const uint32_t lo = ordered_key(floor), hi = ordered_key(row.x_max);
+    // p < min_p * p_max  <=>  logit < max + temperature * log(min_p)
+    const float floor = has_min_p ? row.max_logit + temperature * logf(min_p) : min;
+    const uint32_t lo = ordered_key(floor), hi = ordered_key(row.max_logit);
     threshold = has_min_p ? floor : -INFINITY;
     Selected kth = {false, 0u, 0u, 0ull};
     if (has_top_k && lo <= hi) {
-      kth = select(row, lo, hi, static_cast<uint32_t>(top_k), 0.0, 0ull, sh);
+      kth = select(row, lo, hi, static_cast<uint32_t>(top_k), 0.0, 0ull, has_top_p, sh);
       if (kth.found) threshold = key_value(kth.key);
     }
     // With top-k, top-p sees the first k by rank: the nucleus is searched above the k-th, with
@@ -351,28 +365,116 @@ __device__ void sample_row(const T* logits, int r, const SampleRowsArgs& a, Shar
                                            row.weight(key_value(kth.key))
                     : 0ull;
       const Selected nucleus = select(row, kth.found ? kth.key + 1 : lo, hi, 0u,
-                                      static_cast<double>(top_p), total, sh);
+                                      static_cast<double>(top_p), total, true, sh);
       if (nucleus.found) threshold = key_value(nucleus.key);
     }
   }
 
+  // The race, on logit - temperature * log(E) (the same winner as logit / temperature - log(E)).
+  // A token whose logit plus the largest possible boost cannot beat the thread's best so far
+  // cannot win: its random numbers are not computed.
   const uint32_t kept_from = ordered_key(threshold);
   const uint64_t key = a.keys[r];
+  const float max_boost = temperature * kMaxRaceBoost;
   Best best = {-INFINITY, INT_MAX};
   row.for_each([&](int first, const float (&x)[4], int count) {
+    bool contender[4], any = false;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      contender[e] = e < count && ordered_key(x[e]) >= kept_from && x[e] > -INFINITY &&
+                     !(x[e] + max_boost < best.value);
+      any = any || contender[e];
+    }
+    if (!any) return;
     const uint4 bits = philox(key, static_cast<uint32_t>(first) >> 2);
     const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (e < count && ordered_key(x[e]) >= kept_from && x[e] > -INFINITY) {
-        keep_better(best, race_score(x[e], word[e]), first + e);
-      }
+      if (contender[e]) keep_better(best, race_score(x[e], temperature, word[e]), first + e);
     }
   });
   best = block_best(best, sh);
+  const int token = best.index == INT_MAX ? 0 : best.index;
   if (threadIdx.x == 0) {
-    a.out[r] = best.index == INT_MAX ? 0 : best.index;
-    if (a.thresholds) a.thresholds[r] = threshold;
+    a.out[r] = token;
+    if (a.thresholds) a.thresholds[r] = threshold / temperature;
+  }
+  return token;
+}
+
+// The logprobs of row r's raw logits (before overrides and temperature): the sampled token's, its
+// rank (the tokens strictly more likely), and the top n (ties at the n-th: lowest ids first).
+// Two passes (log-sum-exp with the rank, then the top n's select and collection).
+template <typename T>
+__device__ void row_logprobs(const T* logits, int r, int token, int n, const SampleRowsArgs& a,
+                             Shared& sh) {
+  Row<T> row{logits, a.vocab, 1.f};
+  const float sampled = to_float(logits[token]);
+  float max = -INFINITY, sum = 0.f;  // this thread's running log-sum-exp
+  uint32_t above = 0;
+  row.for_each([&](int, const float (&x)[4], int count) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < count && x[e] > -INFINITY) {
+        if (x[e] > max) sum = sum * expf(max - x[e]), max = x[e];
+        sum += expf(x[e] - max);
+        above += x[e] > sampled;
+      }
+    }
+  });
+  float row_max = block_best({max, 0}, sh).value;
+  unsigned long long dummy = 0;
+  uint32_t count_before = above;
+  block_exclusive_scan(count_before, dummy, sh);
+  if (threadIdx.x == kThreads - 1) sh.pick_count = count_before + above;
+  float scaled = max > -INFINITY ? sum * expf(max - row_max) : 0.f;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) scaled += __shfl_xor_sync(0xffffffffu, scaled, offset);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.warp_min[threadIdx.x / 32] = scaled;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < kWarps; ++w) total += sh.warp_min[w];
+  const float log_sum = row_max + logf(total);
+  float* values = a.logprobs + static_cast<int64_t>(r) * (1 + a.logprob_width);
+  int64_t* ids = a.logprob_ids + static_cast<int64_t>(r) * (1 + a.logprob_width);
+  if (threadIdx.x == 0) {
+    values[0] = sampled - log_sum;
+    ids[0] = sh.pick_count;  // the rank
+  }
+  if (n == 0) return;
+
+  const Selected nth = select(row, ordered_key(-INFINITY), ordered_key(row_max),
+                              static_cast<uint32_t>(n), 0.0, 0ull, false, sh);
+  if (threadIdx.x == 0) sh.num_top = 0;
+  __syncthreads();
+  const uint32_t from = nth.found ? nth.key : ordered_key(-INFINITY);
+  row.for_each([&](int first, const float (&x)[4], int count) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < count && ordered_key(x[e]) >= from) {
+        const int slot = atomicAdd(&sh.num_top, 1);
+        if (slot < kTopCapacity) sh.top[slot] = {x[e], first + e};
+      }
+    }
+  });
+  __syncthreads();
+  if (threadIdx.x == 0) {  // at most kTopCapacity candidates: sort them by (value desc, id asc)
+    const int num = min(sh.num_top, kTopCapacity);
+    for (int i = 1; i < num; ++i) {
+      const Best item = sh.top[i];
+      int j = i - 1;
+      for (; j >= 0 && (sh.top[j].value < item.value ||
+                        (sh.top[j].value == item.value && sh.top[j].index > item.index));
+           --j) {
+        sh.top[j + 1] = sh.top[j];
+      }
+      sh.top[j + 1] = item;
+    }
+    for (int i = 0; i < n; ++i) {
+      values[1 + i] = i < num ? sh.top[i].value - log_sum : -INFINITY;
+      ids[1 + i] = i < num ? sh.top[i].index : 0;
+    }
   }
 }
 
@@ -381,10 +483,47 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(SampleRowsArgs
   __shared__ Shared sh;
   const int r = blockIdx.x;
   const int override_row = a.override_rows ? a.override_rows[r] : -1;
-  if (override_row >= 0) {
-    sample_row(a.overrides + override_row * a.overrides_stride, r, a, sh);
-  } else {
-    sample_row(static_cast<const T*>(a.logits) + r * a.logits_stride, r, a, sh);
+  const T* logits = static_cast<const T*>(a.logits) + r * a.logits_stride;
+  const int token = override_row >= 0
+                        ? sample_row(a.overrides + override_row * a.overrides_stride, r, a, sh)
+                        : sample_row(logits, r, a, sh);
+  const int num_top = a.num_logprobs ? a.num_logprobs[r] : -1;
+  if (num_top >= 0) row_logprobs(logits, r, token, num_top, a, sh);
+}
+
+// Copies the source rows to float32 and applies the penalties and masks (see sampling.h). CTA
+// (p, c) owns the c-th of kOverrideChunks column ranges of row p, and the seen and masked tokens
+// that fall in it, so that no token is written by two CTAs.
+constexpr int kOverrideChunks = 16;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) prepare_overrides_kernel(OverrideArgs a) {
+  const int p = blockIdx.x;
+  const int chunk = ((a.vocab + kOverrideChunks - 1) / kOverrideChunks + 7) / 8 * 8;  // 16-byte aligned
+  const int begin = blockIdx.y * chunk, end = min(a.vocab, begin + chunk);
+  if (begin >= end) return;
+  const T* src = static_cast<const T*>(a.logits) + a.source_rows[p] * a.logits_stride;
+  float* dst = a.overrides + static_cast<int64_t>(p) * a.vocab;
+  for_each_quad(src + begin, end - begin, [&](int first, const float (&x)[4], int count) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (e < count) dst[begin + first + e] = x[e];
+    }
+  });
+  const float presence = a.presence[p], frequency = a.frequency[p], repetition = a.repetition[p];
+  for (int i = threadIdx.x; i < a.num_seen; i += kThreads) {
+    const int token = a.seen_tokens[static_cast<int64_t>(p) * a.num_seen + i];
+    if (token < begin || token >= end) continue;  // padding (-1), or another CTA's
+    const int count = a.output_counts[static_cast<int64_t>(p) * a.num_seen + i];
+    const float logit = to_float(src[token]);
+    float penalised = logit > 0.f ? logit / repetition : logit * repetition;
+    penalised -= frequency * static_cast<float>(count) + (count > 0 ? presence : 0.f);
+    dst[token] = penalised;
+  }
+  __syncthreads();  // a masked token stays masked whatever its penalty
+  for (int i = threadIdx.x; i < a.num_masked; i += kThreads) {
+    const int token = a.masked_tokens[static_cast<int64_t>(p) * a.num_masked + i];
+    if (token >= begin && token < end) dst[token] = -INFINITY;
   }
 }
 
@@ -398,10 +537,26 @@ void sample_rows(const SampleRowsArgs& args, cudaStream_t stream) {
   require(!args.override_rows || (args.overrides && args.overrides_stride >= args.vocab),
           "sample_rows: override_rows needs overrides with rows of at least vocab elements");
   if (args.rows == 0) return;
+  require(!args.num_logprobs || (args.logprobs && args.logprob_ids &&
+                                  args.logprob_width <= kMaxTopLogprobs),
+          "sample_rows: num_logprobs needs logprobs and logprob_ids of at most " +
+              std::to_string(kMaxTopLogprobs) + " top logprobs per row");
   if (args.logits_bf16) {
     sample_rows_kernel<bf16><<<args.rows, kThreads, 0, stream>>>(args);
   } else {
     sample_rows_kernel<float><<<args.rows, kThreads, 0, stream>>>(args);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void prepare_overrides(const OverrideArgs& args, cudaStream_t stream) {
+  require(args.vocab > 0 && args.logits_stride >= args.vocab,
+          "prepare_overrides: the logits' row stride must be at least vocab");
+  if (args.num_rows == 0) return;
+  if (args.logits_bf16) {
+    prepare_overrides_kernel<bf16><<<dim3(args.num_rows, kOverrideChunks), kThreads, 0, stream>>>(args);
+  } else {
+    prepare_overrides_kernel<float><<<dim3(args.num_rows, kOverrideChunks), kThreads, 0, stream>>>(args);
   }
   CUDA_CHECK_LAUNCH();
 }
