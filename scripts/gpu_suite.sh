@@ -33,7 +33,7 @@ for stage in "$@"; do
     step build
     ( time python3 -m pip install --no-build-isolation --no-deps -q . ) > "$LOGS/build.log" 2>&1 || { tail -50 "$LOGS/build.log"; exit 1; }
     tail -3 "$LOGS/build.log"
-    python3 -c "import nanograph; print('core:', nanograph.core_available(), 'gpu:', nanograph.gpu_available(), nanograph.CORE_ERROR or '')"
+    python3 -c "import nanograph, sys; print('core:', nanograph.core_available(), 'gpu:', nanograph.gpu_available(), nanograph.CORE_ERROR or ''); sys.exit(0 if nanograph.gpu_available() else 1)" || exit 1
     ;;
   ctest)
     step ctest
