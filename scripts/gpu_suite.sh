@@ -81,6 +81,7 @@ for stage in "$@"; do
     sanitized racecheck gemv tests/kernels/test_gemv.py -k "deterministic or graph_replay or offset_views" &
     sanitized racecheck basic tests/kernels/test_basic_kernels.py \
       -k "rmsnorm and 2048 or argmax_random or argmax_strided" &
+    sanitized racecheck sample tests/kernels/test_sample_rows.py -k "any_number_of_rows or overridden or ties or greedy" &
     wait
     for f in "$LOGS"/sanitize_*_test_*.log "$LOGS"/sanitize_racecheck_*.log; do
       [ -f "$f" ] && [[ "$f" != *gtest* ]] || continue

@@ -1,0 +1,241 @@
+"""The sampler on the GPU, where the sampling kernel draws, from float32 logits and from the engine's bfloat16 ones:
+what the CPU tests check (greedy and top-k 1, each row's own parameters, the exact softmax, seeds whatever the batch
+and run, min_tokens, penalties as the reference formula has them, logprobs), and a batch mixing every parameter."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from nanograph import SamplingParams
+from nanograph.sampler import Sampler
+
+from .test_api_sampler import CHI2_CRITICAL_0_001, EOS, LOGITS, NUM_DRAWS, chi_square, reference_penalties, seq
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def sampler(seed=0) -> Sampler:
+    return Sampler(DEVICE, [EOS], seed)
+
+
+def on_device(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return logits.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_and_top_k_1_are_the_argmax(dtype):
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab = 64, 151936
+    logits = (torch.randn(rows, vocab, generator=generator) * 2).to(dtype)
+    argmax = logits.float().argmax(dim=-1)
+    assert sampler()(logits.to(DEVICE), [seq(SamplingParams(temperature=0))] * rows).token_ids == argmax.tolist()
+    greedy = torch.arange(rows) % 2 == 0
+    seqs = [seq(SamplingParams(temperature=0) if greedy[i] else SamplingParams(temperature=0.5 + i / rows, top_k=1))
+            for i in range(rows)]
+    token_ids = torch.tensor(sampler()(logits.to(DEVICE), seqs).token_ids)
+    assert torch.equal(token_ids[greedy], argmax[greedy])
+    maxima = logits.float().amax(dim=-1)
+    assert torch.equal(logits.float().gather(1, token_ids[:, None]).squeeze(1), maxima)  # tied maxima: any of them
+    unique = (logits.float() == maxima[:, None]).sum(dim=-1) == 1
+    assert unique.float().mean() > 0.5
+    assert torch.equal(token_ids[unique], argmax[unique])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_uses_its_own_parameters(dtype):
+    row = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    row_params = [SamplingParams(temperature=0), SamplingParams(top_k=2), SamplingParams(top_p=0.6),
+                  SamplingParams(top_k=3, top_p=0.95), SamplingParams(), SamplingParams(min_p=0.6)]
+    allowed = [{0}, {0, 1}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1}]
+    seqs = [seq(p) for p in row_params] * 2000
+    draws = sampler()(on_device(row.repeat(len(seqs), 1), dtype), seqs).token_ids
+    for i, expected in enumerate(allowed):
+        assert set(draws[i::len(row_params)]) == expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.3, 1.0), (1.0, 0.8)])
+def test_draws_follow_the_exact_renormalised_softmax(temperature, top_p, dtype):
+    probs = (LOGITS / temperature).softmax(-1).double()  # LOGITS: exact in bfloat16 too
+    nucleus = int(((probs.cumsum(-1) - probs) < top_p).sum())
+    probs[nucleus:] = 0
+    probs /= probs.sum()
+    seqs = [seq(SamplingParams(temperature=temperature, top_p=top_p))] * NUM_DRAWS
+    draws = torch.tensor(sampler()(on_device(LOGITS.repeat(NUM_DRAWS, 1), dtype), seqs).token_ids)
+    assert int(draws.max()) < nucleus
+    assert chi_square(draws, probs) < CHI2_CRITICAL_0_001[nucleus - 1]
+    wrong = LOGITS[:nucleus].softmax(-1) if temperature != 1.0 else (LOGITS[:nucleus] / 1.3).softmax(-1)
+    assert chi_square(draws, wrong) > CHI2_CRITICAL_0_001[nucleus - 1]  # the test can tell them apart
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=7), SamplingParams(top_p=0.9, seed=7),
+                                    SamplingParams(top_k=30, min_p=0.01, seed=7),
+                                    SamplingParams(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.2,
+                                                   seed=7)])
+def test_a_seeded_request_draws_the_same_whatever_the_batch_and_run(params):
+    generator = torch.Generator().manual_seed(2)
+    # Values a bfloat16 holds exactly, so that both dtypes carry the same logits. Row 0 is the seeded request's.
+    logits = torch.randn(9, 5000, generator=generator).to(torch.bfloat16).float()
+    others = [SamplingParams(temperature=0), SamplingParams(top_k=3), SamplingParams(top_p=0.5),
+              SamplingParams(min_p=0.1, seed=3), SamplingParams(frequency_penalty=0.5),
+              SamplingParams(min_tokens=4, stop_token_ids=[9]), SamplingParams(logprobs=2), SamplingParams()]
+
+    def draws(num_others: int, sampler_seed: int, dtype=torch.float32, seed=params.seed) -> list[int]:
+        """Four steps of the seeded request, after num_others other rows; each step's token is appended to it, as
+        the engine does. A new sampler and new sequences each time."""
+        s = sampler(sampler_seed)
+        target = seq(dataclasses.replace(params, seed=seed), sampler_for_seed=s)
+        tokens = []
+        for _ in range(4):
+            seqs = [seq(p, sampler_for_seed=s) for p in others[:num_others]] + [target]
+            tokens.append(s(on_device(torch.cat([logits[1:num_others + 1], logits[:1]]), dtype), seqs).token_ids[-1])
+            target.token_ids.append(tokens[-1])
+        return tokens
+
+    alone = draws(0, sampler_seed=0)
+    assert len(set(alone)) > 1  # the row really is random
+    assert draws(0, sampler_seed=0) == alone
+    assert draws(len(others), sampler_seed=5) == alone
+    assert draws(3, sampler_seed=1, dtype=torch.bfloat16) == alone
+    assert draws(0, sampler_seed=0, seed=99) != alone
+
+
+def test_unseeded_rows_follow_the_engine_seed():
+    logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    seqs = [seq(SamplingParams())] * 64
+    assert sampler(3)(logits, seqs).token_ids == sampler(3)(logits, seqs).token_ids
+    assert sampler(3)(logits, seqs).token_ids != sampler(4)(logits, seqs).token_ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(dtype):
+    params = SamplingParams(min_tokens=2, stop_token_ids=[3])
+    short, done = seq(params, output=[1]), seq(params, output=[1, 2])
+    logits = torch.tensor([[4.0, 1.0, 0.5, 0.0]]).repeat(4000, 1)  # EOS (0) is by far the likeliest
+    token_ids = sampler()(on_device(logits, dtype), [short, done] * 2000).token_ids
+    assert set(token_ids[0::2]) == {1, 2}
+    assert set(token_ids[1::2]) == {0, 1, 2, 3}
+    greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    logits = torch.tensor([[9.0, 8.0, 7.0, 1.0]]).repeat(3, 1)
+    seqs = [seq(greedy, output=[]), seq(greedy, output=[3]), seq(greedy, output=[3, 3])]
+    assert sampler()(on_device(logits, dtype), seqs).token_ids == [2, 2, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_penalties_move_the_argmax_as_the_reference_formula_says(dtype):
+    """Rows whose argmax token was generated 0 to 3 times, under random penalties; greedy rows and top-k 1 ones."""
+    generator = torch.Generator().manual_seed(1)
+    rows, vocab = 256, 1000
+    logits = (torch.randn(rows, vocab, generator=generator) * 2).to(dtype)
+    top = logits.float().argmax(dim=-1)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=generator))]
+
+    seqs, expected, gaps = [], [], []
+    for row in range(rows):
+        params = SamplingParams(temperature=pick([0.5, 1.5]) if row % 2 else 0.0, top_k=row % 2,
+                                presence_penalty=pick([0.0, 0.5, 1.5]), frequency_penalty=pick([0.0, 0.3, 1.0]),
+                                repetition_penalty=pick([1.0, 1.2, 2.0]))
+        prompt = torch.randint(vocab, (4,), generator=generator).tolist()
+        output = [int(top[row])] * pick([0, 1, 3]) + torch.randint(vocab, (3,), generator=generator).tolist()
+        seqs.append(seq(params, prompt, output))
+        penalised = reference_penalties(logits[row].float(), prompt, output, params.presence_penalty,
+                                        params.frequency_penalty, params.repetition_penalty)
+        first, second = penalised.topk(2).values.tolist()
+        expected.append(int(penalised.argmax()))
+        gaps.append(first - second)
+    token_ids = torch.tensor(sampler()(logits.to(DEVICE), seqs).token_ids)
+    # Where the top two are this close (or tied, as bfloat16 logits often are), float rounding may decide.
+    expected, clear = torch.tensor(expected), torch.tensor(gaps) > 1e-4
+    assert clear.float().mean() > 0.9
+    assert torch.equal(token_ids[clear], expected[clear])
+    moved = int((expected[clear] != top[clear]).sum())
+    assert 20 <= moved <= int(clear.sum()) - 20  # the penalties decided both ways
+
+
+def test_penalties_follow_the_sequence_tokens_as_they_change():
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]], device=DEVICE)
+    s = sampler()
+    sequence = seq(SamplingParams(temperature=0, presence_penalty=1.0), prompt=[5])
+    assert s(logits, [sequence]).token_ids == [1]
+    sequence.token_ids.append(1)  # generated: now penalised
+    assert s(logits, [sequence]).token_ids == [2]
+    sequence.token_ids[-1] = 3  # a placeholder replaced in place, as the engine does with a pending token
+    assert s(logits, [sequence]).token_ids == [1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_top", [5, 40])  # 40: more than the kernel gives, taken by torch
+def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first(num_top, dtype):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0), SamplingParams(),
+              SamplingParams(temperature=0, logprobs=0), SamplingParams(top_p=0.9, logprobs=num_top, seed=1)]
+    s = sampler()
+    out = s(logits.to(DEVICE), [seq(p, output=[5], sampler_for_seed=s) for p in params])
+    assert out.logprobs[1] is None
+    for row in (0, 2, 3):
+        raw = logits[row].float().log_softmax(-1)
+        entry = out.logprobs[row]
+        token = out.token_ids[row]
+        assert entry.token_ids[0] == token
+        assert math.isclose(entry.logprobs[0], float(raw[token]), rel_tol=1e-4, abs_tol=1e-5)
+        assert entry.ranks[0] == int((logits[row] > logits[row, token]).sum()) + 1
+        top = raw.topk(params[row].logprobs).values
+        assert torch.equal(raw[entry.token_ids[1:]], top)  # equal logprobs may come in any order
+        torch.testing.assert_close(torch.tensor(entry.logprobs[1:]), top, rtol=1e-4, atol=1e-5)
+        assert entry.ranks[1:] == list(range(1, len(top) + 1))
+    assert out.logprobs[2].ranks == [1]  # greedy: the sampled token is the most likely
+
+
+MIXED = [  # as benchmarks/bench_sampler.py, and a row held short of min_tokens
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=0.8, top_k=50),
+    SamplingParams(temperature=0.9, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=0.7, top_k=40, top_p=0.95, presence_penalty=0.5, frequency_penalty=0.3,
+                   repetition_penalty=1.1),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=1234),
+    SamplingParams(temperature=0.6, top_k=20, logprobs=5),
+    SamplingParams(temperature=0.9, min_tokens=32, max_tokens=64, stop_token_ids=[7]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_batch_mixing_every_parameter_draws_a_valid_token_per_row(dtype):
+    generator = torch.Generator().manual_seed(8)
+    rows, vocab = 256, 151936
+    kinds = torch.arange(rows) % len(MIXED)
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    held = kinds == len(MIXED) - 1
+    logits[held, EOS] = logits[held, 7] = 30.0  # the likeliest, were they not masked
+    logits = logits.to(dtype)
+    histories = torch.randint(vocab, (rows, 80), generator=generator).tolist()  # 64 prompt tokens, 16 generated
+
+    def run(sampler_seed: int):
+        s = sampler(sampler_seed)
+        return s(logits.to(DEVICE), [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
+                                     for kind, history in zip(kinds.tolist(), histories)])
+
+    out = run(0)
+    token_ids = torch.tensor(out.token_ids)
+    x = logits.float() / torch.tensor([MIXED[kind].temperature or 1.0 for kind in kinds.tolist()])[:, None]
+    drawn = x.gather(1, token_ids[:, None]).squeeze(1)
+    assert drawn.isfinite().all()
+    assert torch.equal(token_ids[kinds == 0], x[kinds == 0].argmax(dim=-1))
+    for kind, k in [(2, 50), (7, 20)]:  # top-k without penalties
+        assert (drawn[kinds == kind] >= x[kinds == kind].topk(k).values[:, -1]).all()
+    min_p_rows = kinds == 4
+    assert (drawn[min_p_rows] >= x[min_p_rows].amax(dim=-1) + math.log(0.05) - 1e-5).all()  # a float32 floor
+    assert not set(token_ids[held].tolist()) & {EOS, 7}
+    assert all(out.logprobs[row].token_ids[0] == out.token_ids[row] for row in (kinds == 7).nonzero().flatten().tolist())
+    assert all(out.logprobs[row] is None for row in (kinds != 7).nonzero().flatten().tolist())
+    again = torch.tensor(run(5).token_ids)
+    seeded = kinds == 6
+    assert torch.equal(again[seeded], token_ids[seeded])
+    assert not torch.equal(again[kinds == 1], token_ids[kinds == 1])  # the others follow the sampler's seed
