@@ -510,6 +510,7 @@ __global__ void __launch_bounds__(kThreads) prepare_overrides_kernel(OverrideArg
       if (e < count) dst[begin + first + e] = x[e];
     }
   });
+  __syncthreads();  // another thread may have copied a token this one penalises
   const float presence = a.presence[p], frequency = a.frequency[p], repetition = a.repetition[p];
   for (int i = threadIdx.x; i < a.num_seen; i += kThreads) {
     const int token = a.seen_tokens[static_cast<int64_t>(p) * a.num_seen + i];

@@ -381,3 +381,33 @@ def test_bad_arguments_are_rejected_with_the_argument_named():
     ops.sample_rows(*good.values())
     torch.cuda.synchronize()  # the rejected calls launched nothing that fails later
     assert ((good["out"] >= 0) & (good["out"] < vocab)).all()
+
+
+# ---- prepare_overrides ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_overrides_are_the_source_rows_with_every_penalty_and_mask_applied(dtype):
+    """Thousands of seen tokens per row, so that penalty writes and the row copy overlap in time: every element of
+    every override row must be the source logit, penalised where seen, -inf where masked."""
+    g = torch.Generator().manual_seed(11)
+    rows, vocab, num_seen, num_masked = 6, 151936, 6000, 3
+    logits = (torch.randn(10, vocab, generator=g) * 3).to(dtype)
+    source_rows = torch.tensor([7, 0, 3, 3, 9, 1], dtype=torch.int32)
+    seen = torch.stack([torch.randperm(vocab, generator=g)[:num_seen] for _ in range(rows)]).to(torch.int32)
+    seen[1, num_seen // 2:] = -1  # padding
+    counts = torch.randint(0, 4, (rows, num_seen), generator=g, dtype=torch.int32)
+    presence, frequency = torch.rand(rows, generator=g) * 2 - 0.5, torch.rand(rows, generator=g)
+    repetition = 1 + torch.rand(rows, generator=g)
+    masked = torch.randint(0, vocab, (rows, num_masked), generator=g, dtype=torch.int32)
+    masked[2, 1:] = -1
+    out = torch.full((rows, vocab), float("nan"), device=DEVICE)
+    ops.prepare_overrides(logits.to(DEVICE), source_rows.to(DEVICE), out, seen.to(DEVICE), counts.to(DEVICE),
+                          presence.to(DEVICE), frequency.to(DEVICE), repetition.to(DEVICE), masked.to(DEVICE))
+    want = logits.float()[source_rows.long()].clone()
+    for r in range(rows):
+        tokens, c = seen[r][seen[r] >= 0].long(), counts[r][seen[r] >= 0].float()
+        x = want[r, tokens]
+        x = torch.where(x > 0, x / repetition[r], x * repetition[r])
+        want[r, tokens] = x - (frequency[r] * c + presence[r] * (c > 0).float())
+        want[r, masked[r][masked[r] >= 0].long()] = float("-inf")
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)
