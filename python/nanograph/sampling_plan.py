@@ -1,5 +1,6 @@
-"""The sampler's host side for one call: which rows take which path (greedy, full draw, truncated draw), and the
-per-row arrays the device needs, sent in one copy."""
+"""The sampler's host side for one call: the per-row arrays the device needs, sent in one copy. For the core's
+kernels, every row's parameters, its draw's key and the rows to override (penalties, min_tokens masks); for the
+torch path, also which rows take which path (greedy, full draw, truncated draw)."""
 from __future__ import annotations
 
 import weakref
@@ -62,8 +63,9 @@ class _Seen:
 
 
 class SamplingPlan:
-    """The host's part of one call, decided from the parameters: which rows take which path (row lists: sorted
-    numpy int64), and the per-row arrays the device needs (self.arrays, sent in one copy by upload)."""
+    """The host's part of one call, decided from the parameters: the per-row arrays the device needs (self.arrays,
+    sent in one copy by upload) and, for the torch path, which rows take which path (row lists: sorted numpy
+    int64)."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], seen: SeenTokens,
                  keys: np.random.Generator | None = None):
