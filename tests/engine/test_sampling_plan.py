@@ -1,11 +1,13 @@
 """The host side of the GPU sampler (CPU): the per-row arrays a SamplingPlan hands the sampling kernels, checked
-row by row against the parameters and token histories that produced them."""
+row by row against the parameters and token histories that produced them, and the logprobs read back from them."""
 import random
 
 import numpy as np
+import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import Sequence
+from nanograph.sampler import PendingSample, TokenLogprobs, _Logprobs
 from nanograph.sampling_plan import SamplingPlan, SeenTokens
 
 VOCAB = 1000
@@ -87,3 +89,17 @@ def test_seen_tokens_grow_with_the_sequence_between_calls():
     second = SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0))
     assert second.arrays["seen_tokens"].tolist() == [[5, 6]]
     assert second.arrays["output_counts"].tolist() == [[2, 1]]
+
+
+def test_pending_logprobs_are_read_from_the_rows_that_asked():
+    """The kernels' layout: a row per batch row, the sampled token's logprob then the top ones; ids: the rank, then
+    the top ids. Only the rows that asked get TokenLogprobs, with the sampled token first and ranks from 1."""
+    token_ids = torch.tensor([5, 8, 2])
+    values = torch.tensor([[-9.0, -9.0, -9.0], [-1.5, -0.5, -1.0], [-0.25, -0.25, -3.0]])
+    ids = torch.tensor([[0, 0, 0], [2, 3, 4], [0, 2, 9]])
+    pending = PendingSample(token_ids, _Logprobs(rows=[1, 2], num_top=[2, 1], at=[1, 2], values=values, ids=ids))
+    out = pending.result()
+    assert out.token_ids == [5, 8, 2]
+    assert out.logprobs[0] is None
+    assert out.logprobs[1] == TokenLogprobs([8, 3, 4], [-1.5, -0.5, -1.0], [3, 1, 2])
+    assert out.logprobs[2] == TokenLogprobs([2, 2], [-0.25, -0.25], [1, 1])
