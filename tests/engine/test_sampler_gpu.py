@@ -158,17 +158,6 @@ def test_penalties_move_the_argmax_as_the_reference_formula_says(dtype):
     assert 20 <= moved <= int(clear.sum()) - 20  # the penalties decided both ways
 
 
-def test_penalties_follow_the_sequence_tokens_as_they_change():
-    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]], device=DEVICE)
-    s = sampler()
-    sequence = seq(SamplingParams(temperature=0, presence_penalty=1.0), prompt=[5])
-    assert s(logits, [sequence]).token_ids == [1]
-    sequence.token_ids.append(1)  # generated: now penalised
-    assert s(logits, [sequence]).token_ids == [2]
-    sequence.token_ids[-1] = 3  # a placeholder replaced in place, as the engine does with a pending token
-    assert s(logits, [sequence]).token_ids == [1]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_top", [5, 40])  # 40: more than the kernel gives, taken by torch
 def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first(num_top, dtype):

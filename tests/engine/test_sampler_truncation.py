@@ -163,9 +163,10 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch(params):
                   SamplingParams(min_p=0.1, seed=3), SamplingParams()], 5) == alone
 
 
-def test_penalties_follow_the_sequence_tokens_as_they_change():
-    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]])
-    s = sampler()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # torch path, kernels
+def test_penalties_follow_the_sequence_tokens_as_they_change(device):
+    logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]], device=device)
+    s = Sampler(torch.device(device), [0], 0)
     sequence = seq(SamplingParams(temperature=0, presence_penalty=1.0), prompt=[5])
     assert s(logits, [sequence]).token_ids == [1]
     sequence.token_ids.append(1)  # generated: now penalised
