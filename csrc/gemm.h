@@ -5,6 +5,7 @@
 // that calls can be captured into a CUDA graph.
 #pragma once
 #include "common.h"
+#include "gemv.h"
 
 #include <map>
 #include <memory>
@@ -20,9 +21,9 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
-  // bias: [N] or nullptr.
+  // bias: [N] or nullptr. `prefetch` (gemv.h) is passed to the GEMV; cuBLASLt shapes ignore it.
   void linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-              cudaStream_t stream);
+              cudaStream_t stream, L2Prefetch prefetch = {});
 
  private:
   struct Plan;
