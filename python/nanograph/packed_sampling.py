@@ -24,12 +24,13 @@ if TYPE_CHECKING:
 
 ALIGNMENT = 16  # of every field's offset; the binding checks it
 MAX_TOP_LOGPROBS = 32  # the kernel's limit (kMaxTopLogprobs); requests for more take torch's topk
+F32, I32, I64 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64)
 
 
 class Field(NamedTuple):
     offset: int  # in bytes, from the blob's start
     nbytes: int
-    dtype: type
+    dtype: np.dtype
     shape: tuple[int, ...]
 
     def of(self, blob: np.ndarray) -> np.ndarray:
@@ -47,15 +48,14 @@ class PackedLayout:
         n = num_overrides
         self.rows, self.logprob_columns, self.num_overrides = rows, logprob_columns, num_overrides
         self.params, self.params_nbytes = _placed([
-            ("temperatures", np.float32, (rows,)), ("top_ks", np.int32, (rows,)), ("top_ps", np.float32, (rows,)),
-            ("min_ps", np.float32, (rows,)), ("keys", np.int64, (rows,)), ("num_logprobs", np.int32, (rows,)),
-            ("override_rows", np.int32, (rows,)), ("override_source", np.int32, (n,)),
-            ("seen_tokens", np.int32, (n, seen_width)), ("output_counts", np.int32, (n, seen_width)),
-            ("presence", np.float32, (n,)), ("frequency", np.float32, (n,)), ("repetition", np.float32, (n,)),
-            ("masked_tokens", np.int32, (n, masked_width))])
+            ("temperatures", F32, (rows,)), ("top_ks", I32, (rows,)), ("top_ps", F32, (rows,)),
+            ("min_ps", F32, (rows,)), ("keys", I64, (rows,)), ("num_logprobs", I32, (rows,)),
+            ("override_rows", I32, (rows,)), ("override_source", I32, (n,)), ("seen_tokens", I32, (n, seen_width)),
+            ("output_counts", I32, (n, seen_width)), ("presence", F32, (n,)), ("frequency", F32, (n,)),
+            ("repetition", F32, (n,)), ("masked_tokens", I32, (n, masked_width))])
         self.results, self.results_nbytes = _placed([
-            ("token_ids", np.int64, (rows,)), ("logprobs", np.float32, (rows, logprob_columns)),
-            ("logprob_ids", np.int64, (rows, logprob_columns))])
+            ("token_ids", I64, (rows,)), ("logprobs", F32, (rows, logprob_columns)),
+            ("logprob_ids", I64, (rows, logprob_columns))])
         self.layout = (rows, logprob_columns, num_overrides, seen_width, masked_width,
                        *(field.offset for field in self.params.values()),
                        *(field.offset for field in self.results.values()))
@@ -67,13 +67,13 @@ class PackedLayout:
             field.of(blob)[...] = arrays[name]
 
 
-def _placed(fields: list[tuple[str, type, tuple[int, ...]]]) -> tuple[dict[str, Field], int]:
+def _placed(fields: list[tuple[str, np.dtype, tuple[int, ...]]]) -> tuple[dict[str, Field], int]:
     """The fields one after another, each at the next aligned offset; and the bytes they span."""
     placed, end = {}, 0
     for name, dtype, shape in fields:
         offset = -(-end // ALIGNMENT) * ALIGNMENT
-        field = placed[name] = Field(offset, math.prod(shape) * np.dtype(dtype).itemsize, dtype, shape)
-        end = field.offset + field.nbytes
+        placed[name] = Field(offset, math.prod(shape) * dtype.itemsize, dtype, shape)
+        end = offset + placed[name].nbytes
     return placed, end
 
 

@@ -155,8 +155,7 @@ class Sampler:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
         unmodified) without waiting for the device, unless the torch path truncates rows (see the module's
         docstring)."""
-        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
-                            self._keys if self._kernel else None)
+        plan = self._plan(logits, seqs)
         if self._kernel:
             pending = self._sample_on_core(logits, plan)
             if plan.kernel_logprobs or not plan.logprob_rows:
@@ -171,6 +170,10 @@ class Sampler:
         if not plan.logprob_rows:
             return PendingSample(token_ids)
         return self._with_logprobs(logits, plan, token_ids, rows.logprob_rows)
+
+    def _plan(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplingPlan:
+        return SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
+                            self._keys if self._kernel else None)
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, plan: SamplingPlan, token_ids: torch.Tensor,
@@ -188,10 +191,23 @@ class Sampler:
         """The core's kernels through ops.sample_packed: the penalised and masked rows copied out and modified (the
         overrides), then every row sampled, with the logprobs of the rows that ask if the kernel gives them
         (plan.kernel_logprobs). One copy of the packed parameters to the device, one of the results back."""
+        slot, params = self._upload(plan, logits.device)
+        return self._launch(logits, plan, slot, params)
+
+    # The core's path in two stages, which benchmarks/bench_sampler.py --host times apart.
+
+    def _upload(self, plan: SamplingPlan, device: torch.device) -> tuple[StagingSlot, torch.Tensor]:
+        """The plan's parameters packed into a staging slot and copied to the device (queued): the slot, and the
+        parameters blob on the device."""
         layout = plan.layout
         slot = self._staging.slot_for(layout)
         layout.pack(plan.arrays, slot.params_view)
-        params = slot.params[:layout.params_nbytes].to(logits.device, non_blocking=True)
+        return slot, slot.params[:layout.params_nbytes].to(device, non_blocking=True)
+
+    def _launch(self, logits: torch.Tensor, plan: SamplingPlan, slot: StagingSlot,
+                params: torch.Tensor) -> PackedPendingSample:
+        """Queues the kernels on the uploaded parameters, then the copy of their results to slot."""
+        layout = plan.layout
         results = torch.empty(layout.results_nbytes, dtype=torch.uint8, device=logits.device)
         overrides = None
         if layout.num_overrides:
