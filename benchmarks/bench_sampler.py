@@ -2,11 +2,15 @@
 batch (the fast path) and for a batch mixing every parameter: greedy, temperature, top-k, top-p, min_p, the three
 penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs.
 
-    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16] [--profile]
+    python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16] [--host]
+                                       [--profile]
 
 A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids
-included, as the engine pays it. Target on an H200: mixed <= 1 ms. --profile then runs the mixed batch under
-torch.profiler and prints where the time goes, by operator."""
+included, as the engine pays it. Target on an H200: mixed <= 1 ms. --host then splits the host's part of each
+batch on the core's path into stages, each a median: plan (the SamplingPlan), upload (packing the parameters and
+queueing their copy), launch (the kernels' binding and the results' copy back) and result (reading the results,
+timed once the device is done, so without the wait). --profile runs the mixed batch under torch.profiler and prints
+where the time goes, by operator."""
 import argparse
 import statistics
 import time
@@ -57,6 +61,28 @@ def time_ms(fn, warmup: int = 5, repeats: int = 50) -> float:
     return statistics.median(samples)
 
 
+def host_stages_ms(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], warmup: int = 5,
+                   repeats: int = 50) -> dict[str, float]:
+    """The median host time of each stage of the core's path (the module's docstring), in the sampler's order."""
+    samples = {stage: [] for stage in ("plan", "upload", "launch", "result")}
+    for i in range(warmup + repeats):
+        start = time.perf_counter()
+        plan = sampler._plan(logits, seqs)
+        planned = time.perf_counter()
+        slot, params = sampler._upload(plan, logits.device)
+        uploaded = time.perf_counter()
+        pending = sampler._launch(logits, plan, slot, params)
+        launched = time.perf_counter()
+        torch.cuda.synchronize()
+        read = time.perf_counter()
+        pending.result()
+        if i >= warmup:
+            for stage, begin, end in [("plan", start, planned), ("upload", planned, uploaded),
+                                      ("launch", uploaded, launched), ("result", read, time.perf_counter())]:
+                samples[stage].append((end - begin) * 1e3)
+    return {stage: statistics.median(times) for stage, times in samples.items()}
+
+
 def profile(fn, device: torch.device, repeats: int = 20):
     """Print fn's operators (a device's kernels under them), totalled over repeats calls, costliest first."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -77,6 +103,8 @@ def main():
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the logits' dtype (the engine's are bfloat16)")
+    parser.add_argument("--host", action="store_true",
+                        help="the host's time per stage of the core's path: plan, upload, launch, result")
     parser.add_argument("--profile", action="store_true", help="profile the mixed batch, by operator")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -86,6 +114,12 @@ def main():
     for name, params in [("all greedy", [SamplingParams(temperature=0)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
         print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")
+        if args.host and not sampler._kernel:
+            print("    (--host times the core's path, which needs a GPU and the core)")
+        elif args.host:
+            stages = host_stages_ms(sampler, logits, seqs)
+            print("    host: " + ", ".join(f"{stage} {ms:.3f}" for stage, ms in stages.items())
+                  + f" ms; total {sum(stages.values()):.3f} ms")
     if args.profile:
         seqs = sequences(MIXED, args.rows, args.vocab, sampler)
         profile(lambda: sampler(logits, seqs), device)

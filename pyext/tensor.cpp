@@ -1,6 +1,7 @@
 // Binding helpers: tensor inspection, validation and the torch stream.
 #include "tensor.h"
 
+#include <climits>
 #include <stdexcept>
 
 namespace nanograph::py_ext {
@@ -70,6 +71,33 @@ void expect_shape(const Tensor& t, const std::vector<int64_t>& expected) {
     throw_invalid_argument(t.name + " must have shape " + shape_str(expected) + " (-1: any), got " +
                           shape_str(t.shape));
   }
+}
+
+int checked_int(int64_t value, const std::string& what) {
+  if (value > INT_MAX) {
+    throw_invalid_argument(what + " is " + std::to_string(value) + "; the kernels take at most " +
+                          std::to_string(INT_MAX) + " (split the batch)");
+  }
+  return static_cast<int>(value);
+}
+
+std::pair<Tensor, int64_t> row_strided_logits(py::object logits, const char* dtype) {
+  const auto stride = logits.attr("stride")().cast<std::vector<int64_t>>();
+  if (stride.size() != 2) {
+    throw_invalid_argument("logits must be 2-D [rows, vocab], got " + std::to_string(stride.size()) +
+                          " dimensions");
+  }
+  const auto shape = logits.attr("shape").cast<std::vector<int64_t>>();
+  if (shape[0] > 1 && (stride[1] != 1 || stride[0] < shape[1])) {
+    throw_invalid_argument("logits must have unit stride along vocab and rows that do not overlap, "
+                          "got strides (" + std::to_string(stride[0]) + ", " +
+                          std::to_string(stride[1]) + "); call .contiguous()");
+  }
+  // One row is contiguous, so it passes the usual device/dtype/contiguity checks.
+  py::object first_row = shape[0] > 0 ? logits.attr("narrow")(0, 0, 1) : logits;
+  Tensor t = cuda_tensor(first_row, "logits", dtype);
+  t.shape = shape;
+  return {t, shape[0] > 1 ? stride[0] : shape[1]};
 }
 
 int same_device(const std::vector<const Tensor*>& tensors) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace nanograph::py_ext {
@@ -49,6 +50,14 @@ void expect_shape(const Tensor& t, const std::vector<int64_t>& expected);
 
 // Requires all tensors to live on the same device; returns it and makes it current.
 int same_device(const std::vector<const Tensor*>& tensors);
+
+// value as an int, or an error naming `what` when it exceeds what the kernels take.
+int checked_int(int64_t value, const std::string& what);
+
+// Logits [rows, vocab] of `dtype`, which may be a row slice of a wider buffer ([rows, vocab] out
+// of [rows, padded]): only the last dimension must be contiguous. Returns the tensor and its row
+// stride in elements.
+std::pair<Tensor, int64_t> row_strided_logits(py::object logits, const char* dtype = "bfloat16");
 
 // The stream torch is using on the current device, so results are ordered with torch's work.
 cudaStream_t torch_current_stream();

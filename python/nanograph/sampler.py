@@ -3,10 +3,12 @@ penalties and the min_tokens mask → greedy argmax → temperature → min_p, t
 
 On a GPU with the core, one kernel (csrc/sample_rows.cu) samples every row from its parameters and a 64-bit key
 drawn on the host (from the request's own stream when it has a seed); rows with penalties or masked tokens are
-first copied out and modified. Elsewhere the torch path splits the rows by what they need (SamplingPlan): greedy
-rows take the argmax; rows without truncation draw from the whole row; truncated rows draw among their candidates,
-the largest logits found by torch.topk (no row is sorted), and only a row whose kept tokens spill past its
-candidates is drawn again from the whole row; that path waits for the device once when rows are truncated.
+first copied out and modified. The host packs every parameter into one pinned buffer sent in one copy, launches
+both kernels through one binding (ops.sample_packed), and reads the token ids and logprobs back from one results
+buffer in one copy (packed_sampling.py). Elsewhere the torch path splits the rows by what they need (SamplingPlan):
+greedy rows take the argmax; rows without truncation draw from the whole row; truncated rows draw among their
+candidates, the largest logits found by torch.topk (no row is sorted), and only a row whose kept tokens spill past
+its candidates is drawn again from the whole row; that path waits for the device once when rows are truncated.
 Per-row parameters go to the device in one copy; otherwise the host does not wait until PendingSample.result()."""
 from __future__ import annotations
 
@@ -19,12 +21,11 @@ import torch
 from .logits_processors import (TruncationParams, apply_penalties, sorted_top_p_thresholds,
                                 truncation_thresholds)
 from ._core import core_available, require_core
+from .packed_sampling import PackedLayout, Staging, StagingSlot
 from .sampling_plan import DeviceArrays, SamplingPlan, SeenTokens
 
 if TYPE_CHECKING:
     from .engine.sequence import Sequence
-
-MAX_TOP_LOGPROBS = 32  # the kernel's limit (kMaxTopLogprobs); requests for more take torch's topk
 
 class TokenLogprobs(NamedTuple):
     token_ids: list[int]  # the sampled token, then the top ones
@@ -47,43 +48,87 @@ class _Truncation(NamedTuple):
 
 
 class _Logprobs(NamedTuple):
-    """The logprobs a call computed, on the device, for rows (those that asked), each wanting num_top top ones; row
-    rows[i]'s are at[i] of values (float32: the sampled token's logprob, then the top ones) and ids (int64: the
-    number of tokens more likely than the sampled one, then the top ones' ids)."""
+    """The rows that asked for logprobs, each wanting num_top top ones."""
     rows: list[int]
     num_top: list[int]
-    at: list[int]
-    values: torch.Tensor
-    ids: torch.Tensor
 
 
 class PendingSample:
     """A step's sampled token ids, still being computed on the device: the engine feeds them to the next step from
-    there and reads them (and the logprobs) later with result()."""
+    there and reads them (and the logprobs) later with result(). This one, the torch path's, copies the token ids
+    and the logprobs to the host tensor by tensor: values (float32 [len(logprobs.rows), 1 + n]: the sampled
+    token's logprob, then the top ones) and ids (int64: the number of tokens more likely than the sampled one,
+    then the top ones' ids)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: _Logprobs | None = None):
+    def __init__(self, token_ids: torch.Tensor, logprobs: _Logprobs | None = None, values: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None):
         self.token_ids = token_ids  # int64 [rows] on the logits' device
         self._logprobs = logprobs
-        tensors = [token_ids] if logprobs is None else [token_ids, logprobs.values, logprobs.ids]
+        tensors = [token_ids] if logprobs is None else [token_ids, values, ids]
         self._host = [tensor.to("cpu", non_blocking=True) for tensor in tensors]  # pinned; result() waits for them
-        self._ready = None
-        if token_ids.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._ready = _recorded_event(token_ids.device)
+        self._output: SamplerOutput | None = None
 
     def result(self) -> SamplerOutput:
-        """Waits for the device; the token ids and logprobs as host lists."""
-        if self._ready is not None:
-            self._ready.synchronize()
+        """Waits for the device (the first time); the token ids and logprobs as host lists."""
+        if self._output is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._output = self._read()
+        return self._output
+
+    def _read(self) -> SamplerOutput:
         token_ids = self._host[0].tolist()
-        row_logprobs = [None] * len(token_ids)
-        if self._logprobs is not None:
-            at = self._logprobs.at
-            values, ids = self._host[1].numpy()[at].tolist(), self._host[2].numpy()[at].tolist()
-            for i, (row, k) in enumerate(zip(self._logprobs.rows, self._logprobs.num_top)):
-                row_logprobs[row] = TokenLogprobs([token_ids[row]] + ids[i][1:k + 1], values[i][:k + 1],
-                                                  [ids[i][0] + 1] + list(range(1, k + 1)))
-        return SamplerOutput(token_ids, row_logprobs)
+        if self._logprobs is None:
+            return _output(token_ids)
+        return _output(token_ids, self._logprobs, self._host[1].numpy(), self._host[2].numpy())
+
+
+class PackedPendingSample(PendingSample):
+    """The core's: the results blob of ops.sample_packed (layout.results), copied in one copy to the results buffer
+    of a staging slot, which it reads through numpy views. Registers itself as the slot's reader."""
+
+    def __init__(self, results: torch.Tensor, layout: PackedLayout, slot: StagingSlot, logprobs: _Logprobs | None):
+        # Not PendingSample.__init__: one copy of the whole blob, instead of one per tensor.
+        token_ids = layout.results["token_ids"]
+        self.token_ids = results[token_ids.offset:token_ids.offset + token_ids.nbytes].view(torch.int64)
+        self._logprobs = logprobs
+        self._layout = layout
+        self._host = slot.results_view
+        slot.results[:layout.results_nbytes].copy_(results, non_blocking=True)
+        self._ready = _recorded_event(results.device)
+        self._output = None
+        slot.pending = self
+
+    def _read(self) -> SamplerOutput:
+        token_ids = self._layout.results["token_ids"].of(self._host).tolist()
+        if self._logprobs is None:
+            return _output(token_ids)
+        rows = self._logprobs.rows
+        return _output(token_ids, self._logprobs, self._layout.results["logprobs"].of(self._host)[rows],
+                       self._layout.results["logprob_ids"].of(self._host)[rows])
+
+
+def _recorded_event(device: torch.device) -> torch.cuda.Event | None:
+    """On a GPU, an event recorded now on torch's stream, which a pending sample waits for; elsewhere None."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _output(token_ids: list[int], logprobs: _Logprobs | None = None, values: np.ndarray | None = None,
+            ids: np.ndarray | None = None) -> SamplerOutput:
+    """The sampler's output from the token ids and, for the rows that asked for logprobs, their values and ids
+    ([len(logprobs.rows), 1 + n] on the host, in PendingSample's layout)."""
+    row_logprobs = [None] * len(token_ids)
+    if logprobs is not None:
+        values, ids = values.tolist(), ids.tolist()
+        for i, (row, k) in enumerate(zip(logprobs.rows, logprobs.num_top)):
+            row_logprobs[row] = TokenLogprobs([token_ids[row]] + ids[i][1:k + 1], values[i][:k + 1],
+                                              [ids[i][0] + 1] + list(range(1, k + 1)))
+    return SamplerOutput(token_ids, row_logprobs)
 
 
 class Sampler:
@@ -95,6 +140,7 @@ class Sampler:
         # On a GPU with the core, one kernel samples every row; its draws take 64-bit keys from the host.
         self._kernel = self.device.type == "cuda" and core_available()
         self._keys = np.random.Generator(np.random.PCG64(seed))
+        self._staging = Staging(pin=self.device.type == "cuda") if self._kernel else None
 
     def new_generator(self, seed: int) -> random.Random:
         """A request's own random stream, on the host: each of its draws takes one uniform from it, so a seeded row's
@@ -109,52 +155,66 @@ class Sampler:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
         unmodified) without waiting for the device, unless the torch path truncates rows (see the module's
         docstring)."""
-        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
-                            self._keys if self._kernel else None)
-        rows = plan.upload(self.device)  # sent when first read
-        if self._kernel and max(plan.num_top_logprobs, default=0) <= MAX_TOP_LOGPROBS:
-            return self._sample_on_core(logits, plan, rows)
-        if plan.logprob_rows:
-            raw_logprobs = _rows(logits, rows.logprob_rows).float().log_softmax(dim=-1)
-            top, top_ids = raw_logprobs.topk(max(plan.num_top_logprobs), dim=-1)
+        plan = self._plan(logits, seqs)
         if self._kernel:
-            token_ids = self._sample_on_core(logits, plan, rows, with_logprobs=False).token_ids
-        elif plan.transforms:
+            pending = self._sample_on_core(logits, plan)
+            if plan.kernel_logprobs or not plan.logprob_rows:
+                return pending
+            logprob_rows = torch.tensor(plan.logprob_rows, device=self.device)  # more top ones than the kernel gives
+            return self._with_logprobs(logits, plan, pending.token_ids, logprob_rows)
+        rows = plan.upload(self.device)  # sent when first read
+        if plan.transforms:
             token_ids = self._drawn(self._penalised_and_scaled(logits, plan, rows), plan, rows)
         else:
             token_ids = logits.argmax(dim=-1)
         if not plan.logprob_rows:
             return PendingSample(token_ids)
-        sampled = raw_logprobs.gather(1, _rows(token_ids, rows.logprob_rows)[:, None])
-        ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True)
-        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs,
-                                                  list(range(len(plan.logprob_rows))),
-                                                  torch.cat([sampled, top], 1), torch.cat([ranks, top_ids], 1)))
+        return self._with_logprobs(logits, plan, token_ids, rows.logprob_rows)
 
-    def _sample_on_core(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays,
-                        with_logprobs: bool = True) -> PendingSample:
-        """The core's kernels: the penalised and masked rows copied out and modified (the overrides), then every
-        row sampled, with the logprobs of the rows that ask (at most MAX_TOP_LOGPROBS top ones)."""
-        core = require_core()
-        token_ids = torch.empty(plan.num_rows, dtype=torch.int64, device=logits.device)
-        overrides = override_rows = None
-        if len(plan.override_source):
-            overrides = torch.empty(len(plan.override_source), logits.shape[-1], device=logits.device)
-            core.prepare_overrides(logits, rows.override_source, overrides, rows.seen_tokens, rows.output_counts,
-                                   rows.penalties[0], rows.penalties[1], rows.penalties[2], rows.masked_tokens)
-            override_rows = rows.override_rows
-        num_logprobs = values = ids = None
-        if with_logprobs and plan.logprob_rows:
-            width = 1 + max(plan.num_top_logprobs)
-            values = torch.empty(plan.num_rows, width, device=logits.device)
-            ids = torch.empty(plan.num_rows, width, dtype=torch.int64, device=logits.device)
-            num_logprobs = rows.num_logprobs
-        core.sample_rows(logits, rows.kernel_temperatures, rows.top_ks, rows.top_ps, rows.min_ps, rows.keys,
-                         token_ids, None, overrides, override_rows, num_logprobs, values, ids)
-        if values is None:
-            return PendingSample(token_ids)
-        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs, plan.logprob_rows,
-                                                  values, ids))
+    def _plan(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplingPlan:
+        return SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
+                            self._keys if self._kernel else None)
+
+    @staticmethod
+    def _with_logprobs(logits: torch.Tensor, plan: SamplingPlan, token_ids: torch.Tensor,
+                       logprob_rows: torch.Tensor) -> PendingSample:
+        """token_ids with the logprobs of the raw logits that the rows logprob_rows (plan.logprob_rows) ask for,
+        from torch ops."""
+        raw_logprobs = _rows(logits, logprob_rows).float().log_softmax(dim=-1)
+        top, top_ids = raw_logprobs.topk(max(plan.num_top_logprobs), dim=-1)
+        sampled = raw_logprobs.gather(1, _rows(token_ids, logprob_rows)[:, None])
+        ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True)
+        return PendingSample(token_ids, _Logprobs(plan.logprob_rows, plan.num_top_logprobs),
+                             torch.cat([sampled, top], 1), torch.cat([ranks, top_ids], 1))
+
+    def _sample_on_core(self, logits: torch.Tensor, plan: SamplingPlan) -> PackedPendingSample:
+        """The core's kernels through ops.sample_packed: the penalised and masked rows copied out and modified (the
+        overrides), then every row sampled, with the logprobs of the rows that ask if the kernel gives them
+        (plan.kernel_logprobs). One copy of the packed parameters to the device, one of the results back."""
+        slot, params = self._upload(plan, logits.device)
+        return self._launch(logits, plan, slot, params)
+
+    # The core's path in two stages, which benchmarks/bench_sampler.py --host times apart.
+
+    def _upload(self, plan: SamplingPlan, device: torch.device) -> tuple[StagingSlot, torch.Tensor]:
+        """The plan's parameters packed into a staging slot and copied to the device (queued): the slot, and the
+        parameters blob on the device."""
+        layout = plan.layout
+        slot = self._staging.slot_for(layout)
+        layout.pack(plan.arrays, slot.params_view)
+        return slot, slot.params[:layout.params_nbytes].to(device, non_blocking=True)
+
+    def _launch(self, logits: torch.Tensor, plan: SamplingPlan, slot: StagingSlot,
+                params: torch.Tensor) -> PackedPendingSample:
+        """Queues the kernels on the uploaded parameters, then the copy of their results to slot."""
+        layout = plan.layout
+        results = torch.empty(layout.results_nbytes, dtype=torch.uint8, device=logits.device)
+        overrides = None
+        if layout.num_overrides:
+            overrides = torch.empty(layout.num_overrides, logits.shape[-1], device=logits.device)
+        require_core().sample_packed(logits, params, layout.layout, results, overrides)
+        logprobs = _Logprobs(plan.logprob_rows, plan.num_top_logprobs) if plan.kernel_logprobs else None
+        return PackedPendingSample(results, layout, slot, logprobs)
 
     @staticmethod
     def _penalised(logits: torch.Tensor, rows: DeviceArrays) -> tuple[torch.Tensor, torch.Tensor]:

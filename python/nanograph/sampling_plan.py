@@ -1,6 +1,7 @@
 """The sampler's host side for one call: the per-row arrays the device needs, sent in one copy. For the core's
-kernels, every row's parameters, its draw's key and the rows to override (penalties, min_tokens masks); for the
-torch path, also which rows take which path (greedy, full draw, truncated draw)."""
+kernels, every row's parameters, its draw's key and the rows to override (penalties, min_tokens masks), packed into
+one buffer of the layout ops.sample_packed reads (packed_sampling.py); for the torch path, also which rows take
+which path (greedy, full draw, truncated draw), sent as DeviceArrays."""
 from __future__ import annotations
 
 import weakref
@@ -8,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .packed_sampling import MAX_TOP_LOGPROBS, PackedLayout
 
 if TYPE_CHECKING:
     from .engine.sequence import Sequence
@@ -63,9 +66,9 @@ class _Seen:
 
 
 class SamplingPlan:
-    """The host's part of one call, decided from the parameters: the per-row arrays the device needs (self.arrays,
-    sent in one copy by upload) and, for the torch path, which rows take which path (row lists: sorted numpy
-    int64)."""
+    """The host's part of one call, decided from the parameters: the per-row arrays the device needs (self.arrays:
+    for the core's kernels, the fields of self.layout, packed by the sampler; for the torch path, sent in one copy
+    by upload) and, for the torch path, which rows take which path (row lists: sorted numpy int64)."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], seen: SeenTokens,
                  keys: np.random.Generator | None = None):
@@ -84,14 +87,13 @@ class SamplingPlan:
         min_ps = table[sampled, 3].astype(np.float32)
         self.arrays: dict[str, np.ndarray] = {}
         penalised = (table[:, 4] != 0) | (table[:, 5] != 0) | (table[:, 6] != 1)
-        self._penalties(seqs, params, np.flatnonzero(penalised).tolist(), seen)
+        self._penalties(seqs, table, np.flatnonzero(penalised).tolist(), seen)
         self._min_tokens(seqs, params, np.flatnonzero(table[:, 7] > 0).tolist(), eos_token_ids)
         self.transforms = not greedy.all() or bool(self.penalty_rows) or self.has_masked
         logprobs = table[:, 8]
         self.logprob_rows = np.flatnonzero(logprobs != -2).tolist()
         self.num_top_logprobs = np.where(logprobs == -1, vocab_size,
                                          np.minimum(logprobs, vocab_size))[self.logprob_rows].astype(int).tolist()
-        self.arrays["logprob_rows"] = np.array(self.logprob_rows, dtype=np.int64)
         if keys is not None:
             self._kernel_rows(seqs, vocab_size, temperatures, sampled, top_ks, top_ps, min_ps, keys)
             return
@@ -99,7 +101,8 @@ class SamplingPlan:
         self.full_rows = sampled[~truncated]
         self.truncated_rows = sampled[truncated]
         sampled_rows = np.concatenate([self.full_rows, self.truncated_rows])  # the order of the draws' uniforms
-        self.arrays.update(temperatures=np.where(greedy, np.float32(1), temperatures)[:, None],
+        self.arrays.update(logprob_rows=np.array(self.logprob_rows, dtype=np.int64),
+                           temperatures=np.where(greedy, np.float32(1), temperatures)[:, None],
                            greedy_rows=self.greedy_rows, full_rows=self.full_rows, truncated_rows=self.truncated_rows)
         if sum(len(group) > 0 for group in (self.greedy_rows, self.full_rows, self.truncated_rows)) > 1:
             # The draws come greedy rows first, then full rows, then truncated ones: order puts them back.
@@ -108,14 +111,14 @@ class SamplingPlan:
         self._seeds(seqs, sampled_rows)
         self.arrays["masked_positions"] = self.masked_rows * vocab_size + self.masked_tokens
         if self.penalty_rows:
-            self._padded_penalty_tokens()
+            self._torch_penalties(table[self.penalty_rows, 0])
 
     def _kernel_rows(self, seqs: list[Sequence], vocab_size: int, temperatures: np.ndarray, sampled: np.ndarray,
                      top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray, keys: np.random.Generator):
-        """The kernel's per-row arrays: temperature (0: greedy), top-k (0: none), top_p, min_p, the draw's key (from
-        the row's own stream if it has one), the number of top logprobs (-1: none); and the overrides: the rows
-        with penalties or masked tokens, copied out of the logits with their seen tokens (-1 padding), output
-        counts, penalties and masked tokens."""
+        """The kernels' fields (PackedLayout's): per row, temperature (0: greedy), top-k (0: none), top_p, min_p, the
+        draw's key (from the row's own stream if it has one), the number of top logprobs (-1: none) and its
+        override (-1: none); per override, the row copied out of the logits (penalised or with masked tokens), its
+        seen tokens (-1 padding), their output counts, its penalties and its masked tokens (-1 padding)."""
         num_rows = self.num_rows
         row_top_ks = np.zeros(num_rows, np.int32)
         row_top_ks[sampled] = np.where(top_ks < vocab_size, top_ks, 0)
@@ -129,33 +132,34 @@ class SamplingPlan:
         row_keys[seeded] = [seqs[row].generator.getrandbits(64) for row in seeded]
         num_logprobs = np.full(num_rows, -1, np.int32)
         num_logprobs[self.logprob_rows] = self.num_top_logprobs
-        self.arrays.update(kernel_temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
-                           keys=row_keys.view(np.int64), num_logprobs=num_logprobs)
         self.override_source = overridden = np.union1d(np.array(self.penalty_rows, np.int64), self.masked_rows)
-        if not len(overridden):
-            return
-        override_rows = np.full(num_rows, -1, np.int32)
-        override_rows[overridden] = np.arange(len(overridden), dtype=np.int32)
         num = len(overridden)
-        seen_tokens = np.full((num, 1), -1, np.int32)
-        output_counts = np.zeros((num, 1), np.int32)
-        penalties = np.zeros((3, num), np.float32)  # presence, frequency, repetition
-        penalties[2] = 1
+        override_rows = np.full(num_rows, -1, np.int32)
+        override_rows[overridden] = np.arange(num, dtype=np.int32)
+        seen_tokens = np.full((num, 1 if num else 0), -1, np.int32)
+        output_counts = np.zeros_like(seen_tokens)
+        penalties = np.zeros((num, 3), np.float32)  # presence, frequency, repetition
+        penalties[:, 2] = 1
         if self.penalty_rows:
             at = override_rows[self.penalty_rows]
             seen_tokens = _padded([token_ids for token_ids, _ in self.seen], [-1] * num, at, num)
             output_counts = _padded([counts for _, counts in self.seen], [0] * num, at, num)
-            for j, name in enumerate(("presence_penalties", "frequency_penalties", "repetition_penalties")):
-                penalties[j, at] = self.arrays[name][:, 0]
-        masked_tokens = np.full((num, 1), -1, np.int32)
+            penalties[at] = self.penalties
+        masked_tokens = np.full((num, 1 if num else 0), -1, np.int32)
         if self.has_masked:
             at = override_rows[self.masked_rows]
             firsts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])  # pairs come grouped by row
             column = np.arange(len(at)) - np.repeat(firsts, np.diff(np.r_[firsts, len(at)]))  # within its row
             masked_tokens = np.full((num, column.max() + 1), -1, np.int32)
             masked_tokens[at, column] = self.masked_tokens
-        self.arrays.update(override_rows=override_rows, override_source=overridden.astype(np.int32),
-                           seen_tokens=seen_tokens, output_counts=output_counts, penalties=penalties,
+        # The kernel gives at most MAX_TOP_LOGPROBS top logprobs; the sampler asks torch when a row wants more.
+        self.kernel_logprobs = bool(self.logprob_rows) and max(self.num_top_logprobs) <= MAX_TOP_LOGPROBS
+        self.layout = PackedLayout(num_rows, 1 + max(self.num_top_logprobs) if self.kernel_logprobs else 0, num,
+                                   seen_tokens.shape[1], masked_tokens.shape[1])
+        self.arrays.update(temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
+                           keys=row_keys.view(np.int64), num_logprobs=num_logprobs, override_rows=override_rows,
+                           override_source=overridden, seen_tokens=seen_tokens, output_counts=output_counts,
+                           presence=penalties[:, 0], frequency=penalties[:, 1], repetition=penalties[:, 2],
                            masked_tokens=masked_tokens)
 
     def _truncations(self, vocab_size: int, top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray):
@@ -188,30 +192,27 @@ class SamplingPlan:
             [(seqs[row].generator.getrandbits(53) + 1) * 2.0 ** -53 for row in sampled_rows[seeded].tolist()],
             dtype=np.float64)
 
-    def _penalties(self, seqs: list[Sequence], params: list, penalised: list[int], seen: SeenTokens):
+    def _penalties(self, seqs: list[Sequence], table: np.ndarray, penalised: list[int], seen: SeenTokens):
         """The penalised rows' distinct seen tokens and their output counts (SeenTokens: self.seen), and the rows'
-        penalties and temperature ([rows, 1])."""
+        penalties (self.penalties float32 [rows, 3]: presence, frequency, repetition)."""
         self.penalty_rows = penalised
         self.seen = [seen(seqs[i]) for i in self.penalty_rows]
         # A row that has seen no token has nothing to penalise.
         self.penalty_rows = [i for i, (token_ids, _) in zip(self.penalty_rows, self.seen) if len(token_ids)]
         self.seen = [row_seen for row_seen in self.seen if len(row_seen[0])]
-        if not self.penalty_rows:
-            return
-        penalty_params = [params[i] for i in self.penalty_rows]
-        self.arrays.update(
-            penalty_rows=np.array(self.penalty_rows)[:, None],
-            presence_penalties=np.array([p.presence_penalty for p in penalty_params], np.float32)[:, None],
-            frequency_penalties=np.array([p.frequency_penalty for p in penalty_params], np.float32)[:, None],
-            repetition_penalties=np.array([p.repetition_penalty for p in penalty_params], np.float32)[:, None],
-            penalty_temperatures=np.array([p.temperature or 1.0 for p in penalty_params], np.float32)[:, None])
+        self.penalties = table[self.penalty_rows, 4:7].astype(np.float32)
 
-    def _padded_penalty_tokens(self):
-        """For the torch path: the seen tokens [rows, n] and their output counts, padded with each row's first one
-        (a repeat writes the same value)."""
+    def _torch_penalties(self, temperatures: np.ndarray):
+        """For the torch path: the penalised rows [rows, 1], their penalties and temperature (temperatures: 0 for
+        greedy), and their seen tokens [rows, n] and output counts, padded with each row's first one (a repeat writes
+        the same value)."""
         token_ids = [row_token_ids for row_token_ids, _ in self.seen]
         counts = [row_counts for _, row_counts in self.seen]
         self.arrays.update(
+            penalty_rows=np.array(self.penalty_rows)[:, None],
+            presence_penalties=self.penalties[:, 0:1], frequency_penalties=self.penalties[:, 1:2],
+            repetition_penalties=self.penalties[:, 2:3],
+            penalty_temperatures=np.where(temperatures == 0, 1, temperatures).astype(np.float32)[:, None],
             penalty_token_ids=_padded(token_ids, [row[0] for row in token_ids]).astype(np.int64),
             penalty_counts=_padded(counts, [row[0] for row in counts]).astype(np.float32))
 

@@ -1,14 +1,17 @@
 """The sampler on the GPU, where the sampling kernel draws, from float32 logits and from the engine's bfloat16 ones:
 what the CPU tests check (greedy and top-k 1, each row's own parameters, the exact softmax, seeds whatever the batch
-and run, min_tokens, penalties as the reference formula has them, logprobs), and a batch mixing every parameter."""
+and run, min_tokens, penalties as the reference formula has them, logprobs), a batch mixing every parameter, and
+the packed call (ops.sample_packed) against the kernels called with separate tensors."""
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from nanograph import SamplingParams
+from nanograph import SamplingParams, ops
 from nanograph.sampler import Sampler
+from nanograph.sampling_plan import SamplingPlan, SeenTokens
 
 from .test_api_sampler import CHI2_CRITICAL_0_001, EOS, LOGITS, NUM_DRAWS, chi_square, reference_penalties, seq
 
@@ -228,3 +231,57 @@ def test_a_batch_mixing_every_parameter_draws_a_valid_token_per_row(dtype):
     seeded = kinds == 6
     assert torch.equal(again[seeded], token_ids[seeded])
     assert not torch.equal(again[kinds == 1], token_ids[kinds == 1])  # the others follow the sampler's seed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_packed_call_draws_exactly_what_separate_tensors_draw(dtype):
+    """The sampler's packed call (one parameters blob, one results blob) against ops.prepare_overrides then
+    ops.sample_rows on the same plan's arrays, each its own tensor, with the same keys: the same overrides, tokens,
+    logprobs and ranks, bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    rows, vocab = 256, 151936
+    kinds = torch.arange(rows) % len(MIXED)
+    logits = (torch.randn(rows, vocab, generator=generator) * 4).to(dtype).to(DEVICE)
+    histories = torch.randint(vocab, (rows, 80), generator=generator).tolist()
+
+    def batch(s: Sampler):
+        return [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
+                for kind, history in zip(kinds.tolist(), histories)]
+
+    s = sampler(0)
+    packed = s(logits, batch(s))
+    # The sampler's key stream with seed 0 is numpy's default_rng(0); fresh sequences restart the seeded streams.
+    plan = SamplingPlan(batch(sampler(0)), vocab, [EOS], SeenTokens(), np.random.default_rng(0))
+    layout = plan.layout
+    assert layout.num_overrides > 0 and layout.logprob_columns > 1
+
+    def tensor(name: str, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(plan.arrays[name]).astype(dtype)).to(DEVICE)
+
+    overrides = torch.empty(layout.num_overrides, vocab, device=DEVICE)
+    ops.prepare_overrides(logits, tensor("override_source", np.int32), overrides, tensor("seen_tokens", np.int32),
+                          tensor("output_counts", np.int32), tensor("presence", np.float32),
+                          tensor("frequency", np.float32), tensor("repetition", np.float32),
+                          tensor("masked_tokens", np.int32))
+    token_ids = torch.empty(rows, dtype=torch.int64, device=DEVICE)
+    values = torch.empty(rows, layout.logprob_columns, device=DEVICE)
+    ids = torch.empty(rows, layout.logprob_columns, dtype=torch.int64, device=DEVICE)
+    ops.sample_rows(logits, tensor("temperatures", np.float32), tensor("top_ks", np.int32),
+                    tensor("top_ps", np.float32), tensor("min_ps", np.float32), tensor("keys", np.int64), token_ids,
+                    None, overrides, tensor("override_rows", np.int32), tensor("num_logprobs", np.int32), values, ids)
+    assert packed.token_ids == token_ids.tolist()
+    values, ids = values.cpu(), ids.cpu()
+    for row, k in zip(plan.logprob_rows, plan.num_top_logprobs):
+        entry = packed.logprobs[row]
+        assert entry.logprobs == values[row, :k + 1].tolist()
+        assert entry.token_ids[1:] == ids[row, 1:k + 1].tolist() and entry.ranks[0] == int(ids[row, 0]) + 1
+    assert [row for row, entry in enumerate(packed.logprobs) if entry is not None] == plan.logprob_rows
+
+    blob = np.zeros(layout.params_nbytes, np.uint8)
+    layout.pack(plan.arrays, blob)
+    results = torch.empty(layout.results_nbytes, dtype=torch.uint8, device=DEVICE)
+    packed_overrides = torch.empty_like(overrides)
+    ops.sample_packed(logits, torch.from_numpy(blob).to(DEVICE), layout.layout, results, packed_overrides)
+    assert torch.equal(packed_overrides, overrides)
+    assert torch.equal(results[:rows * 8].view(torch.int64), token_ids)
+

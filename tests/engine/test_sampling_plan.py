@@ -1,13 +1,18 @@
-"""The host side of the GPU sampler (CPU): the per-row arrays a SamplingPlan hands the sampling kernels, checked
-row by row against the parameters and token histories that produced them, and the logprobs read back from them."""
+"""The host side of the GPU sampler (CPU): the blob layout of ops.sample_packed; the parameters a SamplingPlan packs
+into it, read back at the layout's offsets as the binding reads them and checked row by row against the parameters
+and token histories that produced them; the logprobs read back from the results; and the sampler's calls through a
+stand-in for the core, which reuse their host buffers without losing a result not read yet."""
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from nanograph import SamplingParams
+from nanograph import sampler as sampler_module
 from nanograph.engine.sequence import Sequence
-from nanograph.sampler import PendingSample, TokenLogprobs, _Logprobs
+from nanograph.packed_sampling import ALIGNMENT, PackedLayout, Staging, StagingSlot
+from nanograph.sampler import PackedPendingSample, PendingSample, Sampler, TokenLogprobs, _Logprobs
 from nanograph.sampling_plan import SamplingPlan, SeenTokens
 
 VOCAB = 1000
@@ -32,15 +37,78 @@ ROWS = [  # (params, prompt, output)
 ]
 
 
+# The binding's reading of the layout tuple (pyext/bind_sampling.cpp): after the five counts, each field's offset in
+# this order, its dtype and its shape from the counts.
+COUNTS = ("rows", "logprob_columns", "num_overrides", "seen_width", "masked_width")
+PARAM_FIELDS = [("temperatures", np.float32, ("rows",)), ("top_ks", np.int32, ("rows",)),
+                ("top_ps", np.float32, ("rows",)), ("min_ps", np.float32, ("rows",)), ("keys", np.int64, ("rows",)),
+                ("num_logprobs", np.int32, ("rows",)), ("override_rows", np.int32, ("rows",)),
+                ("override_source", np.int32, ("num_overrides",)),
+                ("seen_tokens", np.int32, ("num_overrides", "seen_width")),
+                ("output_counts", np.int32, ("num_overrides", "seen_width")),
+                ("presence", np.float32, ("num_overrides",)), ("frequency", np.float32, ("num_overrides",)),
+                ("repetition", np.float32, ("num_overrides",)),
+                ("masked_tokens", np.int32, ("num_overrides", "masked_width"))]
+RESULT_FIELDS = [("token_ids", np.int64, ("rows",)), ("logprobs", np.float32, ("rows", "logprob_columns")),
+                 ("logprob_ids", np.int64, ("rows", "logprob_columns"))]
+
+
+def fields_of(layout: tuple, fields: list, first: int) -> dict[str, tuple[int, type, tuple[int, ...]]]:
+    """(offset, dtype, shape) of each field, from the layout tuple, the fields' offsets starting at first."""
+    counts = dict(zip(COUNTS, layout))
+    return {name: (layout[first + i], dtype, tuple(counts[c] for c in shape))
+            for i, (name, dtype, shape) in enumerate(fields)}
+
+
+def read(blob: np.ndarray, field: tuple[int, type, tuple[int, ...]]) -> np.ndarray:
+    offset, dtype, shape = field
+    return blob[offset:offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+
+
 def plan_for(rows=ROWS) -> tuple[SamplingPlan, list[Sequence]]:
     seqs = [seq(*row) for row in rows]
     return SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0)), seqs
 
 
+def packed(plan: SamplingPlan) -> dict[str, np.ndarray]:
+    """The parameter fields as the binding reads them from a blob the plan packed (over stale bytes)."""
+    layout = plan.layout
+    blob = np.full(layout.params_nbytes + 64, 0xA5, np.uint8)
+    layout.pack(plan.arrays, blob)
+    return {name: read(blob, field)
+            for name, field in fields_of(layout.layout, PARAM_FIELDS, len(COUNTS)).items()}
+
+
+def test_the_layout_places_every_field_aligned_after_the_one_before():
+    layout = PackedLayout(rows=5, logprob_columns=4, num_overrides=2, seen_width=3, masked_width=1)
+    # temperatures 20 bytes, top_ks, top_ps, min_ps, keys 40, num_logprobs, override_rows, override_source 8,
+    # seen_tokens 24, output_counts 24, presence 8, frequency 8, repetition 8, masked_tokens 8.
+    assert layout.layout == (5, 4, 2, 3, 1, 0, 32, 64, 96, 128, 176, 208, 240, 256, 288, 320, 336, 352, 368,
+                             0, 48, 128)
+    assert layout.params_nbytes == 376
+    assert layout.results_nbytes == 48 + 80 + 160  # token ids, logprobs float32, their ids int64
+    for fields, first in [(PARAM_FIELDS, len(COUNTS)), (RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))]:
+        assert len(layout.layout) == len(COUNTS) + len(PARAM_FIELDS) + len(RESULT_FIELDS)
+        end = 0
+        for offset, dtype, shape in fields_of(layout.layout, fields, first).values():
+            assert offset % ALIGNMENT == 0 and end <= offset < end + ALIGNMENT
+            end = offset + int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def test_a_layout_without_overrides_or_logprobs_has_empty_fields_for_them():
+    layout = PackedLayout(rows=3, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
+    params = fields_of(layout.layout, PARAM_FIELDS, len(COUNTS))
+    assert params["override_source"][2] == (0,)
+    assert params["seen_tokens"][2] == params["masked_tokens"][2] == (0, 0)
+    assert params["override_rows"][0] == 112 and layout.params_nbytes == 128  # the empty fields at the next offset
+    assert layout.results_nbytes == 32  # token ids, then the empty logprobs at the next offset
+
+
 def test_each_row_gets_its_own_parameters():
     plan, _ = plan_for()
-    a = plan.arrays
-    assert a["kernel_temperatures"].tolist() == np.float32([0, 0.7, 0.9, 0.8, 0, 1.0]).tolist()
+    a = packed(plan)
+    assert plan.layout.layout[:5] == (len(ROWS), 1 + 3, 3, 2, 3)  # rows, 1 + most top logprobs, overrides, widths
+    assert a["temperatures"].tolist() == np.float32([0, 0.7, 0.9, 0.8, 0, 1.0]).tolist()
     assert a["top_ks"].tolist() == [0, 0, 20, 0, 0, 0]  # 0: none (and none for greedy rows)
     assert a["top_ps"].tolist() == np.float32([1, 1, 1, 0.9, 1, 1]).tolist()
     assert a["min_ps"].tolist() == np.float32([0, 0, 0, 0, 0, 0.1]).tolist()
@@ -49,17 +117,17 @@ def test_each_row_gets_its_own_parameters():
 
 def test_keys_come_from_the_row_stream_when_seeded_and_greedy_rows_draw_none():
     plan, _ = plan_for()
-    keys = plan.arrays["keys"].view(np.uint64).tolist()
+    keys = packed(plan)["keys"].view(np.uint64).tolist()
     assert keys[0] == keys[4] == 0  # greedy
     assert keys[3] == random.Random(42).getrandbits(64)  # the request's own stream
     assert len({keys[1], keys[2], keys[5], keys[3]}) == 4
     again, _ = plan_for()  # the sampler's stream is seeded too
-    assert again.arrays["keys"].tolist() == plan.arrays["keys"].tolist()
+    assert packed(again)["keys"].tolist() == packed(plan)["keys"].tolist()
 
 
 def test_penalised_and_masked_rows_read_overrides_with_their_seen_and_masked_tokens():
     plan, _ = plan_for()
-    a = plan.arrays
+    a = packed(plan)
     # Row 1: penalties; row 2: min_tokens not reached; row 4: both; row 5 reached its min_tokens.
     assert a["override_source"].tolist() == [1, 2, 4]
     assert a["override_rows"].tolist() == [-1, 0, 1, -1, 2, -1]
@@ -68,38 +136,138 @@ def test_penalised_and_masked_rows_read_overrides_with_their_seen_and_masked_tok
     assert [(t, c) for t, c in seen[0] if t >= 0] == [(4, 1), (9, 2)]  # output only: no repetition penalty
     assert [t for t, _ in seen[1]] == [-1] * a["seen_tokens"].shape[1]  # masked, not penalised
     assert [(t, c) for t, c in seen[2] if t >= 0] == [(2, 0), (3, 1)]  # prompt too: repetition penalty
-    assert a["penalties"][:, 0].tolist() == np.float32([0.5, 0.2, 1]).tolist()
-    assert a["penalties"][:, 1].tolist() == [0, 0, 1]  # no penalty on a masked-only row
-    assert a["penalties"][:, 2].tolist() == np.float32([0, 0, 1.3]).tolist()
+    penalties = np.stack([a["presence"], a["frequency"], a["repetition"]])
+    assert penalties[:, 0].tolist() == np.float32([0.5, 0.2, 1]).tolist()
+    assert penalties[:, 1].tolist() == [0, 0, 1]  # no penalty on a masked-only row
+    assert penalties[:, 2].tolist() == np.float32([0, 0, 1.3]).tolist()
     masked = [sorted(t for t in row.tolist() if t >= 0) for row in a["masked_tokens"]]
     assert masked == [[], [EOS, 11, 12], [EOS]]
 
 
 def test_a_batch_without_penalties_or_masks_has_no_overrides():
     plan, _ = plan_for([(SamplingParams(temperature=0), [1], []), (SamplingParams(top_k=3), [2], [5])])
-    assert len(plan.override_source) == 0 and "override_rows" not in plan.arrays
+    assert len(plan.override_source) == 0
+    assert plan.layout.layout[:5] == (2, 0, 0, 0, 0)
+    assert packed(plan)["override_rows"].tolist() == [-1, -1]
 
 
 def test_seen_tokens_grow_with_the_sequence_between_calls():
     seen = SeenTokens()
     s = seq(SamplingParams(frequency_penalty=1.0), [1, 2], [5])
     first = SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0))
-    assert first.arrays["seen_tokens"].tolist() == [[5]]
+    assert packed(first)["seen_tokens"].tolist() == [[5]]
     s.token_ids += [5, 6]
-    second = SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0))
-    assert second.arrays["seen_tokens"].tolist() == [[5, 6]]
-    assert second.arrays["output_counts"].tolist() == [[2, 1]]
+    second = packed(SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0)))
+    assert second["seen_tokens"].tolist() == [[5, 6]]
+    assert second["output_counts"].tolist() == [[2, 1]]
+
+
+def test_more_top_logprobs_than_the_kernel_gives_leave_the_kernel_none():
+    plan, _ = plan_for([(SamplingParams(logprobs=40), [1], []), (SamplingParams(logprobs=2), [2], [])])
+    assert not plan.kernel_logprobs
+    assert plan.layout.layout[1] == 0 and plan.layout.results_nbytes == 2 * 8
+
+
+LOGPROB_VALUES = [[-1.5, -0.5, -1.0], [-0.25, -0.25, -3.0]]  # the sampled token's, then the top ones
+LOGPROB_IDS = [[2, 3, 4], [0, 2, 9]]  # the sampled token's rank - 1, then the top ones' ids
 
 
 def test_pending_logprobs_are_read_from_the_rows_that_asked():
-    """The kernels' layout: a row per batch row, the sampled token's logprob then the top ones; ids: the rank, then
-    the top ids. Only the rows that asked get TokenLogprobs, with the sampled token first and ranks from 1."""
-    token_ids = torch.tensor([5, 8, 2])
-    values = torch.tensor([[-9.0, -9.0, -9.0], [-1.5, -0.5, -1.0], [-0.25, -0.25, -3.0]])
-    ids = torch.tensor([[0, 0, 0], [2, 3, 4], [0, 2, 9]])
-    pending = PendingSample(token_ids, _Logprobs(rows=[1, 2], num_top=[2, 1], at=[1, 2], values=values, ids=ids))
+    """The torch path's layout: a row per row that asked. Only those rows get TokenLogprobs, with the sampled token
+    first and ranks from 1."""
+    pending = PendingSample(torch.tensor([5, 8, 2]), _Logprobs(rows=[1, 2], num_top=[2, 1]),
+                            torch.tensor(LOGPROB_VALUES), torch.tensor(LOGPROB_IDS))
     out = pending.result()
     assert out.token_ids == [5, 8, 2]
     assert out.logprobs[0] is None
     assert out.logprobs[1] == TokenLogprobs([8, 3, 4], [-1.5, -0.5, -1.0], [3, 1, 2])
     assert out.logprobs[2] == TokenLogprobs([2, 2], [-0.25, -0.25], [1, 1])
+
+
+def test_packed_results_are_read_back_from_one_blob():
+    """The kernels' layout: a row per batch row in one results blob, read back through the results buffer of a
+    staging slot; token_ids stays a view of the blob (the engine feeds the next step from it)."""
+    layout = PackedLayout(rows=3, logprob_columns=3, num_overrides=0, seen_width=0, masked_width=0)
+    blob = np.zeros(layout.results_nbytes, np.uint8)
+    results = fields_of(layout.layout, RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))
+    read(blob, results["token_ids"])[:] = [5, 8, 2]
+    read(blob, results["logprobs"])[1:] = LOGPROB_VALUES
+    read(blob, results["logprob_ids"])[1:] = LOGPROB_IDS
+    device_blob = torch.from_numpy(blob)
+    slot = StagingSlot(pin=False)
+    slot.reclaim(layout)
+    pending = PackedPendingSample(device_blob, layout, slot, _Logprobs(rows=[1, 2], num_top=[2, 1]))
+    assert pending.token_ids.dtype == torch.int64 and pending.token_ids.data_ptr() == device_blob.data_ptr()
+    assert slot.pending is pending
+    out = pending.result()
+    assert out.token_ids == [5, 8, 2]
+    assert out.logprobs[0] is None
+    assert out.logprobs[1] == TokenLogprobs([8, 3, 4], [-1.5, -0.5, -1.0], [3, 1, 2])
+    assert out.logprobs[2] == TokenLogprobs([2, 2], [-0.25, -0.25], [1, 1])
+
+
+class FakeCore:
+    """ops.sample_packed on the host: each row's token is its top_k + 100 * (its override + 1) (read from the
+    parameters at the layout's offsets), its logprobs its temperature then -row; every call's parameters are
+    kept."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sample_packed(self, logits, params, layout, results, overrides):
+        blob, out = params.numpy().copy(), results.numpy()
+        fields = fields_of(layout, PARAM_FIELDS, len(COUNTS))
+        self.calls.append({name: read(blob, field) for name, field in fields.items()})
+        rows, columns, num_overrides = layout[:3]
+        assert logits.shape[0] == rows
+        assert (overrides is None) == (num_overrides == 0)
+        assert overrides is None or overrides.shape == (num_overrides, logits.shape[1])
+        fields = fields_of(layout, RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))
+        call = self.calls[-1]
+        read(out, fields["token_ids"])[:] = call["top_ks"] + 100 * (call["override_rows"] + 1)
+        read(out, fields["logprobs"])[:] = call["temperatures"][:, None]
+        read(out, fields["logprob_ids"])[:] = -np.arange(rows)[:, None]
+
+
+@pytest.fixture
+def core_sampler(monkeypatch) -> tuple[Sampler, FakeCore]:
+    """A sampler on the host that takes the core's path, with FakeCore for the core."""
+    core = FakeCore()
+    monkeypatch.setattr(sampler_module, "require_core", lambda: core)
+    s = Sampler(torch.device("cpu"), [EOS], seed=0)
+    s._kernel, s._staging = True, Staging(pin=False)
+    return s, core
+
+
+def test_the_core_path_sends_the_plan_and_reads_the_results(core_sampler):
+    s, core = core_sampler
+    seqs = [seq(*row) for row in ROWS]
+    out = s(torch.zeros(len(ROWS), VOCAB), seqs)
+    sent = core.calls[-1]
+    assert sent["top_ks"].tolist() == [0, 0, 20, 0, 0, 0]
+    assert sent["override_source"].tolist() == [1, 2, 4]
+    assert out.token_ids == [0, 100, 220, 0, 300, 0]  # top_k + 100 * (override + 1)
+    assert out.logprobs[3] == TokenLogprobs([0, -3, -3, -3], np.float32([0.8] * 4).tolist(), [-2, 1, 2, 3])
+    assert out.logprobs[4] == TokenLogprobs([300], [0.0], [-3])
+    assert [i for i, entry in enumerate(out.logprobs) if entry is not None] == [3, 4]
+
+
+def test_a_result_not_read_survives_the_reuse_of_its_host_buffers(core_sampler):
+    """Two staging slots: the third call reuses the first's buffers, after the first's result has been read out."""
+    s, _ = core_sampler
+    batches = [[seq(SamplingParams(top_k=k + i), [1])] * 3 for i, k in enumerate((5, 7, 9, 11))]
+    pending = [s.sample(torch.zeros(3, VOCAB), batch) for batch in batches]
+    assert [p.result().token_ids for p in pending] == [[5] * 3, [8] * 3, [11] * 3, [14] * 3]
+
+
+def test_more_top_logprobs_than_the_kernel_gives_come_from_torch(core_sampler):
+    s, core = core_sampler
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    out = s(logits, [seq(SamplingParams(temperature=0, logprobs=40), [1]), seq(SamplingParams(top_k=3), [2])])
+    assert core.calls[-1]["num_logprobs"].tolist() == [40, -1]  # sent, but the kernel is asked for none
+    assert out.token_ids == [0, 3]
+    raw = logits[0].log_softmax(-1)
+    entry = out.logprobs[0]
+    assert entry.token_ids[0] == 0 and entry.ranks[0] == int((raw > raw[0]).sum()) + 1
+    assert entry.token_ids[1:] == raw.topk(40).indices.tolist()
+    assert out.logprobs[1] is None

@@ -1,15 +1,18 @@
 """The sampling kernel (ops.sample_rows) against the float64 full-sort reference of the sampler's truncations:
 thresholds and drawn tokens on random batches mixing greedy rows, temperatures, top-k, top-p and min_p, from flat
 rows to peaked ones; draws that follow the exact renormalised distribution (chi-square); keys that fix a row's draw
-whatever its batch; rows read from overrides; ties at the k-th logit; strided and misaligned rows; argument checks.
+whatever its batch; rows read from overrides; ties at the k-th logit; strided and misaligned rows; argument checks,
+of ops.sample_packed's blobs and layout too.
 Inputs are made on the host from a seeded generator, and references computed there."""
 import math
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 from nanograph import ops
+from nanograph.packed_sampling import PackedLayout
 
 from ..engine.test_sampler_truncation import AMBIGUOUS, reference_thresholds
 
@@ -381,6 +384,48 @@ def test_bad_arguments_are_rejected_with_the_argument_named():
     ops.sample_rows(*good.values())
     torch.cuda.synchronize()  # the rejected calls launched nothing that fails later
     assert ((good["out"] >= 0) & (good["out"] < vocab)).all()
+
+
+def test_bad_packed_arguments_are_rejected_with_the_field_named():
+    """ops.sample_packed: the layout, each blob and each field is checked (in its blob, aligned, apart from the
+    others) before anything runs."""
+    rows, vocab, n = 4, 100, 2
+    layout = PackedLayout(rows, logprob_columns=3, num_overrides=n, seen_width=2, masked_width=1)
+    blob = np.zeros(layout.params_nbytes, np.uint8)
+    layout.pack(dict(temperatures=[1, 0, 0.5, 1], top_ks=[0, 0, 5, 0], top_ps=[1, 1, 1, 0.9], min_ps=[0] * 4,
+                     keys=[1, 2, 3, 4], num_logprobs=[-1, 2, -1, 0], override_rows=[-1, 0, -1, 1],
+                     override_source=[1, 3], seen_tokens=[[5, -1], [6, 7]], output_counts=[[1, 0], [2, 1]],
+                     presence=[0.5, 0], frequency=[0, 0.3], repetition=[1, 1.2], masked_tokens=[[9], [-1]]), blob)
+    params = torch.from_numpy(blob).to(DEVICE)
+    offsets = list(layout.layout)
+    at = {name: 5 + i for i, name in enumerate([*layout.params, *layout.results])}
+    good = dict(logits=torch.randn(rows, vocab).to(BF16).to(DEVICE), params=params, layout=tuple(offsets),
+                results=torch.empty(layout.results_nbytes, dtype=torch.uint8, device=DEVICE),
+                overrides=torch.empty(n, vocab, device=DEVICE))
+
+    def moved(name, offset):
+        return tuple(offset if i == at[name] else value for i, value in enumerate(offsets))
+
+    bad = [("layout", dict(layout=tuple(offsets[:-1]))), ("rows", dict(logits=good["logits"][:3])),
+           ("logprob columns", dict(layout=(rows, 40, *offsets[2:]))),
+           ("negative", dict(layout=(rows, 3, -1, *offsets[3:]))),
+           ("params", dict(params=params.view(torch.int32))), ("params", dict(params=params[1:])),
+           ("params", dict(params=params.cpu())), ("results", dict(results=good["results"][:-8])),
+           ("top_ks", dict(layout=moved("top_ks", offsets[at["top_ks"]] + 4))),
+           ("masked_tokens", dict(params=params[:-16])),
+           ("overlap", dict(layout=moved("top_ps", offsets[at["top_ks"]]))),
+           ("logprob_ids", dict(layout=moved("logprob_ids", layout.results_nbytes))),
+           ("overrides", dict(overrides=None)), ("overrides", dict(overrides=torch.empty(n, vocab + 1, device=DEVICE)))]
+    for name, change in bad:
+        with pytest.raises(REJECTED, match=name):
+            ops.sample_packed(*{**good, **change}.values())
+    ops.sample_packed(*good.values())
+    tokens = good["results"][:rows * 8].view(torch.int64).cpu()
+    assert ((tokens >= 0) & (tokens < vocab)).all()
+    greedy = good["logits"][1].float().cpu()  # row 1 reads override 0: presence 0.5 at token 5, token 9 masked
+    greedy[5] -= 0.5
+    greedy[9] = float("-inf")
+    assert tokens[1] == greedy.argmax()
 
 
 # ---- prepare_overrides ------------------------------------------------------------------------
