@@ -148,10 +148,10 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias) {
 }
 
 void Gemm::linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                  int K, cudaStream_t stream, L2Prefetch prefetch) {
+                  int K, cudaStream_t stream) {
   // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth.
   if (gemv_supported(M, N, K)) {
-    gemv(x, weight, bias, out, M, N, K, stream, prefetch);
+    gemv(x, weight, bias, out, M, N, K, stream);
     return;
   }
   require(M >= 0 && N > 0 && K > 0, "gemm: need M >= 0 and N, K > 0, got " + shape_str(M, N, K));

@@ -5,7 +5,6 @@
 // that calls can be captured into a CUDA graph.
 #pragma once
 #include "common.h"
-#include "gemv.h"
 
 #include <map>
 #include <memory>
@@ -21,9 +20,9 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
-  // bias: [N] or nullptr. `prefetch` (gemv.h) is passed to the GEMV; cuBLASLt shapes ignore it.
+  // bias: [N] or nullptr.
   void linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-              cudaStream_t stream, L2Prefetch prefetch = {});
+              cudaStream_t stream);
 
  private:
   struct Plan;

@@ -76,21 +76,6 @@ __device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
 
 #undef GEMV_LOAD_16B
 
-// Starts pulling this CTA's share of [ptr, ptr + bytes) into L2 (bytes a multiple of 16, ptr
-// 16-byte aligned): one bulk prefetch per CTA, issued by thread 0, so the copy engines of every SM
-// share the work.
-__device__ __forceinline__ void prefetch_share_to_l2(const char* ptr, uint64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (threadIdx.x != 0 || bytes == 0) return;
-  const uint64_t share = (bytes / 16 + gridDim.x - 1) / gridDim.x * 16;
-  const uint64_t begin = share * blockIdx.x;
-  if (begin >= bytes) return;
-  const uint32_t size = static_cast<uint32_t>(min(share, bytes - begin));
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ptr + begin), "r"(size)
-               : "memory");
-#endif
-}
-
 // d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                             uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -105,8 +90,7 @@ template <bool kWideM>
 __global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
-                int splits, int steps_per_split, const char* prefetch, uint64_t prefetch_bytes) {
-  prefetch_share_to_l2(prefetch, prefetch_bytes);
+                int splits, int steps_per_split) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
   const int split = warp % splits;
@@ -196,7 +180,7 @@ bool gemv_supported(int M, int N, int K) {
 }
 
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream, L2Prefetch prefetch) {
+          cudaStream_t stream) {
   require(gemv_supported(M, N, K),
           "gemv: unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
@@ -212,12 +196,9 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
   }
   const int grid = ceil_div(row_groups, kWarpsPerCta / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  const bool prefetchable = reinterpret_cast<uintptr_t>(prefetch.ptr) % 16 == 0;
-  const char* prefetch_ptr = prefetchable ? static_cast<const char*>(prefetch.ptr) : nullptr;
-  const uint64_t prefetch_bytes = prefetchable && prefetch.ptr ? prefetch.bytes / 16 * 16 : 0;
   auto kernel = M > 8 ? gemv_kernel<true> : gemv_kernel<false>;
   launch_pdl(kernel, dim3(grid), dim3(kWarpsPerCta * 32), 0, stream, x, weight, bias, out, M, N,
-             K, splits, steps_per_split, prefetch_ptr, prefetch_bytes);
+             K, splits, steps_per_split);
 }
 
 }  // namespace nanograph

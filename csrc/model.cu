@@ -17,7 +17,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 namespace nanograph {
 
@@ -85,9 +84,6 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
   block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;
   qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
-  if (const char* value = std::getenv("NANOGRAPH_L2_PREFETCH")) {
-    l2_prefetch_distance_ = std::max(0, std::atoi(value));
-  }
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied_, cudaEventDisableTiming));
@@ -113,24 +109,6 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
                                                                      limits.max_model_len));
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
-}
-
-L2Prefetch Model::linear_weight(int index) const {
-  const ModelConfig& c = config_;
-  const size_t H = c.hidden_size, I = c.intermediate_size, q_width = c.num_q_heads * c.head_dim;
-  const int layer = index / 4;
-  if (layer >= c.num_layers) {
-    // The lm_head streams at bandwidth once started; only its first part is worth fetching early.
-    constexpr size_t kLmHeadPrefetchBytes = 16u << 20;
-    return {weights_.lm_head, std::min(kLmHeadPrefetchBytes, c.vocab_size * H * sizeof(bf16))};
-  }
-  const LayerWeights& w = weights_.layers[layer];
-  switch (index % 4) {
-    case 0: return {w.qkv, qkv_width_ * H * sizeof(bf16)};
-    case 1: return {w.o_proj, H * q_width * sizeof(bf16)};
-    case 2: return {w.gate_up, 2 * I * H * sizeof(bf16)};
-    default: return {w.down, H * I * sizeof(bf16)};
-  }
 }
 
 Model::~Model() {
@@ -234,12 +212,6 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
       static_cast<size_t>(num_kv_blocks_) * limits_.block_size * c.num_kv_heads * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
-  // Linear layer j (layer l's qkv, o, gate_up, down are j = 4l .. 4l + 3) prefetches the weight of
-  // layer j + distance into L2 when it runs as a GEMV (model.h).
-  const bool prefetch = l2_prefetch_distance_ > 0 && gemv_supported(T, H, H);
-  auto ahead = [&](int l, int k) {
-    return prefetch ? linear_weight(4 * l + k + l2_prefetch_distance_) : L2Prefetch{};
-  };
 
   resolve_input_ids_kernel<<<ceil_div(T, 256), 256, 0, st>>>(
       input_ids, device_meta_ + layout.input_src, sampled_tokens_, T);
@@ -249,7 +221,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
     if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
-    gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st, ahead(l, 0));
+    gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st);
 
     bf16* k_cache = kv_cache_ + 2 * l * kv_layer_elems;
     bf16* v_cache = k_cache + kv_layer_elems;
@@ -268,11 +240,11 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
                                 c.num_q_heads, scale};
       paged_prefill_attention(args, st);
     }
-    gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st, ahead(l, 1));
+    gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
     add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
-    gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st, ahead(l, 2));
+    gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
     silu_mul(gate_up_, act_, T, I, st);
-    gemm_.linear(act_, w.down, nullptr, hidden_, T, H, I, st, ahead(l, 3));
+    gemm_.linear(act_, w.down, nullptr, hidden_, T, H, I, st);
   }
 
   bf16* last_hidden = hidden_;

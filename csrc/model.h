@@ -96,9 +96,6 @@ class Model {
 
  private:
   void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode);
-  // Linear layer `index` in forward order (layer l: 4l qkv, 4l + 1 o_proj, 4l + 2 gate_up,
-  // 4l + 3 down; past the last layer, the start of the lm_head) as a prefetch range.
-  L2Prefetch linear_weight(int index) const;
   // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
   void write_inert_decode_metadata(int num_seqs);
   template <class T>
@@ -109,10 +106,6 @@ class Model {
   EngineLimits limits_;
   int block_table_width_;
   int qkv_width_;
-  // At decode batches the GEMV takes (M <= kGemvMaxM), linear layer j prefetches the weight of
-  // linear layer j + this distance into L2 (gemv.h). NANOGRAPH_L2_PREFETCH=N sets it; 0 turns
-  // prefetching off.
-  int l2_prefetch_distance_ = 1;
   cudaStream_t stream_ = nullptr;
   Gemm gemm_;
   std::vector<void*> allocations_;

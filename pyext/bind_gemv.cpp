@@ -8,21 +8,16 @@ NANOGRAPH_BINDINGS(bind_gemv) {
   m.attr("GEMV_MAX_M") = kGemvMaxM;
   m.def(
       "gemv",
-      [](py::object x, py::object weight, py::object bias, py::object out, py::object prefetch) {
+      [](py::object x, py::object weight, py::object bias, py::object out) {
         LinearArgs a = linear_args(x, weight, bias, out, "gemv");
-        const Tensor ahead = optional_cuda_tensor(prefetch, "prefetch", "bfloat16");
-        if (ahead.ptr) same_device({&a.x, &ahead});
-        const L2Prefetch hint{ahead.ptr, ahead.ptr ? ahead.numel() * sizeof(bf16) : 0};
         // gemv() rejects unsupported sizes and misaligned pointers with the limit it needs.
         gemv(a.x.data<bf16>(), a.weight.data<bf16>(), a.bias.data<bf16>(), a.out.data<bf16>(),
-             a.M, a.N, a.K, torch_current_stream(), hint);
+             a.M, a.N, a.K, torch_current_stream());
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
-      py::arg("prefetch") = py::none(),
       "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]) for 1 <= M <= GEMV_MAX_M and K a multiple "
-      "of 8; bias may be None. bf16, fp32 accumulation, deterministic. prefetch: a bf16 tensor "
-      "(e.g. the next layer's weight) that the kernel starts pulling into L2; it changes no "
-      "result. Runs on torch's current stream.");
+      "of 8; bias may be None. bf16, fp32 accumulation, deterministic. Runs on torch's current "
+      "stream.");
 }
 
 }  // namespace nanograph::py_ext

@@ -50,11 +50,6 @@ def _cases_for(name, M, weights):
     shape = f"M={M} N={N} K={K}"
     yield (f"gemv {name} {shape}", rotating(lambda w: ops.gemv(x, w, None, out), weights),
            bytes_moved, 0)
-    # Each launch also prefetches the next weight copy into L2 (as a decode step's GEMVs do).
-    following = weights[1:] + weights[:1]
-    pairs = list(zip(weights, following))
-    yield (f"gemv+prefetch {name} {shape}",
-           rotating(lambda wp: ops.gemv(x, wp[0], None, out, prefetch=wp[1]), pairs), bytes_moved, 0)
     yield (f"torch.matmul {name} {shape}",
            rotating(lambda w: torch.matmul(x, w.T, out=out), weights), bytes_moved, 0)
 
