@@ -116,6 +116,8 @@ def main():
         print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")
         if args.host and not sampler._kernel:
             print("    (--host times the core's path, which needs a GPU and the core)")
+        elif args.host and sampler._plan(logits, seqs).plain_greedy:
+            print("    (an all-greedy batch takes the core's argmax, without the packed stages)")
         elif args.host:
             stages = host_stages_ms(sampler, logits, seqs)
             print("    host: " + ", ".join(f"{stage} {ms:.3f}" for stage, ms in stages.items())

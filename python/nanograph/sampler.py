@@ -22,7 +22,7 @@ from .logits_processors import (TruncationParams, apply_penalties, sorted_top_p_
                                 truncation_thresholds)
 from ._core import core_available, require_core
 from .packed_sampling import PackedLayout, Staging, StagingSlot
-from .sampling_plan import DeviceArrays, SamplingPlan, SeenTokens
+from .sampling_plan import BatchRows, DeviceArrays, SamplingPlan, SeenTokens
 
 if TYPE_CHECKING:
     from .engine.sequence import Sequence
@@ -141,6 +141,7 @@ class Sampler:
         self._kernel = self.device.type == "cuda" and core_available()
         self._keys = np.random.Generator(np.random.PCG64(seed))
         self._staging = Staging(pin=self.device.type == "cuda") if self._kernel else None
+        self._batch: BatchRows | None = None  # the last call's, reused while the batch stays the same
 
     def new_generator(self, seed: int) -> random.Random:
         """A request's own random stream, on the host: each of its draws takes one uniform from it, so a seeded row's
@@ -157,6 +158,12 @@ class Sampler:
         docstring)."""
         plan = self._plan(logits, seqs)
         if self._kernel:
+            if plan.plain_greedy:  # the argmax alone: no parameters to send
+                if logits.dtype != torch.bfloat16:
+                    return PendingSample(logits.argmax(dim=-1))
+                token_ids = torch.empty(len(seqs), dtype=torch.int32, device=logits.device)
+                require_core().argmax(logits, token_ids)
+                return PendingSample(token_ids)
             pending = self._sample_on_core(logits, plan)
             if plan.kernel_logprobs or not plan.logprob_rows:
                 return pending
@@ -172,8 +179,10 @@ class Sampler:
         return self._with_logprobs(logits, plan, token_ids, rows.logprob_rows)
 
     def _plan(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplingPlan:
-        return SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
-                            self._keys if self._kernel else None)
+        plan = SamplingPlan(seqs, logits.shape[-1], self.eos_token_ids, self._seen,
+                            self._keys if self._kernel else None, self._batch)
+        self._batch = plan.batch
+        return plan
 
     @staticmethod
     def _with_logprobs(logits: torch.Tensor, plan: SamplingPlan, token_ids: torch.Tensor,

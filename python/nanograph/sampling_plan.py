@@ -4,6 +4,8 @@ one buffer of the layout ops.sample_packed reads (packed_sampling.py); for the t
 which path (greedy, full draw, truncated draw), sent as DeviceArrays."""
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,7 @@ if TYPE_CHECKING:
     from .engine.sequence import Sequence
 
 CANDIDATES = 1024  # candidates per truncated row beyond the largest top-k; rows keeping more are drawn again
+SEEN_WIDTH_STEP = 64  # the kernels' seen-token columns come in multiples of this
 
 
 class SeenTokens:
@@ -28,13 +31,14 @@ class SeenTokens:
 
     def __call__(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """int32 (token ids, output counts) of seq's distinct seen tokens."""
-        start = 0 if seq.params.repetition_penalty != 1 else seq.num_prompt_tokens
+        start = 0 if seq.sampling_row[6] != 1 else seq.num_prompt_tokens  # repetition_penalty
         seen, token_ids = self._seen.get(seq), seq.token_ids
         # Rebuilt if the tokens it counted changed (the last one is checked: a placeholder replaced in place).
         if (seen is None or seen.start != start or seen.consumed > len(token_ids)
                 or (seen.consumed > start and token_ids[seen.consumed - 1] != seen.last)):
             seen = self._seen[seq] = _Seen(start)
-        seen.extend(token_ids, seq.num_prompt_tokens)
+        if seen.consumed < len(token_ids):
+            seen.extend(token_ids, seq.num_prompt_tokens)
         return seen.token_ids[:seen.size], seen.counts[:seen.size]
 
 
@@ -65,38 +69,84 @@ class _Seen:
             self.consumed, self.last = position + 1, token_id
 
 
+class BatchRows:
+    """What a plan takes from its sequences' parameters alone: per-row arrays, and which rows need what. Parameters do
+    not change while a sequence runs, so a sampler keeps the last batch's and reuses it for as long as the batch holds
+    the same sequences with the same parameters (same(seqs)): decode batches stay the same for many steps."""
+
+    def __init__(self, seqs: list[Sequence], vocab_size: int):
+        self.seqs = list(seqs)
+        self.rows = [seq.sampling_row for seq in seqs]  # SamplingParams.numeric_row
+        self.num_rows = num_rows = len(seqs)
+        self.vocab_size = vocab_size
+        self.table = table = np.array(self.rows).reshape(num_rows, 9)
+        self.temperatures = table[:, 0].astype(np.float32)
+        greedy = self.temperatures == 0
+        self.all_greedy = bool(greedy.all())
+        self.greedy_rows = np.flatnonzero(greedy)
+        self.sampled = sampled = np.flatnonzero(~greedy)
+        top_ks = table[sampled, 1].astype(np.int64)
+        top_ks[(top_ks <= 0) | (top_ks > vocab_size)] = vocab_size
+        self.top_ks, self.top_ps, self.min_ps = top_ks, table[sampled, 2].astype(np.float32), \
+            table[sampled, 3].astype(np.float32)
+        self.penalised = np.flatnonzero((table[:, 4] != 0) | (table[:, 5] != 0) | (table[:, 6] != 1)).tolist()
+        self.with_min_tokens = np.flatnonzero(table[:, 7] > 0).tolist()
+        logprobs = table[:, 8]
+        self.logprob_rows = np.flatnonzero(logprobs != -2).tolist()
+        self.num_top_logprobs = np.where(logprobs == -1, vocab_size,
+                                         np.minimum(logprobs, vocab_size))[self.logprob_rows].astype(int).tolist()
+        # No penalties, masks or logprobs: the argmax of every row.
+        self.plain_greedy = self.all_greedy and not self.penalised and not self.with_min_tokens \
+            and not self.logprob_rows
+        self.seeded = [row for row in sampled.tolist() if seqs[row].generator is not None]
+        # The kernels' per-row fields (PackedLayout's): top-k 0 and top_p 1 for none, min_p 0, -1 logprobs for none.
+        self.kernel_top_ks = np.zeros(num_rows, np.int32)
+        self.kernel_top_ks[sampled] = np.where(top_ks < vocab_size, top_ks, 0)
+        self.kernel_top_ps = np.ones(num_rows, np.float32)
+        self.kernel_top_ps[sampled] = self.top_ps
+        self.kernel_min_ps = np.zeros(num_rows, np.float32)
+        self.kernel_min_ps[sampled] = self.min_ps
+        self.kernel_num_logprobs = np.full(num_rows, -1, np.int32)
+        self.kernel_num_logprobs[self.logprob_rows] = self.num_top_logprobs
+
+    def same(self, seqs: list[Sequence], vocab_size: int) -> bool:
+        """True when seqs are this batch's sequences, in its order, with the parameters it read."""
+        return (len(seqs) == self.num_rows and vocab_size == self.vocab_size and all(map(operator.is_, seqs, self.seqs))
+                and all(map(operator.is_, map(_sampling_row, seqs), self.rows)))
+
+
+_sampling_row = operator.attrgetter("sampling_row")
+
+
 class SamplingPlan:
     """The host's part of one call, decided from the parameters: the per-row arrays the device needs (self.arrays:
     for the core's kernels, the fields of self.layout, packed by the sampler; for the torch path, sent in one copy
     by upload) and, for the torch path, which rows take which path (row lists: sorted numpy int64)."""
 
     def __init__(self, seqs: list[Sequence], vocab_size: int, eos_token_ids: list[int], seen: SeenTokens,
-                 keys: np.random.Generator | None = None):
+                 keys: np.random.Generator | None = None, batch: BatchRows | None = None):
         """keys: the sampler's own random stream, for a plan of the core's sampling kernel (None: of the torch
-        path), which takes every row's parameters and a 64-bit random key per sampled row."""
-        params = [seq.params for seq in seqs]
-        self.num_rows = num_rows = len(seqs)
-        table = np.array([seq.sampling_row for seq in seqs]).reshape(num_rows, 9)  # SamplingParams.numeric_row
-        temperatures = table[:, 0].astype(np.float32)
-        greedy = temperatures == 0
-        self.greedy_rows = np.flatnonzero(greedy)
-        sampled = np.flatnonzero(~greedy)
-        top_ks = table[sampled, 1].astype(np.int64)
-        top_ks[(top_ks <= 0) | (top_ks > vocab_size)] = vocab_size
-        top_ps = table[sampled, 2].astype(np.float32)
-        min_ps = table[sampled, 3].astype(np.float32)
+        path), which takes every row's parameters and a 64-bit random key per sampled row. batch: the previous
+        call's BatchRows, reused if seqs are the same batch (self.batch is the one used)."""
+        if batch is None or not batch.same(seqs, vocab_size):
+            batch = BatchRows(seqs, vocab_size)
+        self.batch = b = batch
+        self.num_rows = num_rows = b.num_rows
+        self.greedy_rows = b.greedy_rows
+        sampled, top_ks, top_ps, min_ps = b.sampled, b.top_ks, b.top_ps, b.min_ps
         self.arrays: dict[str, np.ndarray] = {}
-        penalised = (table[:, 4] != 0) | (table[:, 5] != 0) | (table[:, 6] != 1)
-        self._penalties(seqs, table, np.flatnonzero(penalised).tolist(), seen)
-        self._min_tokens(seqs, params, np.flatnonzero(table[:, 7] > 0).tolist(), eos_token_ids)
-        self.transforms = not greedy.all() or bool(self.penalty_rows) or self.has_masked
-        logprobs = table[:, 8]
-        self.logprob_rows = np.flatnonzero(logprobs != -2).tolist()
-        self.num_top_logprobs = np.where(logprobs == -1, vocab_size,
-                                         np.minimum(logprobs, vocab_size))[self.logprob_rows].astype(int).tolist()
+        self._penalties(seqs, b.table, b.penalised, seen)
+        self._min_tokens(seqs, b.with_min_tokens, eos_token_ids)
+        self.transforms = not b.all_greedy or bool(self.penalty_rows) or self.has_masked
+        self.logprob_rows = b.logprob_rows
+        self.num_top_logprobs = b.num_top_logprobs
+        self.plain_greedy = b.plain_greedy  # the core's path then takes the argmax, without the kernels' fields
         if keys is not None:
-            self._kernel_rows(seqs, vocab_size, temperatures, sampled, top_ks, top_ps, min_ps, keys)
+            if not self.plain_greedy:
+                self._kernel_rows(seqs, keys)
             return
+        greedy = b.temperatures == 0
+        temperatures = b.temperatures
         truncated = (top_ks < vocab_size) | (top_ps < 1) | (min_ps > 0)
         self.full_rows = sampled[~truncated]
         self.truncated_rows = sampled[truncated]
@@ -111,27 +161,19 @@ class SamplingPlan:
         self._seeds(seqs, sampled_rows)
         self.arrays["masked_positions"] = self.masked_rows * vocab_size + self.masked_tokens
         if self.penalty_rows:
-            self._torch_penalties(table[self.penalty_rows, 0])
+            self._torch_penalties(b.table[self.penalty_rows, 0])
 
-    def _kernel_rows(self, seqs: list[Sequence], vocab_size: int, temperatures: np.ndarray, sampled: np.ndarray,
-                     top_ks: np.ndarray, top_ps: np.ndarray, min_ps: np.ndarray, keys: np.random.Generator):
+    def _kernel_rows(self, seqs: list[Sequence], keys: np.random.Generator):
         """The kernels' fields (PackedLayout's): per row, temperature (0: greedy), top-k (0: none), top_p, min_p, the
         draw's key (from the row's own stream if it has one), the number of top logprobs (-1: none) and its
         override (-1: none); per override, the row copied out of the logits (penalised or with masked tokens), its
         seen tokens (-1 padding), their output counts, its penalties and its masked tokens (-1 padding)."""
+        b = self.batch
         num_rows = self.num_rows
-        row_top_ks = np.zeros(num_rows, np.int32)
-        row_top_ks[sampled] = np.where(top_ks < vocab_size, top_ks, 0)
-        row_top_ps = np.ones(num_rows, np.float32)
-        row_top_ps[sampled] = top_ps
-        row_min_ps = np.zeros(num_rows, np.float32)
-        row_min_ps[sampled] = min_ps
         row_keys = np.zeros(num_rows, np.uint64)
-        row_keys[sampled] = keys.integers(0, 2**64, len(sampled), dtype=np.uint64, endpoint=False)
-        seeded = [row for row in sampled.tolist() if seqs[row].generator is not None]
-        row_keys[seeded] = [seqs[row].generator.getrandbits(64) for row in seeded]
-        num_logprobs = np.full(num_rows, -1, np.int32)
-        num_logprobs[self.logprob_rows] = self.num_top_logprobs
+        row_keys[b.sampled] = keys.integers(0, 2**64, len(b.sampled), dtype=np.uint64, endpoint=False)
+        if b.seeded:
+            row_keys[b.seeded] = [seqs[row].generator.getrandbits(64) for row in b.seeded]
         self.override_source = overridden = np.union1d(np.array(self.penalty_rows, np.int64), self.masked_rows)
         num = len(overridden)
         override_rows = np.full(num_rows, -1, np.int32)
@@ -142,8 +184,10 @@ class SamplingPlan:
         penalties[:, 2] = 1
         if self.penalty_rows:
             at = override_rows[self.penalty_rows]
-            seen_tokens = _padded([token_ids for token_ids, _ in self.seen], [-1] * num, at, num)
-            output_counts = _padded([counts for _, counts in self.seen], [0] * num, at, num)
+            # Widths rounded up, so that the layout (and its cached offsets) changes rarely as rows see new tokens.
+            width = -(-max(len(token_ids) for token_ids, _ in self.seen) // SEEN_WIDTH_STEP) * SEEN_WIDTH_STEP
+            seen_tokens = _padded([token_ids for token_ids, _ in self.seen], [-1] * num, at, num, width)
+            output_counts = _padded([counts for _, counts in self.seen], [0] * num, at, num, width)
             penalties[at] = self.penalties
         masked_tokens = np.full((num, 1 if num else 0), -1, np.int32)
         if self.has_masked:
@@ -154,10 +198,11 @@ class SamplingPlan:
             masked_tokens[at, column] = self.masked_tokens
         # The kernel gives at most MAX_TOP_LOGPROBS top logprobs; the sampler asks torch when a row wants more.
         self.kernel_logprobs = bool(self.logprob_rows) and max(self.num_top_logprobs) <= MAX_TOP_LOGPROBS
-        self.layout = PackedLayout(num_rows, 1 + max(self.num_top_logprobs) if self.kernel_logprobs else 0, num,
-                                   seen_tokens.shape[1], masked_tokens.shape[1])
-        self.arrays.update(temperatures=temperatures, top_ks=row_top_ks, top_ps=row_top_ps, min_ps=row_min_ps,
-                           keys=row_keys.view(np.int64), num_logprobs=num_logprobs, override_rows=override_rows,
+        self.layout = packed_layout(num_rows, 1 + max(self.num_top_logprobs) if self.kernel_logprobs else 0, num,
+                                    seen_tokens.shape[1], masked_tokens.shape[1])
+        self.arrays.update(temperatures=b.temperatures, top_ks=b.kernel_top_ks, top_ps=b.kernel_top_ps,
+                           min_ps=b.kernel_min_ps, keys=row_keys.view(np.int64), num_logprobs=b.kernel_num_logprobs,
+                           override_rows=override_rows,
                            override_source=overridden, seen_tokens=seen_tokens, output_counts=output_counts,
                            presence=penalties[:, 0], frequency=penalties[:, 1], repetition=penalties[:, 2],
                            masked_tokens=masked_tokens)
@@ -216,11 +261,11 @@ class SamplingPlan:
             penalty_token_ids=_padded(token_ids, [row[0] for row in token_ids]).astype(np.int64),
             penalty_counts=_padded(counts, [row[0] for row in counts]).astype(np.float32))
 
-    def _min_tokens(self, seqs: list[Sequence], params: list, with_min_tokens: list[int], eos_token_ids: list[int]):
+    def _min_tokens(self, seqs: list[Sequence], with_min_tokens: list[int], eos_token_ids: list[int]):
         """The rows and stop tokens (EOS included) of the rows short of min_tokens, one pair per masked token."""
         masked = [(row, token_id) for row in with_min_tokens
-                  if seqs[row].num_completion_tokens < params[row].min_tokens
-                  for token_id in params[row].stop_token_ids + eos_token_ids]
+                  if seqs[row].num_completion_tokens < seqs[row].params.min_tokens
+                  for token_id in seqs[row].params.stop_token_ids + eos_token_ids]
         self.has_masked = bool(masked)
         self.masked_rows, self.masked_tokens = np.array(masked, dtype=np.int64).reshape(-1, 2).T
 
@@ -228,13 +273,21 @@ class SamplingPlan:
         return DeviceArrays(self.arrays, device)
 
 
-def _padded(rows: list[np.ndarray], fills: list, at=None, num_rows: int | None = None) -> np.ndarray:
-    """int32 [num_rows, longest]: rows[i] at row at[i] (default i), each row's rest filled with fills[row]."""
+def _padded(rows: list[np.ndarray], fills: list, at=None, num_rows: int | None = None,
+            width: int | None = None) -> np.ndarray:
+    """int32 [num_rows, width (default: the longest row)]: rows[i] at row at[i] (default i), each row's rest filled
+    with fills[row]."""
     at = range(len(rows)) if at is None else at.tolist()
-    padded = np.repeat(np.array(fills, np.int32)[:, None], max(map(len, rows)), axis=1)
+    padded = np.repeat(np.array(fills, np.int32)[:, None], width or max(map(len, rows)), axis=1)
     for i, row in zip(at, rows):
         padded[i, :len(row)] = row
     return padded
+
+
+@functools.lru_cache(maxsize=64)
+def packed_layout(*shape: int) -> PackedLayout:
+    """PackedLayout(*shape), made once per shape (layouts are not modified)."""
+    return PackedLayout(*shape)
 
 
 class DeviceArrays:

@@ -13,7 +13,7 @@ from nanograph import sampler as sampler_module
 from nanograph.engine.sequence import Sequence
 from nanograph.packed_sampling import ALIGNMENT, PackedLayout, Staging, StagingSlot
 from nanograph.sampler import PackedPendingSample, PendingSample, Sampler, TokenLogprobs, _Logprobs
-from nanograph.sampling_plan import SamplingPlan, SeenTokens
+from nanograph.sampling_plan import SEEN_WIDTH_STEP, BatchRows, SamplingPlan, SeenTokens
 
 VOCAB = 1000
 EOS = 7
@@ -107,7 +107,8 @@ def test_a_layout_without_overrides_or_logprobs_has_empty_fields_for_them():
 def test_each_row_gets_its_own_parameters():
     plan, _ = plan_for()
     a = packed(plan)
-    assert plan.layout.layout[:5] == (len(ROWS), 1 + 3, 3, 2, 3)  # rows, 1 + most top logprobs, overrides, widths
+    # rows, 1 + most top logprobs, overrides, widths (seen tokens: 2, rounded up)
+    assert plan.layout.layout[:5] == (len(ROWS), 1 + 3, 3, SEEN_WIDTH_STEP, 3)
     assert a["temperatures"].tolist() == np.float32([0, 0.7, 0.9, 0.8, 0, 1.0]).tolist()
     assert a["top_ks"].tolist() == [0, 0, 20, 0, 0, 0]  # 0: none (and none for greedy rows)
     assert a["top_ps"].tolist() == np.float32([1, 1, 1, 0.9, 1, 1]).tolist()
@@ -155,11 +156,58 @@ def test_seen_tokens_grow_with_the_sequence_between_calls():
     seen = SeenTokens()
     s = seq(SamplingParams(frequency_penalty=1.0), [1, 2], [5])
     first = SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0))
-    assert packed(first)["seen_tokens"].tolist() == [[5]]
+    pad = [-1] * (SEEN_WIDTH_STEP - 2)
+    assert packed(first)["seen_tokens"].tolist() == [[5, -1] + pad]
     s.token_ids += [5, 6]
     second = packed(SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0)))
-    assert second["seen_tokens"].tolist() == [[5, 6]]
-    assert second["output_counts"].tolist() == [[2, 1]]
+    assert second["seen_tokens"].tolist() == [[5, 6] + pad]
+    assert second["output_counts"].tolist() == [[2, 1] + [0] * len(pad)]
+    s.token_ids += list(range(100, 100 + SEEN_WIDTH_STEP))  # one more distinct token than the width holds
+    third = packed(SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0)))
+    assert third["seen_tokens"].shape == (1, 2 * SEEN_WIDTH_STEP)
+    assert third["seen_tokens"][0, :SEEN_WIDTH_STEP + 2].tolist() == [5, 6] + list(range(100, 100 + SEEN_WIDTH_STEP))
+
+
+def test_a_plan_reuses_the_last_batch_rows_only_for_the_same_sequences_and_parameters():
+    """The parameters' per-row arrays are kept from call to call while the batch is the same; another order, another
+    sequence, or new parameters on one of them make new ones, and every plan packs what a fresh one packs."""
+    seqs = [seq(*row) for row in ROWS]
+    first = SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0))
+    same = SamplingPlan(list(seqs), VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    assert same.batch is first.batch
+
+    def assert_like_fresh(plan, seqs):
+        """Every field as a fresh plan's; keys of the unseeded rows only (a seeded row's stream has moved on)."""
+        fresh = packed(SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0)))
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        for name, values in packed(plan).items():
+            if name == "keys":
+                values, fresh[name] = values[unseeded], fresh[name][unseeded]
+            assert values.tolist() == fresh[name].tolist(), name
+
+    assert_like_fresh(same, seqs)
+    reordered = seqs[::-1]
+    plan = SamplingPlan(reordered, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    assert plan.batch is not first.batch
+    assert_like_fresh(plan, reordered)
+    other = seqs[:-1] + [seq(SamplingParams(temperature=0.5, top_k=3), [1], [2])]
+    plan = SamplingPlan(other, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    assert plan.batch is not first.batch
+    assert_like_fresh(plan, other)
+    seqs[2].params = SamplingParams(temperature=0.3, top_p=0.5)
+    plan = SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    assert plan.batch is not first.batch and packed(plan)["top_ps"][2] == np.float32(0.5)
+    assert_like_fresh(plan, seqs)
+
+
+def test_a_batch_of_plain_greedy_rows_needs_no_kernel_fields():
+    rows = [(SamplingParams(temperature=0), [1, 2], [3]), (SamplingParams(temperature=0), [4], [])]
+    plan, _ = plan_for(rows)
+    assert plan.plain_greedy and not hasattr(plan, "layout")
+    for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, presence_penalty=0.1),
+                   SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=0.5)):
+        plan, _ = plan_for(rows + [(params, [1], [])])
+        assert not plan.plain_greedy and hasattr(plan, "layout")
 
 
 def test_more_top_logprobs_than_the_kernel_gives_leave_the_kernel_none():
