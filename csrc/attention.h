@@ -28,9 +28,7 @@ struct DecodeAttentionArgs {
   // lengths up to it, because the kernels read the actual lengths from device memory.
   int max_context_len;
   float scale;
-  // decode_attention_workspace_bytes(...) bytes, zero-filled before its first use (it holds
-  // counters that each call leaves at zero); not shared by two calls in flight at once.
-  float* workspace;
+  float* workspace;  // decode_attention_workspace_bytes(...) bytes
 };
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,

@@ -9,8 +9,7 @@
 //   out:      [num_seqs, num_q_heads * head_dim] bf16; a row with context length 0 is zeros
 //   workspace (only when num_splits > 1): partial_out [num_seqs, num_q_heads, num_splits, head_dim]
 //             fp32, normalised per split, then partial_lse [num_seqs, num_q_heads, num_splits] fp32
-//             (log2 domain), then counters [num_seqs, num_kv_heads] int32, which must be zero before
-//             the first call and which every call leaves zero.
+//             (log2 domain).
 //
 // Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid depends only
 // on num_seqs, the heads and max_context_len, so a captured graph replays for any lengths up to
@@ -22,15 +21,13 @@
 // product over head_dim does not notice.
 // S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online softmax;
 // decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost nothing.
-// The 4 warps merge through shared memory. One split writes bf16 out directly. Otherwise each
-// split writes its normalised (out, lse) pair, and the last split of a (sequence, kv head) to
-// finish (a counter in the workspace, bumped after a fence) merges all of them with log-sum-exp
-// weights and resets the counter: no second kernel, so no second launch and drain per layer.
+// The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
+// combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
 // Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
 // each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
 // per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
 // behind each other's load latency in a handful of them.
-// Launched with PDL (launch.h); waits for its producers before any read.
+// Both kernels are launched with PDL (launch.h) and wait for their producers before any read.
 #include <algorithm>
 #include <cmath>
 
@@ -126,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
 
   if (start >= end) {
-    if (split == 0) {  // context length 0: the rows are defined as zeros
+    if (num_splits == 1) {  // context length 0: the row is defined as zeros
       for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
         reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
       }
@@ -329,61 +326,65 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
       if (dim == 0) partial_lse[row * num_splits + split] = max + log2f(sum);
     }
   }
-  if (num_splits == 1) return;
+}
 
-  // The last split of this (sequence, kv head) to finish merges every split's pair. The splits
-  // that hold keys are the first ceil(len / split_keys); each publishes its pair (fence), then
-  // counts itself in.
-  __shared__ bool s_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = reinterpret_cast<int*>(partial_lse + static_cast<size_t>(args.num_seqs) *
-                                                            args.num_q_heads * num_splits) +
-                   static_cast<size_t>(seq) * kv.num_kv_heads + kv_head;
-    const int active = min((len + split_keys - 1) / split_keys, num_splits);
-    s_last = atomicAdd(counter, 1) == active - 1;
-    if (s_last) *counter = 0;  // ready for the next call: every split of this one has counted
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+// One CTA per (sequence, q head) row. Warp 0 turns the lse of the splits that hold keys into
+// weights; then each thread sums one float4 column of the partial rows over every
+// kSplitLanes-th split (several L2 loads in flight), and the split lanes are added up.
+template <int HD>
+__global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs args,
+                                                           int split_keys, int num_splits) {
+  constexpr int kColumns = HD / 4;
+  constexpr int kSplitLanes = kThreads / kColumns;
+  __shared__ float s_weight[kMaxSplits];
+  __shared__ float s_inv_sum;
+  __shared__ float4 s_part[kSplitLanes][kColumns];
 
-  // Per q head, the splits' weights 2^(lse - max) / sum, in shared memory (s_out is free now);
-  // then each thread merges 8 dims of a head. Loads bypass L1: other CTAs wrote the pairs.
-  const int active = min((len + split_keys - 1) / split_keys, num_splits);
-  float* s_weight = &s_out[0][0][0];  // [group][kMaxSplits]
-  for (int head = warp; head < group; head += kWarps) {
-    const float* lse = partial_lse + (out_row + head) * num_splits;
+  wait_for_producers();
+  allow_dependents();
+  const int row = blockIdx.x;
+  const int len = args.kv.context_lens[row / args.num_q_heads];
+  const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));
+  const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
+  const float* lse =
+      args.workspace + rows * num_splits * HD + static_cast<size_t>(row) * num_splits;
+  const float4* partial =
+      reinterpret_cast<const float4*>(args.workspace + static_cast<size_t>(row) * num_splits * HD);
+
+  if (threadIdx.x < 32) {
     float max = -INFINITY;
-    for (int i = lane; i < active; i += 32) max = fmaxf(max, __ldcg(lse + i));
+    for (int i = threadIdx.x; i < splits; i += 32) max = fmaxf(max, lse[i]);
     for (int o = 16; o > 0; o /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, o));
     float sum = 0.f;
-    for (int i = lane; i < active; i += 32) {
-      const float w = exp2f(__ldcg(lse + i) - max);
-      s_weight[head * kMaxSplits + i] = w;
-      sum += w;
+    for (int i = threadIdx.x; i < splits; i += 32) {
+      s_weight[i] = exp2f(lse[i] - max);
+      sum += s_weight[i];
     }
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = 1.f / sum;
-    for (int i = lane; i < active; i += 32) s_weight[head * kMaxSplits + i] *= inv;
+    if (threadIdx.x == 0) s_inv_sum = splits > 0 ? 1.f / sum : 0.f;  // length 0: zeros
   }
   __syncthreads();
-  for (int item = threadIdx.x; item < group * HD / 8; item += kThreads) {
-    const int head = item / (HD / 8), dim = item % (HD / 8) * 8;
-    const size_t row = out_row + head;
-    const float* partial = partial_out + row * num_splits * HD + dim;
-    Float8 o;
-#pragma unroll
-    for (int d = 0; d < 8; ++d) o.v[d] = 0.f;
-    for (int i = 0; i < active; ++i) {
-      const float w = s_weight[head * kMaxSplits + i];
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(partial + i * HD));
-      const float4 b = __ldcg(reinterpret_cast<const float4*>(partial + i * HD + 4));
-      o.v[0] += w * a.x, o.v[1] += w * a.y, o.v[2] += w * a.z, o.v[3] += w * a.w;
-      o.v[4] += w * b.x, o.v[5] += w * b.y, o.v[6] += w * b.z, o.v[7] += w * b.w;
+
+  const int column = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int i = lane; i < splits; i += kSplitLanes) {
+    const float4 p = partial[i * kColumns + column];
+    const float w = s_weight[i];
+    acc.x += w * p.x, acc.y += w * p.y, acc.z += w * p.z, acc.w += w * p.w;
+  }
+  s_part[lane][column] = acc;
+  __syncthreads();
+  if (lane == 0) {
+    for (int l = 1; l < kSplitLanes; ++l) {
+      const float4 p = s_part[l][column];
+      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
     }
-    store_bf16x8(args.out + row * HD + dim, o);
+    const float inv = s_inv_sum;
+    __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(acc.x * inv, acc.y * inv),
+                               __floats2bfloat162_rn(acc.z * inv, acc.w * inv)};
+    reinterpret_cast<uint2*>(args.out + static_cast<size_t>(row) * HD)[column] =
+        *reinterpret_cast<uint2*>(pairs);
   }
 }
 
@@ -393,8 +394,7 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
                                         int max_context_len) {
   const SplitPlan plan = plan_splits(num_seqs, 1, max_context_len);
   if (plan.num_splits == 1) return 0;
-  // Pairs, then one counter per (sequence, kv head) (at most num_q_heads of them).
-  return static_cast<size_t>(num_seqs) * num_q_heads * (plan.num_splits * (head_dim + 1) + 1) *
+  return static_cast<size_t>(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 1) *
          sizeof(float);
 }
 
@@ -434,6 +434,10 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
     launch_pdl(split_kernel<HD>, grid, dim3(kThreads), 0, stream, args, plan.split_keys,
                plan.num_splits);
+    if (plan.num_splits > 1) {
+      launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
+                 stream, args, plan.split_keys, plan.num_splits);
+    }
   });
 }
 

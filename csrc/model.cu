@@ -109,7 +109,6 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
                                                                      limits.max_model_len));
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
-  CUDA_CHECK(cudaMemset(attn_workspace_, 0, workspace));  // decode attention's counters start at 0
 }
 
 Model::~Model() {

@@ -62,7 +62,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         py::object allocated;  // keeps a workspace made here alive until the launch is queued
         if (t_ws.ptr == nullptr && ws_bytes > 0) {
           py::module_ torch = py::module_::import("torch");
-          allocated = torch.attr("zeros")(static_cast<int64_t>(ws_bytes / sizeof(float)),
+          allocated = torch.attr("empty")(static_cast<int64_t>(ws_bytes / sizeof(float)),
                                           py::arg("dtype") = torch.attr("float32"),
                                           py::arg("device") = q.attr("device"));
           t_ws = cuda_tensor(allocated, "workspace", "float32");
@@ -96,8 +96,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
       "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
       "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
-      "at least decode_attention_workspace_bytes(...) bytes, zero-filled before its first use "
-      "(it holds counters that each call leaves at zero), or None to allocate one per call. "
+      "at least decode_attention_workspace_bytes(...) bytes, or None to allocate one per call. "
       "Block ids and lengths live on the GPU and are not checked.");
 }
 

@@ -17,7 +17,7 @@ def _case(lens, nq, nkv, hd, block_size, max_context_len, label):
     context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(num_seqs, (nq + 2 * nkv) * hd, device=dev).bfloat16()
     out = torch.empty(num_seqs, nq * hd, device=dev, dtype=torch.bfloat16)
-    workspace = torch.zeros(
+    workspace = torch.empty(
         max(ops.decode_attention_workspace_bytes(num_seqs, nq, hd, max_context_len) // 4, 1), device=dev)
 
     def fn():

@@ -100,28 +100,6 @@ def test_matches_reference(lens, nq, nkv, hd, block_size, max_len):
 
 
 @pytest.mark.gpu
-def test_one_workspace_serves_call_after_call():
-    """The splits' last CTA merges them, found by a counter in the workspace that each call must leave at zero:
-    calls on one workspace, with lengths that change the number of splits holding keys (one, some, all, none),
-    each match the reference, and the workspace's counters end where they started."""
-    from nanograph import ops
-
-    nq, nkv, hd, bs, max_len = 16, 8, 128, 16, 1024
-    torch.manual_seed(1)
-    workspace = torch.zeros(ops.decode_attention_workspace_bytes(3, nq, hd, max_len) // 4, device="cuda")
-    counters = workspace.view(torch.int32)[-3 * nq:]  # the region past the splits' pairs holds them
-    for lens in ([1000, 1, 64], [65, 0, 1024], [1024, 1024, 1024], [0, 0, 0], [300, 17, 129], [1000, 1, 64]):
-        q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
-        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
-                                   workspace)
-        torch.cuda.synchronize()
-        ref = reference(q, k_cache, v_cache, block_tables, context_lens, nq)
-        torch.testing.assert_close(out.float(), ref, **TOL)
-        assert (out[context_lens == 0] == 0).all()
-        assert (counters == 0).all(), f"counters left at {counters.unique().tolist()} after lengths {lens}"
-
-
-@pytest.mark.gpu
 def test_graph_replay_with_new_lengths():
     """The grid comes from max_context_len, so a graph replays correctly for other lengths."""
     from nanograph import ops
@@ -132,7 +110,7 @@ def test_graph_replay_with_new_lengths():
     q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(
         after, nq, nkv, hd, bs, max_len, full_tables=True)
     context_lens.copy_(torch.tensor(before, dtype=torch.int32))
-    workspace = torch.zeros(ops.decode_attention_workspace_bytes(len(before), nq, hd, max_len) // 4,
+    workspace = torch.empty(ops.decode_attention_workspace_bytes(len(before), nq, hd, max_len) // 4,
                             device="cuda")
 
     def call():
