@@ -5,7 +5,7 @@ penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs
     python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16] [--host]
                                        [--profile]
 
-A figure is the median wall time of whole sampler calls, host work and the final copy of the token ids
+A figure is the median wall time (with its 10th-90th percentile range, over 200 calls) of whole sampler calls, host work and the final copy of the token ids
 included, as the engine pays it. Target on an H200: mixed <= 1 ms. --host then splits the host's part of each
 batch on the core's path into stages, each a median: plan (the SamplingPlan), upload (packing the parameters and
 queueing their copy), launch (the kernels' binding and the results' copy back) and result (reading the results,
@@ -50,7 +50,8 @@ def sequences(params: list[SamplingParams], rows: int, vocab: int, sampler: Samp
     return seqs
 
 
-def time_ms(fn, warmup: int = 5, repeats: int = 50) -> float:
+def time_ms(fn, warmup: int = 10, repeats: int = 200) -> tuple[float, float, float]:
+    """The median, 10th and 90th percentile of fn's wall time in ms."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -58,7 +59,8 @@ def time_ms(fn, warmup: int = 5, repeats: int = 50) -> float:
         start = time.perf_counter()
         fn()  # ends with the copy of the token ids to the host
         samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    deciles = statistics.quantiles(samples, n=10)
+    return statistics.median(samples), deciles[0], deciles[-1]
 
 
 def host_stages_ms(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], warmup: int = 5,
@@ -113,7 +115,8 @@ def main():
     print(f"sampler, {args.rows} rows x {args.vocab} vocabulary, {args.dtype} logits on {device}")
     for name, params in [("all greedy", [SamplingParams(temperature=0)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
-        print(f"  {name:<12} {time_ms(lambda: sampler(logits, seqs)):8.3f} ms")
+        median, p10, p90 = time_ms(lambda: sampler(logits, seqs))
+        print(f"  {name:<12} {median:8.3f} ms  (10th-90th percentile {p10:.3f}-{p90:.3f} ms)")
         if args.host and not sampler._kernel:
             print("    (--host times the core's path, which needs a GPU and the core)")
         elif args.host and sampler._plan(logits, seqs).plain_greedy:

@@ -34,6 +34,13 @@ def run(model, batch=1, context=131):
     torch.cuda.nvtx.range_pop()
 
 
+def kernel_name(signature: str) -> str:
+    """A kernel's name without return type, namespaces, template arguments or parameters:
+    "void nanograph::(anonymous namespace)::split_kernel<128>(DecodeAttentionArgs, int)" -> "split_kernel"."""
+    name = signature.replace("(anonymous namespace)", "").replace("void ", "")
+    return name.split("(")[0].split("<")[0].split("::")[-1] or signature
+
+
 def summarize(path):
     with open(path) as f:
         rows = [r for r in csv.reader(line for line in f if line.startswith('"'))]
@@ -42,7 +49,7 @@ def summarize(path):
     total, per_name, count = 0.0, defaultdict(float), defaultdict(int)
     for r in rows:
         us = float(r[value_col].replace(",", "")) / 1e3  # ns -> us
-        name = r[name_col].split("(")[0].split("<")[0].replace("void ", "")
+        name = kernel_name(r[name_col])
         per_name[name] += us
         count[name] += 1
         total += us

@@ -107,6 +107,7 @@ class Blob {
 }  // namespace
 
 NANOGRAPH_BINDINGS(bind_sampling) {
+  m.attr("MAX_TOP_LOGPROBS") = kMaxTopLogprobs;
   m.def(
       "sample_rows",
       [](py::object logits, py::object temperatures, py::object top_ks, py::object top_ps,

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from .sampler import PendingSample
 
 ALIGNMENT = 16  # of every field's offset; the binding checks it
-MAX_TOP_LOGPROBS = 32  # the kernel's limit (kMaxTopLogprobs); requests for more take torch's topk
+# The kernel's limit (ops.MAX_TOP_LOGPROBS, kMaxTopLogprobs; a GPU test keeps them equal); requests for more take
+# torch's topk. A constant here, so that plans are made without the core.
+MAX_TOP_LOGPROBS = 32
 F32, I32, I64 = np.dtype(np.float32), np.dtype(np.int32), np.dtype(np.int64)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanograph import ops
-from nanograph.packed_sampling import PackedLayout
+from nanograph.packed_sampling import MAX_TOP_LOGPROBS, PackedLayout
 
 from ..engine.test_sampler_truncation import AMBIGUOUS, reference_thresholds
 
@@ -143,6 +143,11 @@ def test_thresholds_and_draws_follow_the_float64_reference(vocab, rows, scale, d
     params = random_params(rows, vocab, generator)
     tokens, thresholds = sample(logits.to(DEVICE), params)
     assert_follows_reference(logits, params, tokens, thresholds)
+
+
+def test_max_top_logprobs_matches_core():
+    """The host plans with its own copy of the kernel's limit on top logprobs."""
+    assert ops.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
 
 
 @pytest.mark.parametrize("rows", [1, 3, 256, 300])
