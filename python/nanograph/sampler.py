@@ -62,7 +62,7 @@ class PendingSample:
 
     def __init__(self, token_ids: torch.Tensor, logprobs: _Logprobs | None = None, values: torch.Tensor | None = None,
                  ids: torch.Tensor | None = None):
-        self.token_ids = token_ids  # int64 [rows] on the logits' device
+        self.token_ids = token_ids  # int64 (int32 from the core's argmax) [rows] on the logits' device
         self._logprobs = logprobs
         tensors = [token_ids] if logprobs is None else [token_ids, values, ids]
         self._host = [tensor.to("cpu", non_blocking=True) for tensor in tensors]  # pinned; result() waits for them
