@@ -5,8 +5,8 @@ penalties (512-token prompts, 128 generated tokens), per-request seeds, logprobs
     python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16] [--host]
                                        [--profile]
 
-A figure is the median wall time (with its 10th-90th percentile range, over 200 calls) of whole sampler calls, host work and the final copy of the token ids
-included, as the engine pays it. Target on an H200: mixed <= 1 ms. --host then splits the host's part of each
+A figure is the median wall time (with its 10th-90th percentile range, over 200 calls) of whole sampler calls, host
+work and the final copy of the token ids included, as the engine pays it. Target on an H200: mixed <= 1 ms. --host then splits the host's part of each
 batch on the core's path into stages, each a median: plan (the SamplingPlan), upload (packing the parameters and
 queueing their copy), launch (the kernels' binding and the results' copy back) and result (reading the results,
 timed once the device is done, so without the wait). --profile runs the mixed batch under torch.profiler and prints
