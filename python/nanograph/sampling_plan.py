@@ -31,7 +31,7 @@ class SeenTokens:
 
     def __call__(self, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """int32 (token ids, output counts) of seq's distinct seen tokens."""
-        start = 0 if seq.sampling_row[6] != 1 else seq.num_prompt_tokens  # repetition_penalty
+        start = 0 if seq.params.repetition_penalty != 1 else seq.num_prompt_tokens
         seen, token_ids = self._seen.get(seq), seq.token_ids
         # Rebuilt if the tokens it counted changed (the last one is checked: a placeholder replaced in place).
         if (seen is None or seen.start != start or seen.consumed > len(token_ids)
