@@ -18,6 +18,17 @@ from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
 
 
+def warm_up_lengths(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> np.ndarray:
+    """The prompt lengths of the warm-up's prefill: the largest step the scheduler can make, as sequences of at most
+    max_model_len tokens (the RoPE table and the block tables hold no more), at most max_num_seqs of them."""
+    seq_len = min(max_model_len, max_num_batched_tokens)
+    num_seqs = min(max_num_seqs, math.ceil(max_num_batched_tokens / seq_len))
+    num_tokens = min(max_num_batched_tokens, num_seqs * seq_len)
+    lens = np.full(num_seqs, seq_len, dtype=np.int32)
+    lens[-1] = num_tokens - seq_len * (num_seqs - 1)
+    return lens
+
+
 class _DeviceArray:
     """Exposes a core-owned device buffer to torch.as_tensor through __cuda_array_interface__."""
 
@@ -83,11 +94,7 @@ class CudaRunner:
 
     def _warm_up(self):
         cfg = self.config
-        seq_len = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        num_seqs = min(cfg.max_num_seqs, math.ceil(cfg.max_num_batched_tokens / seq_len))
-        lens = np.full(num_seqs, seq_len, dtype=np.int32)
-        lens[-1] = cfg.max_num_batched_tokens - seq_len * (num_seqs - 1)
-        lens = lens[lens > 0]
+        lens = warm_up_lengths(cfg.max_model_len, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         num_tokens, num_seqs = int(lens.sum()), len(lens)
         v = self.model.step_views(num_tokens, num_seqs)
         v["input_ids"][:] = np.random.default_rng(0).integers(0, self.model_config.vocab_size, num_tokens)
