@@ -82,8 +82,23 @@ for stage in "$@"; do
     sanitized racecheck basic tests/kernels/test_basic_kernels.py \
       -k "rmsnorm and 2048 or argmax_random or argmax_strided" &
     sanitized racecheck sample tests/kernels/test_sample_rows.py -k "any_number_of_rows or overridden or ties or greedy" &
+    # The engine end to end, which the kernel tests do not cover: a small random model built with the latency
+    # benchmark's limits (warm-up, KV sizing, graph capture), then greedy and sampled decoding.
+    engine_run='
+from tests.hf_models import make_random_model
+from nanograph import LLM, SamplingParams
+folder = make_random_model("/tmp/models/qwen3-small", "qwen3-0.6b", num_hidden_layers=2)
+llm = LLM(folder, device="cuda", max_num_seqs=2, max_model_len=400)
+prompts = [list(range(100, 228)), list(range(300, 310))]
+llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.5, logprobs=3, max_tokens=32)],
+             use_tqdm=False)
+print("engine run: done")'
+    ( PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 600 compute-sanitizer --tool memcheck --error-exitcode 9 \
+        python3 -c "$engine_run" > "$LOGS/sanitize_memcheck_engine.log" 2>&1
+      echo "rc=$?" >> "$LOGS/sanitize_memcheck_engine.log" ) &
     wait
-    for f in "$LOGS"/sanitize_*_test_*.log "$LOGS"/sanitize_racecheck_*.log; do
+    for f in "$LOGS"/sanitize_*_test_*.log "$LOGS"/sanitize_racecheck_*.log "$LOGS"/sanitize_memcheck_engine.log; do
       [ -f "$f" ] && [[ "$f" != *gtest* ]] || continue
       grep -q "rc=0" "$f" || status=1
       echo "$(basename "$f" .log): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1) | $(grep -E ' passed| failed' "$f" | tail -1)"
