@@ -18,12 +18,14 @@
 // The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1].
 //
 // Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges; a CTA
-// of kWarpsPerCta warps holds kWarpsPerCta / splits row groups with all of their splits, and sums
-// the splits in shared memory in a fixed order (deterministic, no atomics, no workspace). The
-// host doubles splits (up to kWarpsPerCta) while there are fewer than kTargetWarps warps and
-// every split keeps at least one step, so that small-N matrices (o_proj: 128 row groups) still
-// spread over every SM with a whole matrix in flight. Grid and splits depend only on (M, N, K),
-// so a captured graph is valid for any data.
+// of kWarps warps holds kWarps / splits row groups with all of their splits, and sums the splits
+// in shared memory in a fixed order (deterministic, no atomics, no workspace). The host doubles
+// splits (up to kMaxSplits) while there are fewer than kTargetWarps warps and every split keeps
+// at least one step, so that small-N matrices (o_proj: 128 row groups) still spread over every
+// SM with a whole matrix in flight. CTAs have 8 warps (2 per SM), or 16 (1 per SM, the same
+// warps per SM) when a row group takes 16 splits: with 8-warp CTAs, o_proj's 128 row groups
+// would fill 128 CTAs of 8 warps, half of the resident warp slots. Grid and splits depend only on
+// (M, N, K), so a captured graph is valid for any data.
 #include "gemv.h"
 
 #include "launch.h"
@@ -37,11 +39,13 @@ namespace {
 constexpr int kRowsPerGroup = 8;   // the n of one mma.m16n8k16
 constexpr int kStepK = 32;         // K per warp step: 4 lanes x 8 elements
 constexpr int kUnroll = 8;         // warp steps whose weight loads are in flight together
-constexpr int kWarpsPerCta = 8;
-// Caps registers at 128, which is what holds a whole batch of loads in flight: without a
-// minimum, ptxas trades them for occupancy and issues each load just before its MMA.
-constexpr int kMinCtasPerSm = 2;
-constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kMinCtasPerSm x kWarpsPerCta
+constexpr int kWarpsPerCta = 8;    // the usual CTA; 16 when a row group takes 16 splits
+constexpr int kMaxSplits = 16;
+// Resident warps per SM the launch bounds allow: 2 CTAs of 8 or 1 of 16. This caps registers at
+// 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
+// them for occupancy and issues each load just before its MMA.
+constexpr int kWarpsPerSm = 16;
+constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
 constexpr int kAlignmentBytes = 16;
 
 // 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
@@ -85,16 +89,17 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// kWideM: M > 8, so x rows g + 8 exist. steps_per_split: warp steps in each split's K range.
-template <bool kWideM>
-__global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
+// kWideM: M > 8, so x rows g + 8 exist. kWarps: warps per CTA. steps_per_split: warp steps in
+// each split's K range.
+template <bool kWideM, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
                 int splits, int steps_per_split) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
   const int split = warp % splits;
-  const int n0 = (blockIdx.x * (kWarpsPerCta / splits) + warp / splits) * kRowsPerGroup;
+  const int n0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kRowsPerGroup;
 
   // Rows past N load row N - 1 and are not stored; x rows past M are zero.
   const bf16* w_row = weight + static_cast<int64_t>(min(n0 + g, N - 1)) * K + 8 * c;
@@ -140,7 +145,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32, kMinCtasPerSm)
   for (int i = 0; i < 4; ++i) sum[i] = acc[0][i] + acc[1][i];
 
   if (splits > 1) {
-    __shared__ float partial[kWarpsPerCta][4][32];
+    __shared__ float partial[kWarps][4][32];
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[warp][i][lane] = sum[i];
     __syncthreads();
@@ -191,14 +196,18 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
   const int row_groups = ceil_div(N, kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
   int splits = 1;
-  while (splits < kWarpsPerCta && row_groups * splits < kTargetWarps && 2 * splits <= steps) {
+  while (splits < kMaxSplits && row_groups * splits < kTargetWarps && 2 * splits <= steps) {
     splits *= 2;
   }
-  const int grid = ceil_div(row_groups, kWarpsPerCta / splits);
+  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
+  const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = M > 8 ? gemv_kernel<true> : gemv_kernel<false>;
-  launch_pdl(kernel, dim3(grid), dim3(kWarpsPerCta * 32), 0, stream, x, weight, bias, out, M, N,
-             K, splits, steps_per_split);
+  auto kernel = warps == kWarpsPerCta ? (M > 8 ? gemv_kernel<true, kWarpsPerCta>
+                                               : gemv_kernel<false, kWarpsPerCta>)
+                                      : (M > 8 ? gemv_kernel<true, kMaxSplits>
+                                               : gemv_kernel<false, kMaxSplits>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K,
+             splits, steps_per_split);
 }
 
 }  // namespace nanograph
