@@ -20,12 +20,12 @@
 // Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges; a CTA
 // of kWarps warps holds kWarps / splits row groups with all of their splits, and sums the splits
 // in shared memory in a fixed order (deterministic, no atomics, no workspace). The host doubles
-// splits (up to kMaxSplits) while there are fewer than kTargetWarps warps and every split keeps
-// at least one step, so that small-N matrices (o_proj: 128 row groups) still spread over every
-// SM with a whole matrix in flight. CTAs have 8 warps (2 per SM), or 16 (1 per SM, the same
-// warps per SM) when a row group takes 16 splits: with 8-warp CTAs, o_proj's 128 row groups
-// would fill 128 CTAs of 8 warps, half of the resident warp slots. Grid and splits depend only on
-// (M, N, K), so a captured graph is valid for any data.
+// splits (up to kMaxSplits) while the launch stays within kTargetWarps warps (one wave) and
+// every split keeps at least one step, so that small-N matrices (o_proj: 128 row groups) still
+// spread over every SM with a whole matrix in flight. CTAs have 8 warps (2 per SM), or 16 (1 per
+// SM, the same warps per SM) when a row group takes 16 splits: with 8-warp CTAs, o_proj's 128
+// row groups would fill 128 CTAs of 8 warps, half of the resident warp slots. Grid and splits
+// depend only on (M, N, K), so a captured graph is valid for any data.
 #include "gemv.h"
 
 #include "launch.h"
@@ -196,7 +196,9 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
   const int row_groups = ceil_div(N, kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
   int splits = 1;
-  while (splits < kMaxSplits && row_groups * splits < kTargetWarps && 2 * splits <= steps) {
+  // Doubled only while the whole launch still fits one wave, so no matrix ends in a partial
+  // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits).
+  while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps) {
     splits *= 2;
   }
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
