@@ -24,8 +24,13 @@
 // every split keeps at least one step, so that small-N matrices (o_proj: 128 row groups) still
 // spread over every SM with a whole matrix in flight. CTAs have 8 warps (2 per SM), or 16 (1 per
 // SM, the same warps per SM) when a row group takes 16 splits: with 8-warp CTAs, o_proj's 128
-// row groups would fill 128 CTAs of 8 warps, half of the resident warp slots. Grid and splits
-// depend only on (M, N, K), so a captured graph is valid for any data.
+// row groups would fill 128 CTAs of 8 warps, half of the resident warp slots. Larger matrices,
+// with more than two load batches per warp of a full wave (Qwen3-8B's projections, any lm_head),
+// stream through several waves instead: there splits double (up to 8, in 8-warp CTAs, each
+// split keeping at least 16 steps) until the grid has 8 waves of CTAs, so that the last, partial
+// wave is short. (8B gate_up: 8 splits in 3,072 CTAs; in one 1.45-wave launch without splits it
+// moved 3.3 TB/s, with them 4.0.) Grid and splits depend only on (M, N, K), so a captured graph
+// is valid for any data.
 #include "gemv.h"
 
 #include "launch.h"
@@ -47,6 +52,9 @@ constexpr int kMaxSplits = 16;
 constexpr int kWarpsPerSm = 16;
 constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
 constexpr int kAlignmentBytes = 16;
+// Matrices of more than two load batches per warp of a full wave stream through several waves.
+constexpr int kStreamSteps = 16;  // the least warp steps per split there: two load batches
+constexpr int kStreamWaves = 8;   // waves of CTAs at which splitting stops there
 
 // 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
 // branch), so a batch of these is one basic block that the compiler issues back to back.
@@ -178,6 +186,28 @@ void require_aligned(const void* ptr, const char* name) {
               "-byte aligned; pass a contiguous copy instead of an offset view");
 }
 
+// K splits per row group; see "Launch" above.
+int choose_splits(int row_groups, int steps) {
+  int splits = 1;
+  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * kUnroll * kTargetWarps;
+  if (!streaming) {
+    // Doubled only while the whole launch still fits one wave, so no matrix ends in a partial
+    // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits).
+    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps) {
+      splits *= 2;
+    }
+    return splits;
+  }
+  // Doubled, in 8-warp CTAs, while the launch has fewer than kStreamWaves waves of CTAs and
+  // every split keeps kStreamSteps steps.
+  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
+  while (2 * splits <= kWarpsPerCta && 2 * splits * kStreamSteps <= steps &&
+         ctas(splits) * kWarpsPerCta < kStreamWaves * kTargetWarps) {
+    splits *= 2;
+  }
+  return splits;
+}
+
 }  // namespace
 
 bool gemv_supported(int M, int N, int K) {
@@ -195,12 +225,7 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
 
   const int row_groups = ceil_div(N, kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
-  int splits = 1;
-  // Doubled only while the whole launch still fits one wave, so no matrix ends in a partial
-  // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits).
-  while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps) {
-    splits *= 2;
-  }
+  const int splits = choose_splits(row_groups, steps);
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);

@@ -71,8 +71,9 @@ def test_prefix_caching_reuses_a_shared_prefix(qwen3_folder):
 
 
 def assert_same_or_diverged_at_a_near_tie(reference, other, request: int, tolerance: float = 0.05):
-    """Greedy tokens of one request with and without preemption agree, or first differ where the reference's own
-    top two logprobs are within tolerance (nats) of each other and the other run took the second. A preempted
+    """Greedy tokens of one request with and without preemption agree, or first differ where the other run took a
+    token that the reference ranks within tolerance (nats) of its own choice. The reference's top five logprobs are
+    asked for, not two: bf16 logits of a random-weight model are often tied three ways or more. A preempted
     request's KV is recomputed by prefill instead of step-by-step decode: the sums round differently, which can
     flip a near-tie (after it the texts are unrelated). Wrong KV after a recompute would instead pick a token the
     reference ranks nowhere near the top."""
@@ -81,14 +82,14 @@ def assert_same_or_diverged_at_a_near_tie(reference, other, request: int, tolera
     if first is None:
         return
     top = ref.logprobs[first]
-    assert got.token_ids[first] in top, f"request {request}: token {first} is outside the reference's top 2"
+    assert got.token_ids[first] in top, f"request {request}: token {first} is outside the reference's top {len(top)}"
     gap = top[ref.token_ids[first]].logprob - top[got.token_ids[first]].logprob
     assert gap < tolerance, f"request {request}: token {first} differs with a logprob gap of {gap:.3f}"
 
 
 def test_preemption_completes_every_request(qwen3_folder):
     prompts = random_prompts(12, 20, 120, seed=5)
-    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=2)] * len(prompts)
+    params = [SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=5)] * len(prompts)
     roomy, _ = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=512)
     # 40 blocks of 16 tokens hold ~3 of these sequences at full length: the rest wait or get preempted.
     tight, engine = run_llm(qwen3_folder, [prompts], params, max_num_seqs=16, max_model_len=256, num_kv_blocks=40)
@@ -113,7 +114,7 @@ def test_default_model_preemption_keeps_greedy_outputs():
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?",
                  "Who wrote Hamlet?", "Describe the sea in one sentence.", "What is a cat?"]
     chats = [[{"role": "user", "content": q}] for q in questions]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
     outs = []
     for blocks in (1024, 24):  # 24 blocks of 16 tokens: two or three requests at a time
         llm = LLM(device="cuda", max_model_len=256, max_num_seqs=8, num_kv_blocks=blocks)
