@@ -99,7 +99,7 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 //     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
 template <int HD>
-__global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
+__global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs args, int split_keys,
                                                          int num_splits) {
   constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
   constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
@@ -112,8 +112,10 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   __shared__ float s_max[kWarps][kMaxGroup];
   __shared__ float s_sum[kWarps][kMaxGroup];
 
-  wait_for_producers();
-  allow_dependents();
+  // Before the wait (PDL, launch.h), this CTA reads only what no kernel of the step writes: the
+  // lengths and block tables (copied from the host before the step) and the keys and values
+  // cached by earlier steps. The newest key of a sequence (position len - 1) is the one this
+  // step's RoPE/KV-store kernel writes: it is loaded after the wait.
   const PagedKv& kv = args.kv;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int group = args.num_q_heads / kv.num_kv_heads;
@@ -123,6 +125,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
 
   if (start >= end) {
+    wait_for_producers();
+    allow_dependents();
     if (num_splits == 1) {  // context length 0: the row is defined as zeros
       for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
         reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
@@ -133,27 +137,11 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-
-  uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
-  const bf16* q = args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    q_lo[c] = g < group ? *reinterpret_cast<const uint4*>(q + g * HD + c * 32 + t * 8) : zero;
-    q_hi[c] = g + 8 < group ? *reinterpret_cast<const uint4*>(q + (g + 8) * HD + c * 32 + t * 8)
-                            : zero;
-  }
-
   const int64_t key_stride = static_cast<int64_t>(kv.num_kv_heads) * HD;
   const int32_t* block_table = kv.block_tables + static_cast<int64_t>(seq) * kv.block_table_stride;
   const int block_shift = __ffs(kv.block_size) - 1;
   const float scale_log2 = args.scale * kLog2e;
-
-  float row_max[2] = {-INFINITY, -INFINITY};  // heads g and g + 8, log2 domain
-  float row_sum[2] = {0.f, 0.f};              // this lane's share of the softmax denominator
-  float acc[kNTiles][4];
-#pragma unroll
-  for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  const int newest = len - 1;
 
   // A tile never crosses a block: tiles start at multiples of 16 and block_size >= 16. The
   // block ids of the next step are fetched one step ahead, off the K/V loads' critical path.
@@ -161,15 +149,18 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
     return tile_start < end ? block_table[tile_start >> block_shift] : 0;
   };
   constexpr int kWarpStride = kWarps * kStepKeys;
+  const int first_step = start + warp * kStepKeys;
   int32_t next_block[kTilesPerStep];
 #pragma unroll
   for (int tile = 0; tile < kTilesPerStep; ++tile) {
-    next_block[tile] = block_of(start + warp * kStepKeys + tile * kTileKeys);
+    next_block[tile] = block_of(first_step + tile * kTileKeys);
   }
 
-  for (int step = start + warp * kStepKeys; step < end; step += kWarpStride) {
-    uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
-    uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+  uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
+  uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+  // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
+  // end: 0 * NaN is NaN), and the block ids of the warp's next step.
+  auto load_step = [&](int step, int below) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
@@ -180,18 +171,17 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
       const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int key = g + 8 * h;
-        const bool valid = tile_start + key < end;
+        const bool valid = tile_start + g + 8 * h < below;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-          k_frag[tile][h][c] = valid ? load_streaming(k + key * key_stride + c * 32 + t * 8)
+          k_frag[tile][h][c] = valid ? load_streaming(k + (g + 8 * h) * key_stride + c * 32 + t * 8)
                                      : make_uint4(0, 0, 0, 0);
         }
       }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int key = 2 * t + (j & 1) + 8 * (j >> 1);
-        const bool valid = tile_start + key < end;  // zeros, not garbage: 0 * NaN is NaN
+        const bool valid = tile_start + key < below;
 #pragma unroll
         for (int hc = 0; hc < kHalves; ++hc) {
           v_frag[tile][hc][j] = valid ? load_streaming(v + key * key_stride + hc * 64 + g * 8)
@@ -199,6 +189,62 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
         }
       }
     }
+  };
+  // The warp's first step, but for the newest key, is in flight during the wait.
+  if (first_step < end) load_step(first_step, min(end, newest));
+
+  wait_for_producers();
+  allow_dependents();
+
+  uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
+  const bf16* q = args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    q_lo[c] = g < group ? *reinterpret_cast<const uint4*>(q + g * HD + c * 32 + t * 8) : zero;
+    q_hi[c] = g + 8 < group ? *reinterpret_cast<const uint4*>(q + (g + 8) * HD + c * 32 + t * 8)
+                            : zero;
+  }
+  // The newest key, if it falls in the first step: the lanes that hold it load it now.
+  if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
+    const int tile = (newest - first_step) / kTileKeys;
+    const int tile_start = first_step + tile * kTileKeys;
+    const int key = newest - tile_start;
+    const int64_t slot =
+        static_cast<int64_t>(block_table[tile_start >> block_shift]) * kv.block_size +
+        (tile_start & (kv.block_size - 1));
+    const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
+    const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
+#pragma unroll
+    for (int tt = 0; tt < kTilesPerStep; ++tt) {
+      if (tt != tile) continue;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (g + 8 * h != key) continue;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          k_frag[tt][h][c] = load_streaming(k + key * key_stride + c * 32 + t * 8);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (2 * t + (j & 1) + 8 * (j >> 1) != key) continue;
+#pragma unroll
+        for (int hc = 0; hc < kHalves; ++hc) {
+          v_frag[tt][hc][j] = load_streaming(v + key * key_stride + hc * 64 + g * 8);
+        }
+      }
+    }
+  }
+
+  float row_max[2] = {-INFINITY, -INFINITY};  // heads g and g + 8, log2 domain
+  float row_sum[2] = {0.f, 0.f};              // this lane's share of the softmax denominator
+  float acc[kNTiles][4];
+#pragma unroll
+  for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+
+  for (int step = first_step; step < end; step += kWarpStride) {
+    if (step != first_step) load_step(step, end);
 
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
