@@ -45,6 +45,11 @@ constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one
 constexpr int kSplitGranule = kWarps * kTileKeys;  // split lengths are multiples of this
 constexpr int kTargetCtas = 2048;      // ~15 CTAs per SM on a 132-SM H200
 constexpr int kMaxSplits = 128;        // longer contexts get longer splits
+// Grids of at most this many CTAs (one wave at 2 per SM on a 132-SM H200: batch 1 to 4 of
+// Qwen3) load each warp's first step of keys and values before the PDL wait. That variant holds
+// the first step's fragments across the wait (208 registers at head_dim 128, 2 CTAs per SM), so
+// larger grids, which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
+constexpr int64_t kEarlyKvMaxCtas = 264;
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct SplitPlan {
@@ -98,8 +103,8 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 //   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
 //     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
-template <int HD>
-__global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs args, int split_keys,
+template <int HD, bool kEarlyKv>
+__global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
                                                          int num_splits) {
   constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
   constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
@@ -112,10 +117,14 @@ __global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs 
   __shared__ float s_max[kWarps][kMaxGroup];
   __shared__ float s_sum[kWarps][kMaxGroup];
 
-  // Before the wait (PDL, launch.h), this CTA reads only what no kernel of the step writes: the
-  // lengths and block tables (copied from the host before the step) and the keys and values
-  // cached by earlier steps. The newest key of a sequence (position len - 1) is the one this
-  // step's RoPE/KV-store kernel writes: it is loaded after the wait.
+  // kEarlyKv: before the wait (PDL, launch.h), this CTA reads only what no kernel of the step
+  // writes: the lengths and block tables (copied from the host before the step) and the keys and
+  // values cached by earlier steps. The newest key of a sequence (position len - 1) is the one
+  // this step's RoPE/KV-store kernel writes: it is loaded after the wait.
+  if constexpr (!kEarlyKv) {
+    wait_for_producers();
+    allow_dependents();
+  }
   const PagedKv& kv = args.kv;
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
   const int group = args.num_q_heads / kv.num_kv_heads;
@@ -125,8 +134,10 @@ __global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs 
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
 
   if (start >= end) {
-    wait_for_producers();
-    allow_dependents();
+    if constexpr (kEarlyKv) {
+      wait_for_producers();
+      allow_dependents();
+    }
     if (num_splits == 1) {  // context length 0: the row is defined as zeros
       for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
         reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
@@ -190,11 +201,12 @@ __global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs 
       }
     }
   };
-  // The warp's first step, but for the newest key, is in flight during the wait.
-  if (first_step < end) load_step(first_step, min(end, newest));
-
-  wait_for_producers();
-  allow_dependents();
+  if constexpr (kEarlyKv) {
+    // The warp's first step, but for the newest key, is in flight during the wait.
+    if (first_step < end) load_step(first_step, min(end, newest));
+    wait_for_producers();
+    allow_dependents();
+  }
 
   uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
   const bf16* q = args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
@@ -206,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs 
                             : zero;
   }
   // The newest key, if it falls in the first step: the lanes that hold it load it now.
-  if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
+  if (kEarlyKv && first_step <= newest && newest < min(end, first_step + kStepKeys)) {
     const int tile = (newest - first_step) / kTileKeys;
     const int tile_start = first_step + tile * kTileKeys;
     const int key = newest - tile_start;
@@ -244,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 3) split_kernel(DecodeAttentionArgs 
   for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   for (int step = first_step; step < end; step += kWarpStride) {
-    if (step != first_step) load_step(step, end);
+    if (!kEarlyKv || step != first_step) load_step(step, end);
 
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
@@ -478,8 +490,9 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
           "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
-    launch_pdl(split_kernel<HD>, grid, dim3(kThreads), 0, stream, args, plan.split_keys,
-               plan.num_splits);
+    const bool early = static_cast<int64_t>(grid.x) * grid.y * grid.z <= kEarlyKvMaxCtas;
+    launch_pdl(early ? split_kernel<HD, true> : split_kernel<HD, false>, grid, dim3(kThreads), 0,
+               stream, args, plan.split_keys, plan.num_splits);
     if (plan.num_splits > 1) {
       launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
                  stream, args, plan.split_keys, plan.num_splits);
