@@ -88,6 +88,11 @@ CASES = [
     ("q8kv2_hd64_batch64_bs64", random_lens(64, 4096, 5), 8, 2, 64, 64, 4096),
     ("q4kv4_all_empty", [0, 0], 4, 4, 128, 16, 512),
     ("q8kv8_max_len_0", [0], 8, 8, 64, 16, 0),
+    # Grids of at most 264 CTAs, which load their first keys before the PDL wait (batch 1 to 4
+    # at a latency benchmark's max_model_len).
+    ("q16kv8_batch1_small_grid", [383], 16, 8, 128, 16, 400),
+    ("q16kv8_batch4_small_grid", [1, 17, 200, 400], 16, 8, 128, 16, 400),
+    ("q32kv8_hd64_small_grid", [100, 64, 0, 65], 32, 8, 64, 16, 512),
 ]
 
 
@@ -130,6 +135,39 @@ def test_graph_replay_with_new_lengths():
     torch.cuda.synchronize()
     ref = reference(q, k_cache, v_cache, block_tables, context_lens, nq)
     torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,max_len", [([383], 400), ([1, 16, 17, 400], 400), (random_lens(64, 1024, 6), 1024)],
+                         ids=["batch1", "batch4", "batch64"])
+def test_newest_key_written_by_the_previous_kernel(lens, max_len):
+    """Each sequence's newest key and value are written by the RoPE/KV-store kernel launched just before
+    attention on the same stream, as in a decode step, into slots that held NaN: attention must see them,
+    though small grids load the older keys before waiting for that kernel. Repeated, as a stale read
+    depends on timing."""
+    from nanograph import ops
+
+    from .test_rope_kv import cos_sin_table
+
+    nq, nkv, hd, bs = 16, 8, 128, 16
+    torch.manual_seed(7)
+    cos_sin = cos_sin_table(max_len, hd).cuda()
+    for _ in range(10):
+        qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
+        newest = context_lens.long() - 1
+        slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
+        for cache in (k_cache, v_cache):
+            cache.view(-1, nkv, hd)[slots.long()] = float("nan")
+        workspace = torch.empty(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4,
+                                device="cuda")
+        ops.qk_norm_rope_kv_store(qkv, None, None, cos_sin, newest.to(torch.int32), slots, k_cache, v_cache,
+                                  nq, nkv, 1e-6)
+        ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
+                                   max_len, workspace)
+        torch.cuda.synchronize()
+        assert not k_cache.view(-1, nkv, hd)[slots.long()].isnan().any(), "the newest keys were not stored"
+        ref = reference(qkv, k_cache, v_cache, block_tables, context_lens, nq)
+        torch.testing.assert_close(out.float(), ref, **TOL)
 
 
 @pytest.mark.gpu
