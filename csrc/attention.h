@@ -35,6 +35,11 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
                                         int max_context_len);
 
 // A row with context length 0 writes zeros.
+// Ordering (PDL, launch.h): on small grids the kernel reads the lengths, the block tables and
+// each sequence's cached keys and values before it waits for the previous kernel on the stream,
+// all but the newest key and value (position len - 1). So a kernel that runs right before it in
+// the same chain may write that newest position and nothing else of the cache, as the decode
+// step's RoPE/KV-store kernel does; lengths and block tables must be in place before the chain.
 void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
 struct PrefillAttentionArgs {

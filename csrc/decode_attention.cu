@@ -27,7 +27,11 @@
 // each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
 // per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
 // behind each other's load latency in a handful of them.
-// Both kernels are launched with PDL (launch.h) and wait for their producers before any read.
+// Both kernels are launched with PDL (launch.h). combine_kernel, and split_kernel on large grids,
+// wait for their producers before any read. On small grids (batch 1 to 4, where the wait is on
+// the critical path) split_kernel<HD, true> loads each warp's first step of keys and values
+// before the wait, but for the newest key of the sequence (position len - 1), which the step's
+// RoPE/KV-store kernel writes; see paged_decode_attention in attention.h.
 #include <algorithm>
 #include <cmath>
 
@@ -170,13 +174,14 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
   uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
   // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
-  // end: 0 * NaN is NaN), and the block ids of the warp's next step.
-  auto load_step = [&](int step, int below) {
+  // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
+  // of the warp's next step.
+  auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
-      const int64_t block = next_block[tile];
-      next_block[tile] = block_of(tile_start + kWarpStride);
+      const int64_t block = blocks[tile];
+      blocks[tile] = block_of(tile_start + kWarpStride);
       const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
       const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
       const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
@@ -201,9 +206,12 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
       }
     }
   };
+  int32_t first_blocks[kTilesPerStep];  // the first step's block ids, kept for a reload
   if constexpr (kEarlyKv) {
+#pragma unroll
+    for (int tile = 0; tile < kTilesPerStep; ++tile) first_blocks[tile] = next_block[tile];
     // The warp's first step, but for the newest key, is in flight during the wait.
-    if (first_step < end) load_step(first_step, min(end, newest));
+    if (first_step < end) load_step(first_step, min(end, newest), next_block);
     wait_for_producers();
     allow_dependents();
   }
@@ -217,35 +225,11 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
     q_hi[c] = g + 8 < group ? *reinterpret_cast<const uint4*>(q + (g + 8) * HD + c * 32 + t * 8)
                             : zero;
   }
-  // The newest key, if it falls in the first step: the lanes that hold it load it now.
-  if (kEarlyKv && first_step <= newest && newest < min(end, first_step + kStepKeys)) {
-    const int tile = (newest - first_step) / kTileKeys;
-    const int tile_start = first_step + tile * kTileKeys;
-    const int key = newest - tile_start;
-    const int64_t slot =
-        static_cast<int64_t>(block_table[tile_start >> block_shift]) * kv.block_size +
-        (tile_start & (kv.block_size - 1));
-    const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
-    const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
-#pragma unroll
-    for (int tt = 0; tt < kTilesPerStep; ++tt) {
-      if (tt != tile) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (g + 8 * h != key) continue;
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          k_frag[tt][h][c] = load_streaming(k + key * key_stride + c * 32 + t * 8);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (2 * t + (j & 1) + 8 * (j >> 1) != key) continue;
-#pragma unroll
-        for (int hc = 0; hc < kHalves; ++hc) {
-          v_frag[tt][hc][j] = load_streaming(v + key * key_stride + hc * 64 + g * 8);
-        }
-      }
+  // If the newest key falls in the warp's first step, the step is loaded again, now whole: one
+  // more round trip for that warp only, and the same loader as every other step.
+  if constexpr (kEarlyKv) {
+    if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
+      load_step(first_step, end, first_blocks);
     }
   }
 
@@ -256,7 +240,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   for (int step = first_step; step < end; step += kWarpStride) {
-    if (!kEarlyKv || step != first_step) load_step(step, end);
+    if (!kEarlyKv || step != first_step) load_step(step, end, next_block);
 
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {

@@ -10,7 +10,9 @@
 // Rules for a kernel launched with launch_pdl():
 //   - every CTA calls wait_for_producers() before it reads anything an earlier kernel wrote and
 //     before it exits (so that completion stays transitive down the chain);
-//   - before the wait it reads only data no kernel of the current chain writes (weights).
+//   - before the wait it reads only data no kernel of the current chain writes (weights). The
+//     one exception is decode attention on small grids, which reads the KV cache before the wait
+//     under the contract stated in attention.h (paged_decode_attention).
 // On older GPUs, or with NANOGRAPH_PDL=0 in the environment, launches are ordinary and the two
 // device functions compile to nothing.
 #pragma once

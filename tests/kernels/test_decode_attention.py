@@ -93,6 +93,9 @@ CASES = [
     ("q16kv8_batch1_small_grid", [383], 16, 8, 128, 16, 400),
     ("q16kv8_batch4_small_grid", [1, 17, 200, 400], 16, 8, 128, 16, 400),
     ("q32kv8_hd64_small_grid", [100, 64, 0, 65], 32, 8, 64, 16, 512),
+    ("q16kv8_bs256_small_grid", [700, 1], 16, 8, 128, 256, 1024),
+    # 128 splits x 2 kv heads: 256 CTAs of 128 keys, so warps take a second step.
+    ("q16kv2_long_small_grid", [16000], 16, 2, 128, 16, 16384),
 ]
 
 
@@ -138,32 +141,48 @@ def test_graph_replay_with_new_lengths():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lens,max_len", [([383], 400), ([1, 16, 17, 400], 400), (random_lens(64, 1024, 6), 1024)],
-                         ids=["batch1", "batch4", "batch64"])
-def test_newest_key_written_by_the_previous_kernel(lens, max_len):
-    """Each sequence's newest key and value are written by the RoPE/KV-store kernel launched just before
-    attention on the same stream, as in a decode step, into slots that held NaN: attention must see them,
-    though small grids load the older keys before waiting for that kernel. Repeated, as a stale read
-    depends on timing."""
+@pytest.mark.parametrize("lens,nkv,max_len", [([383], 8, 400), ([1, 16, 17, 400], 8, 400), ([3000], 2, 16384),
+                                              ([3070], 2, 16384), (random_lens(64, 1024, 6), 8, 1024)],
+                         ids=["batch1", "batch4", "first_step", "second_step", "batch64"])
+def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
+    """Each sequence's newest key and value are written by the RoPE/KV-store kernel just before attention,
+    into slots that held NaN, both replayed from one CUDA graph as in a decode step: attention must see them,
+    though small grids load the older keys before waiting for that kernel. With 2 kv heads the newest key
+    falls in a warp's first step (3000) or second (3070). Replayed ten times, as a stale read depends on
+    timing."""
     from nanograph import ops
 
     from .test_rope_kv import cos_sin_table
 
-    nq, nkv, hd, bs = 16, 8, 128, 16
+    nq, hd, bs = 16, 128, 16
     torch.manual_seed(7)
     cos_sin = cos_sin_table(max_len, hd).cuda()
-    for _ in range(10):
-        qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
-        newest = context_lens.long() - 1
-        slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
-        for cache in (k_cache, v_cache):
-            cache.view(-1, nkv, hd)[slots.long()] = float("nan")
-        workspace = torch.empty(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4,
-                                device="cuda")
-        ops.qk_norm_rope_kv_store(qkv, None, None, cos_sin, newest.to(torch.int32), slots, k_cache, v_cache,
-                                  nq, nkv, 1e-6)
+    qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
+    qkv_before = qkv.clone()
+    newest = context_lens.long() - 1
+    slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
+    positions = newest.to(torch.int32)
+    workspace = torch.empty(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, device="cuda")
+
+    def step():
+        ops.qk_norm_rope_kv_store(qkv, None, None, cos_sin, positions, slots, k_cache, v_cache, nq, nkv, 1e-6)
         ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
                                    max_len, workspace)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(10):
+        qkv.copy_(qkv_before)  # RoPE rotates q and k in place
+        for cache in (k_cache, v_cache):
+            cache.view(-1, nkv, hd)[slots.long()] = float("nan")
+        out.fill_(float("nan"))
+        graph.replay()
         torch.cuda.synchronize()
         assert not k_cache.view(-1, nkv, hd)[slots.long()].isnan().any(), "the newest keys were not stored"
         ref = reference(qkv, k_cache, v_cache, block_tables, context_lens, nq)
