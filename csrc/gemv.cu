@@ -192,8 +192,11 @@ int choose_splits(int row_groups, int steps) {
   const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * kUnroll * kTargetWarps;
   if (!streaming) {
     // Doubled only while the whole launch still fits one wave, so no matrix ends in a partial
-    // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits).
-    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps) {
+    // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits), and while a split
+    // holds more than one load batch: below that, more splits add warps but no bytes in flight
+    // (o_proj, 64 steps: 8 splits in 8-warp CTAs took 3.3 us, 16 in 16-warp CTAs 3.6 us).
+    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps &&
+           ceil_div(steps, splits) > kUnroll) {
       splits *= 2;
     }
     return splits;
