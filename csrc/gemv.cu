@@ -21,10 +21,11 @@
 // of kWarps warps holds kWarps / splits row groups with all of their splits, and sums the splits
 // in shared memory in a fixed order (deterministic, no atomics, no workspace). The host doubles
 // splits (up to kMaxSplits) while the launch stays within kTargetWarps warps (one wave) and
-// every split keeps at least one step, so that small-N matrices (o_proj: 128 row groups) still
-// spread over every SM with a whole matrix in flight. CTAs have 8 warps (2 per SM), or 16 (1 per
-// SM, the same warps per SM) when a row group takes 16 splits: with 8-warp CTAs, o_proj's 128
-// row groups would fill 128 CTAs of 8 warps, half of the resident warp slots. Larger matrices,
+// every split keeps more than one load batch, so that small-N matrices (o_proj, down: 128 row
+// groups) still spread over the SMs with a whole matrix in flight. CTAs have 8 warps (2 per SM),
+// or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down (K = 3,072) in
+// 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the resident warp
+// slots. Larger matrices,
 // with more than two load batches per warp of a full wave (Qwen3-8B's projections, any lm_head),
 // stream through several waves instead: there splits double (up to 8, in 8-warp CTAs, each
 // split keeping at least 16 steps) until the grid has 8 waves of CTAs, so that the last, partial
