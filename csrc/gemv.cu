@@ -99,8 +99,12 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
 }
 
 // kWideM: M > 8, so x rows g + 8 exist. kWarps: warps per CTA. steps_per_split: warp steps in
-// each split's K range.
-template <bool kWideM, int kWarps>
+// each split's K range. kSiluMul: the gated MLP's epilogue (gemv_silu_mul): weight holds 2N rows,
+// gate rows [0, N) then up rows [N, 2N), and out[m, j] = silu(gate) * up. A row group then
+// covers 4 output columns, its 8 rows alternating gate and up (row g is the gate of column
+// g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
+// holds the gate and the up of one output column.
+template <bool kWideM, int kWarps, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
@@ -108,10 +112,18 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
   const int split = warp % splits;
-  const int n0 = (blockIdx.x * (kWarps / splits) + warp / splits) * kRowsPerGroup;
-
-  // Rows past N load row N - 1 and are not stored; x rows past M are zero.
-  const bf16* w_row = weight + static_cast<int64_t>(min(n0 + g, N - 1)) * K + 8 * c;
+  const int group = blockIdx.x * (kWarps / splits) + warp / splits;
+  // The group's first output column; columns past N load those of column N - 1 and are not
+  // stored; x rows past M are zero.
+  const int n0 = group * (kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
+  int row;
+  if constexpr (kSiluMul) {
+    const int column = min(n0 + g / 2, N - 1);
+    row = g % 2 == 0 ? column : N + column;
+  } else {
+    row = min(n0 + g, N - 1);
+  }
+  const bf16* w_row = weight + static_cast<int64_t>(row) * K + 8 * c;
   const int steps = (K + kStepK - 1) / kStepK;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
@@ -166,13 +178,28 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     }
   }
 
+  if constexpr (kSiluMul) {
+    // Gate and up rounded to bf16, as the unfused gemv stores them, then silu_mul's formula.
+    const int n = n0 + c;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int m = g + (i >= 2 ? 8 : 0);
-    const int n = n0 + 2 * c + (i & 1);
-    if (m < M && n < N) {
-      const float value = bias ? sum[i] + __bfloat162float(bias[n]) : sum[i];
-      out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
+    for (int half = 0; half < 2; ++half) {
+      const int m = g + 8 * half;
+      if (m < M && n < N) {
+        const float gate = __bfloat162float(__float2bfloat16_rn(sum[2 * half]));
+        const float up = __bfloat162float(__float2bfloat16_rn(sum[2 * half + 1]));
+        out[static_cast<int64_t>(m) * N + n] =
+            __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = g + (i >= 2 ? 8 : 0);
+      const int n = n0 + 2 * c + (i & 1);
+      if (m < M && n < N) {
+        const float value = bias ? sum[i] + __bfloat162float(bias[n]) : sum[i];
+        out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
+      }
     }
   }
 }
@@ -218,27 +245,43 @@ bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
-void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream) {
-  require(gemv_supported(M, N, K),
-          "gemv: unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
+namespace {
+
+// N: out's width (gemv's N, or gemv_silu_mul's inter).
+template <bool kSiluMul>
+void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
+                 int K, cudaStream_t stream, const char* op) {
+  require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
+          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
               ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
   require_aligned(x, "x");
   require_aligned(weight, "weight");
 
-  const int row_groups = ceil_div(N, kRowsPerGroup);
+  const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
   const int splits = choose_splits(row_groups, steps);
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = warps == kWarpsPerCta ? (M > 8 ? gemv_kernel<true, kWarpsPerCta>
-                                               : gemv_kernel<false, kWarpsPerCta>)
-                                      : (M > 8 ? gemv_kernel<true, kMaxSplits>
-                                               : gemv_kernel<false, kMaxSplits>);
+  auto kernel = warps == kWarpsPerCta ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul>
+                                               : gemv_kernel<false, kWarpsPerCta, kSiluMul>)
+                                      : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul>
+                                               : gemv_kernel<false, kMaxSplits, kSiluMul>);
   launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K,
              splits, steps_per_split);
+}
+
+}  // namespace
+
+void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
+          cudaStream_t stream) {
+  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv");
+}
+
+void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
+                   cudaStream_t stream) {
+  launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul");
 }
 
 }  // namespace nanograph

@@ -20,4 +20,12 @@ bool gemv_supported(int M, int N, int K);
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
           cudaStream_t stream);
 
+// The gated MLP's first half in one kernel: out[M, inter] = silu(gate) * up, where gate and up
+// are x . W^T over gate_up_weight [2 * inter, K] (gate rows first, as silu_mul expects its input),
+// each rounded to bf16 as gemv would store it; then silu_mul's fp32 formula and one rounding.
+// Bit-equal to gemv into [M, 2 * inter] followed by silu_mul, without the intermediate tensor or
+// the second kernel. Same limits and launch as gemv (gemv_supported(M, 2 * inter, K)).
+void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
+                   cudaStream_t stream);
+
 }  // namespace nanograph

@@ -18,6 +18,28 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]) for 1 <= M <= GEMV_MAX_M and K a multiple "
       "of 8; bias may be None. bf16, fp32 accumulation, deterministic. Runs on torch's current "
       "stream.");
+  m.def(
+      "gemv_silu_mul",
+      [](py::object x, py::object gate_up_weight, py::object out) {
+        Tensor tx = cuda_tensor(x, "x", "bfloat16");
+        Tensor tw = cuda_tensor(gate_up_weight, "gate_up_weight", "bfloat16");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        expect_shape(tx, {-1, -1});
+        expect_shape(tw, {-1, tx.size(1)});
+        if (tw.size(0) % 2 != 0) {
+          throw_invalid_argument("gemv_silu_mul: gate_up_weight must have 2 * inter rows (gate "
+                                 "rows, then up rows), got " + std::to_string(tw.size(0)));
+        }
+        expect_shape(to, {tx.size(0), tw.size(0) / 2});
+        same_device({&tx, &tw, &to});
+        // gemv_silu_mul() rejects unsupported sizes and misaligned pointers with the limit.
+        gemv_silu_mul(tx.data<bf16>(), tw.data<bf16>(), to.data<bf16>(),
+                      checked_int(tx.size(0), "M"), checked_int(to.size(1), "inter"),
+                      checked_int(tx.size(1), "K"), torch_current_stream());
+      },
+      py::arg("x"), py::arg("gate_up_weight"), py::arg("out"),
+      "out[M, inter] = silu(gate) * up with gate, up = x[M, K] @ gate_up_weight[2 * inter, K].T "
+      "(gate rows first), each rounded to bf16: equal to gemv then silu_mul, in one kernel.");
 }
 
 }  // namespace nanograph::py_ext

@@ -183,3 +183,52 @@ def test_bad_arguments_are_rejected():
         ops.gemv(x.float(), w, b, poisoned_out(M, N))
     with pytest.raises(TypeError, match="weight"):
         ops.gemv(x, w.half(), b, poisoned_out(M, N))
+
+
+# ---- gemv_silu_mul: the gated MLP's gate_up projection and SiLU * up in one kernel ---------------
+# (inter, K): Qwen3-0.6B and -8B, SmolLM2-135M, an inter not a multiple of 4 with a K tail.
+SILU_SHAPES = [(3072, 1024), (12288, 4096), (1536, 576), (1001, 200)]
+
+
+def silu_reference(x, w):
+    """fp32 silu(gate) * up over gate and up rounded to bf16, as the unfused gemv stores them."""
+    gate, up = (x.float() @ w.float().T).to(torch.bfloat16).float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("M", [1, 2, 8, 9, MAX_M])
+@pytest.mark.parametrize("inter,K", SILU_SHAPES)
+def test_gemv_silu_mul_matches_reference(inter, K, M):
+    w = weight(2 * inter, K)
+    x, _ = make_inputs(M, 2 * inter, K, False)
+    out = poisoned_out(M, inter)
+    ops.gemv_silu_mul(x, w, out)
+    assert_close(out, silu_reference(x, w))
+
+
+@pytest.mark.parametrize("M", [1, MAX_M])
+@pytest.mark.parametrize("inter,K", SILU_SHAPES)
+def test_gemv_silu_mul_equals_gemv_then_silu_mul(inter, K, M):
+    """The same splits and summation order as gemv over 2 * inter rows, the same rounding of gate and up,
+    then silu_mul's formula: bit-equal to the two kernels it replaces."""
+    w = weight(2 * inter, K)
+    x, _ = make_inputs(M, 2 * inter, K, False, seed=3)
+    gate_up = poisoned_out(M, 2 * inter)
+    unfused, fused = poisoned_out(M, inter), poisoned_out(M, inter)
+    ops.gemv(x, w, None, gate_up)
+    ops.silu_mul(gate_up, unfused)
+    ops.gemv_silu_mul(x, w, fused)
+    assert torch.equal(fused, unfused)
+
+
+def test_gemv_silu_mul_rejects_bad_shapes():
+    inter, K = 64, 128
+    x, _ = make_inputs(2, 2 * inter, K, False)
+    w = torch.randn(2 * inter, K, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="2 \\* inter rows"):
+        ops.gemv_silu_mul(x, w[:-1], poisoned_out(2, inter))
+    with pytest.raises(ValueError, match="out"):
+        ops.gemv_silu_mul(x, w, poisoned_out(2, 2 * inter))
+    with pytest.raises(ValueError, match="M <= 16"):
+        big = torch.randn(MAX_M + 1, K, device="cuda").to(torch.bfloat16)
+        ops.gemv_silu_mul(big, w, poisoned_out(MAX_M + 1, inter))
