@@ -9,6 +9,7 @@
 
 #include "bf16x8.cuh"
 #include "launch.h"
+#include "silu_mul.cuh"
 
 namespace nanograph {
 
@@ -31,7 +32,7 @@ __global__ void __launch_bounds__(kThreads)
   const Float8 up = load_bf16x8(gate_row + inter + col);
   Float8 result;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) result.v[k] = gate.v[k] / (1.f + __expf(-gate.v[k])) * up.v[k];
+  for (int k = 0; k < 8; ++k) result.v[k] = silu_mul_value(gate.v[k], up.v[k]);
   store_bf16x8(out + row * inter + col, result);
 }
 

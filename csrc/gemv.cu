@@ -2,6 +2,9 @@
 // fp32 accumulation, (sum + bias) rounded once to bf16.
 //
 // Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
+// gemv_silu_mul, the gated MLP's gate_up projection with its activation in the epilogue:
+// out[M, inter] = silu(gate) * up over weight [2 * inter, K] (gate rows, then up rows), gate and
+// up each rounded to bf16 first; see gemv_kernel's kSiluMul for how rows map to lanes.
 //
 // Why: at decode the whole weight (4-300 MB) is read once per step and nothing is reused, so the
 // kernel is bound by how many bytes are in flight across all SMs, not by arithmetic. Every weight
@@ -35,6 +38,7 @@
 #include "gemv.h"
 
 #include "launch.h"
+#include "silu_mul.cuh"
 
 #include <string>
 
@@ -187,8 +191,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
       if (m < M && n < N) {
         const float gate = __bfloat162float(__float2bfloat16_rn(sum[2 * half]));
         const float up = __bfloat162float(__float2bfloat16_rn(sum[2 * half + 1]));
-        out[static_cast<int64_t>(m) * N + n] =
-            __float2bfloat16_rn(gate / (1.f + __expf(-gate)) * up);
+        out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(silu_mul_value(gate, up));
       }
     }
   } else {

@@ -4,7 +4,7 @@
 //   qkv    = qk_norm + rope, K/V stored by slot       one kernel
 //   attn   = paged decode (one token/seq) or prefill attention
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
-//   act    = silu(gate) * up of hidden . Wgate_up^T   (decode batch <= kGemvMaxM: one kernel)
+//   act    = silu(gate) * up of hidden . Wgate_up^T   (<= kGemvMaxM tokens: one kernel)
 //   hidden = act . Wdown^T
 // then the final norm and lm_head on each sequence's last token only.
 // All per-step values are read from device buffers at fixed addresses, so a captured decode graph
@@ -245,7 +245,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
     gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
     add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
     if (gemv_supported(T, 2 * I, H)) {
-      gemv_silu_mul(hidden_, w.gate_up, act_, T, I, H, st);  // decode sizes: one kernel
+      gemv_silu_mul(hidden_, w.gate_up, act_, T, I, H, st);  // one kernel
     } else {
       gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
       silu_mul(gate_up_, act_, T, I, st);
