@@ -1,0 +1,86 @@
+"""Where the throughput benchmark's time goes: nano-vllm's workload (`nanograph bench throughput`) run once with CUDA
+events around every step's forward and its sampler, summed by step kind and decode batch size, each group against
+its roofline (weights once per step plus the K and V of every context token, at the copy bandwidth measured in the
+same run). The wall time left over is the device idle while the host works, plus the events' own cost.
+
+    python benchmarks/throughput_steps.py MODEL [NUM_SEQS]
+"""
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+from nanograph import LLM, SamplingParams
+from nanograph.bench import copy_bandwidth_gbs, kv_bytes_per_token, nano_vllm_workload, weight_bytes
+
+BANDS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 30)]
+
+
+def group(num_seqs: int, num_tokens: int) -> str:
+    if num_tokens != num_seqs:
+        return "prefill/mixed"
+    low, high = next(band for band in BANDS if band[0] <= num_seqs <= band[1])
+    return f"decode {low}-{high}"
+
+
+def main(model: str, num_seqs: int = 256):
+    llm = LLM(model, max_model_len=2048, device="cuda")
+    prompts, params = nano_vllm_workload(num_seqs, 1024, 1024, llm.engine.vocab_size)
+    llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)
+    engine = llm.engine
+    runner, sampler = engine.runner, engine.sampler
+    run, sample = runner.run, sampler.sample
+    steps = []  # (group, tokens, context tokens, start, after forward, after sampler)
+
+    def timed_run(batch):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = run(batch)
+        end.record()
+        steps.append([group(batch.num_seqs, batch.num_tokens), batch.num_tokens, int(batch.context_lens.sum()),
+                      start, end, None])
+        return logits
+
+    def timed_sample(logits, seqs):
+        pending = sample(logits, seqs)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        steps[-1][5] = done
+        return pending
+
+    runner.run, sampler.sample = timed_run, timed_sample
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    del runner.run, sampler.sample
+
+    bandwidth = copy_bandwidth_gbs(runner.device) * 1e9
+    weights, kv_per_token = weight_bytes(llm), kv_bytes_per_token(llm)
+    totals = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])  # steps, tokens, forward s, sampler s, roofline s
+    for name, tokens, context, s0, s1, s2 in steps:
+        t = totals[name]
+        t[0] += 1
+        t[1] += tokens
+        t[2] += s0.elapsed_time(s1) / 1e3
+        t[3] += s1.elapsed_time(s2) / 1e3 if s2 is not None else 0.0
+        t[4] += (weights + context * kv_per_token) / bandwidth
+    output_tokens = sum(p.max_tokens for p in params)
+    print(f"{num_seqs} requests, {output_tokens} output tokens in {wall:.3f} s ({output_tokens / wall:.0f} output "
+          f"tok/s, events included); copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(f"{'group':<16}{'steps':>7}{'tokens':>9}{'forward s':>11}{'ms/step':>9}{'bytes/BW s':>12}"
+          f"{'of forward':>13}{'sampler s':>11}")
+    forward = sampled = 0.0
+    for name in sorted(totals, key=lambda n: (n[0] != "p", int(n.split()[1].split("-")[0]) if n[0] == "d" else 0)):
+        n, tokens, f, s, roof = totals[name]
+        forward, sampled = forward + f, sampled + s
+        print(f"{name:<16}{n:>7}{tokens:>9}{f:>11.3f}{1e3 * f / n:>9.3f}{roof:>12.3f}{100 * roof / f:>12.0f}%"
+              f"{s:>11.3f}")
+    print(f"forward {forward:.3f} s + sampler {sampled:.3f} s = {forward + sampled:.3f} s of device work; the other "
+          f"{wall - forward - sampled:.3f} s of the wall time the device waited for the host")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
