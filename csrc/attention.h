@@ -29,6 +29,11 @@ struct DecodeAttentionArgs {
   int max_context_len;
   float scale;
   float* workspace;  // decode_attention_workspace_bytes(...) bytes
+  // Optional [num_seqs]: a permutation of the sequences, longest first (order_by_length), in which
+  // large grids take them up, so that the last CTAs to start are short ones rather than a long
+  // sequence that leaves the GPU part-idle while it finishes. Written by a kernel of the chain
+  // before this one; small grids (batch 1 to 4 of Qwen3) do not read it.
+  const int32_t* seq_order = nullptr;
 };
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
@@ -41,6 +46,16 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 // the same chain may write that newest position and nothing else of the cache, as the decode
 // step's RoPE/KV-store kernel does; lengths and block tables must be in place before the chain.
 void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
+
+// Whether paged_decode_attention reads DecodeAttentionArgs::seq_order for these sizes (its large
+// grids); where it does not, the order need not be made.
+bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_context_len);
+
+// seq_order[r] = the sequence of rank r when sorted by context_lens, longest first, ties in index
+// order (a stable sort); [num_seqs] each. Launched with PDL; for DecodeAttentionArgs::seq_order,
+// once per step (the lengths are the same in every layer).
+void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_order,
+                     cudaStream_t stream);
 
 struct PrefillAttentionArgs {
   const bf16* q;  // [total_q, q_stride]; head h of token t at q + t * q_stride + h * head_dim

@@ -27,6 +27,9 @@
 // each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
 // per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
 // behind each other's load latency in a handful of them.
+// Order: CTAs start in blockIdx order, sequences slowest. With a seq_order (order_by_length,
+// once per step), large grids take the sequences longest first, so the last CTAs to start are
+// short ones and the GPU is not left part-idle behind one long sequence at the end.
 // Both kernels are launched with PDL (launch.h). combine_kernel, and split_kernel on large grids,
 // wait for their producers before any read. On small grids (batch 1 to 4, where the wait is on
 // the critical path) split_kernel<HD, true> loads each warp's first step of keys and values
@@ -130,7 +133,10 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
     allow_dependents();
   }
   const PagedKv& kv = args.kv;
-  const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  // Large grids take the sequences longest first (after the wait: a kernel of the chain wrote the
+  // order); CTA order is blockIdx order, so z is the slowest.
+  const int split = blockIdx.x, kv_head = blockIdx.y;
+  const int seq = !kEarlyKv && args.seq_order ? args.seq_order[blockIdx.z] : blockIdx.z;
   const int group = args.num_q_heads / kv.num_kv_heads;
   const int len = kv.context_lens[seq];
   const int start = split * split_keys;
@@ -430,7 +436,43 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs a
   }
 }
 
+constexpr int kOrderThreads = 256;
+
+// Rank of each sequence by length, longest first, ties in index order: every thread counts the
+// sequences ahead of its own in shared memory (num_seqs <= a few thousand: one pass per CTA).
+__global__ void __launch_bounds__(kOrderThreads) order_by_length_kernel(
+    const int32_t* __restrict__ context_lens, int num_seqs, int32_t* __restrict__ seq_order) {
+  extern __shared__ int32_t lens[];
+  wait_for_producers();
+  allow_dependents();
+  for (int i = threadIdx.x; i < num_seqs; i += kOrderThreads) lens[i] = context_lens[i];
+  __syncthreads();
+  const int i = blockIdx.x * kOrderThreads + threadIdx.x;
+  if (i >= num_seqs) return;
+  const int len = lens[i];
+  int rank = 0;
+  for (int j = 0; j < num_seqs; ++j) {
+    rank += lens[j] > len || (lens[j] == len && j < i);
+  }
+  seq_order[rank] = i;
+}
+
 }  // namespace
+
+bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_context_len) {
+  const SplitPlan plan = plan_splits(num_seqs, num_kv_heads, max_context_len);
+  return static_cast<int64_t>(plan.num_splits) * num_kv_heads * num_seqs > kEarlyKvMaxCtas;
+}
+
+void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_order,
+                     cudaStream_t stream) {
+  require(num_seqs >= 0 && num_seqs <= 8192,
+          "order_by_length takes up to 8192 sequences, got " + std::to_string(num_seqs));
+  if (num_seqs == 0) return;
+  launch_pdl(order_by_length_kernel, dim3(ceil_div(num_seqs, kOrderThreads)),
+             dim3(kOrderThreads), num_seqs * sizeof(int32_t), stream, context_lens, num_seqs,
+             seq_order);
+}
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
                                         int max_context_len) {
@@ -474,7 +516,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
           "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
-    const bool early = static_cast<int64_t>(grid.x) * grid.y * grid.z <= kEarlyKvMaxCtas;
+    const bool early =
+        !decode_attention_reads_order(args.num_seqs, kv.num_kv_heads, args.max_context_len);
     launch_pdl(early ? split_kernel<HD, true> : split_kernel<HD, false>, grid, dim3(kThreads), 0,
                stream, args, plan.split_keys, plan.num_splits);
     if (plan.num_splits > 1) {

@@ -111,6 +111,7 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
                                                                      limits.max_model_len));
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
+  seq_order_ = alloc<int32_t>(S);
 }
 
 Model::~Model() {
@@ -218,6 +219,10 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   resolve_input_ids_kernel<<<ceil_div(T, 256), 256, 0, st>>>(
       input_ids, device_meta_ + layout.input_src, sampled_tokens_, T);
   CUDA_CHECK_LAUNCH();
+  // Large decode grids take the sequences longest first; the lengths are the same in every layer.
+  const bool ordered =
+      is_decode && decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
+  if (ordered) order_by_length(context_lens, S, seq_order_, st);
   embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
   rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
   for (int l = 0; l < c.num_layers; ++l) {
@@ -235,7 +240,8 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
                limits_.block_size, c.num_kv_heads, hd};
     if (is_decode) {
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
-                               limits_.max_model_len, scale, attn_workspace_};
+                               limits_.max_model_len, scale, attn_workspace_,
+                               ordered ? seq_order_ : nullptr};
       paged_decode_attention(args, st);
     } else {
       PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,

@@ -123,6 +123,7 @@ class Model {
   bf16* logits_ = nullptr;
   int32_t* sampled_tokens_ = nullptr;
   float* attn_workspace_ = nullptr;
+  int32_t* seq_order_ = nullptr;  // [max_num_seqs]: decode attention's sequences, longest first
   bf16* kv_cache_ = nullptr;
   int num_kv_blocks_ = 0;
   std::unique_ptr<GraphManager> graphs_;

@@ -17,7 +17,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "paged_decode_attention",
       [](py::object q, py::object k_cache, py::object v_cache, py::object block_tables,
          py::object context_lens, py::object out, int num_q_heads, float scale,
-         int max_context_len, py::object workspace) {
+         int max_context_len, py::object workspace, py::object seq_order) {
         Tensor t_q = cuda_tensor(q, "q", "bfloat16");
         Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
         Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
@@ -25,6 +25,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         Tensor t_len = cuda_tensor(context_lens, "context_lens", "int32");
         Tensor t_out = cuda_tensor(out, "out", "bfloat16");
         Tensor t_ws = optional_cuda_tensor(workspace, "workspace", "float32");
+        Tensor t_order = optional_cuda_tensor(seq_order, "seq_order", "int32");
 
         if (t_kc.dim() != 4) {
           throw_invalid_argument(
@@ -55,7 +56,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         expect_shape(t_bt, {num_seqs, -1});
         expect_shape(t_len, {num_seqs});
         expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
-        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws});
+        if (t_order.ptr) expect_shape(t_order, {num_seqs});
+        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order});
 
         const size_t ws_bytes = decode_attention_workspace_bytes(
             static_cast<int>(num_seqs), num_q_heads, static_cast<int>(head_dim), max_context_len);
@@ -86,18 +88,41 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.max_context_len = max_context_len;
         args.scale = scale;
         args.workspace = t_ws.data<float>();
+        args.seq_order = t_order.data<int32_t>();
         paged_decode_attention(args, torch_current_stream());
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("context_lens"), py::arg("out"), py::arg("num_q_heads"), py::arg("scale"),
       py::arg("max_context_len"), py::arg("workspace") = py::none(),
+      py::arg("seq_order") = py::none(),
       "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
       "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
       "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
       "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
       "at least decode_attention_workspace_bytes(...) bytes, or None to allocate one per call. "
-      "Block ids and lengths live on the GPU and are not checked.");
+      "seq_order: None, or [num_seqs] int32, a permutation of the sequences (order_by_length) in "
+      "which large grids take them up; it changes no result. "
+      "Block ids, lengths and the order live on the GPU and are not checked.");
+
+  m.def("decode_attention_reads_order", &decode_attention_reads_order, py::arg("num_seqs"),
+        py::arg("num_kv_heads"), py::arg("max_context_len"),
+        "Whether paged_decode_attention reads seq_order for these sizes (its large grids).");
+
+  m.def(
+      "order_by_length",
+      [](py::object context_lens, py::object seq_order) {
+        Tensor t_len = cuda_tensor(context_lens, "context_lens", "int32");
+        Tensor t_order = cuda_tensor(seq_order, "seq_order", "int32");
+        expect_shape(t_len, {-1});
+        expect_shape(t_order, {t_len.size(0)});
+        same_device({&t_len, &t_order});
+        order_by_length(t_len.data<int32_t>(), checked_int(t_len.size(0), "num_seqs"),
+                        t_order.data<int32_t>(), torch_current_stream());
+      },
+      py::arg("context_lens"), py::arg("seq_order"),
+      "seq_order[r] = the sequence of rank r by context length, longest first, ties in index "
+      "order (a stable descending sort), for paged_decode_attention's seq_order.");
 }
 
 }  // namespace nanograph::py_ext

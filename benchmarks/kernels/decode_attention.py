@@ -4,7 +4,7 @@ import math
 import torch
 
 
-def _case(lens, nq, nkv, hd, block_size, max_context_len, label):
+def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False):
     from nanograph import ops
 
     dev = "cuda"
@@ -20,9 +20,15 @@ def _case(lens, nq, nkv, hd, block_size, max_context_len, label):
     workspace = torch.empty(
         max(ops.decode_attention_workspace_bytes(num_seqs, nq, hd, max_context_len) // 4, 1), device=dev)
 
+    seq_order = None
+    if ordered:  # longest first, as the engine's decode steps take them
+        seq_order = torch.empty_like(context_lens)
+        ops.order_by_length(context_lens, seq_order)
+        label += " longest-first"
+
     def fn():
         ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
-                                   max_context_len, workspace)
+                                   max_context_len, workspace, seq_order)
 
     bytes_moved = sum(lens) * nkv * hd * 2 * 2 + num_seqs * nq * hd * 2 * 2
     return f"decode_attn {label} q{nq}/kv{nkv} hd{hd} bs{block_size}", fn, bytes_moved, 0
@@ -36,7 +42,12 @@ def cases():
     yield _case(torch.randint(1024, 2049, (256,), generator=g).tolist(), 32, 8, 128, 16, 2048,
                 "256x(1k-2k)")
     # Qwen3-0.6B's heads at the throughput benchmark's batch (contexts of 100..2,047 tokens).
-    yield _case(torch.randint(100, 2048, (256,), generator=g).tolist(), 16, 8, 128, 16, 2048, "256x(100-2k)")
+    mixed = torch.randint(100, 2048, (256,), generator=g).tolist()
+    yield _case(mixed, 16, 8, 128, 16, 2048, "256x(100-2k)")
+    yield _case(mixed, 16, 8, 128, 16, 2048, "256x(100-2k)", ordered=True)
+    # Half the batch: 2 splits of 1,024 keys, so sequences over 1,024 take two CTAs.
+    yield _case(mixed[:128], 16, 8, 128, 16, 2048, "128x(100-2k)")
+    yield _case(mixed[:128], 16, 8, 128, 16, 2048, "128x(100-2k)", ordered=True)
     yield _case([1024] * 256, 16, 8, 128, 16, 1024, "256x1024")
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")

@@ -108,6 +108,47 @@ def test_matches_reference(lens, nq, nkv, hd, block_size, max_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [random_lens(300, 2048, 6, zeros=(0, 7, 299)), [5, 5, 0, 9, 9, 9, 1, 0],
+                                  [0] * 4, [42], []],
+                         ids=["300_with_ties_and_zeros", "ties", "all_zero", "one", "none"])
+def test_order_by_length_is_a_stable_descending_sort(lens):
+    from nanograph import ops
+
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    order = torch.full((len(lens),), -1, dtype=torch.int32, device="cuda")
+    ops.order_by_length(context_lens, order)
+    # Stable: equal lengths keep index order (sort by length descending, then index ascending).
+    expected = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    assert order.tolist() == expected
+
+
+# Large grids (which read the order) and a small one (which ignores it).
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,block_size,max_len", [
+    (random_lens(256, 2048, 7, zeros=(9,)), 16, 8, 128, 16, 2048),
+    (random_lens(64, 4096, 8), 32, 8, 128, 16, 4096),
+    ([383, 17], 16, 8, 128, 16, 400)], ids=["batch256", "batch64_split", "small_grid"])
+def test_sequence_order_changes_no_result(lens, nq, nkv, hd, block_size, max_len):
+    """The same output, bit for bit, with the sequences taken longest first or in a random order as without
+    an order: a CTA's work depends on its sequence, not on when it starts."""
+    from nanograph import ops
+
+    torch.manual_seed(len(lens))
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, block_size, max_len)
+    assert ops.decode_attention_reads_order(len(lens), nkv, max_len) == (len(lens) > 2)
+    ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len)
+    longest_first = torch.empty_like(context_lens)
+    ops.order_by_length(context_lens, longest_first)
+    shuffled = torch.randperm(len(lens), device="cuda").to(torch.int32)
+    for order in (longest_first, shuffled):
+        again = torch.full_like(out, float("nan"))
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, again, nq, hd**-0.5, max_len,
+                                   seq_order=order)
+        assert torch.equal(again, out)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+
+
+@pytest.mark.gpu
 def test_graph_replay_with_new_lengths():
     """The grid comes from max_context_len, so a graph replays correctly for other lengths."""
     from nanograph import ops
