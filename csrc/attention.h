@@ -52,8 +52,9 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
 bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_context_len);
 
 // seq_order[r] = the sequence of rank r when sorted by context_lens, longest first, ties in index
-// order (a stable sort); [num_seqs] each. Launched with PDL; for DecodeAttentionArgs::seq_order,
-// once per step (the lengths are the same in every layer).
+// order (a stable sort); [num_seqs] each, num_seqs <= kOrderMaxSeqs. Launched with PDL; for
+// DecodeAttentionArgs::seq_order, once per step (the lengths are the same in every layer).
+constexpr int kOrderMaxSeqs = 8192;
 void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_order,
                      cudaStream_t stream);
 

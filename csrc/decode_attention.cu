@@ -30,7 +30,7 @@
 // Order: CTAs start in blockIdx order, sequences slowest. With a seq_order (order_by_length,
 // once per step), large grids take the sequences longest first, so the last CTAs to start are
 // short ones and the GPU is not left part-idle behind one long sequence at the end.
-// Both kernels are launched with PDL (launch.h). combine_kernel, and split_kernel on large grids,
+// The kernels are launched with PDL (launch.h). combine_kernel, and split_kernel on large grids,
 // wait for their producers before any read. On small grids (batch 1 to 4, where the wait is on
 // the critical path) split_kernel<HD, true> loads each warp's first step of keys and values
 // before the wait, but for the newest key of the sequence (position len - 1), which the step's
@@ -466,8 +466,9 @@ bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_contex
 
 void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_order,
                      cudaStream_t stream) {
-  require(num_seqs >= 0 && num_seqs <= 8192,
-          "order_by_length takes up to 8192 sequences, got " + std::to_string(num_seqs));
+  require(num_seqs >= 0 && num_seqs <= kOrderMaxSeqs,
+          "order_by_length takes up to " + std::to_string(kOrderMaxSeqs) + " sequences, got " +
+              std::to_string(num_seqs));
   if (num_seqs == 0) return;
   launch_pdl(order_by_length_kernel, dim3(ceil_div(num_seqs, kOrderThreads)),
              dim3(kOrderThreads), num_seqs * sizeof(int32_t), stream, context_lens, num_seqs,

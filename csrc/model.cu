@@ -219,9 +219,10 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   resolve_input_ids_kernel<<<ceil_div(T, 256), 256, 0, st>>>(
       input_ids, device_meta_ + layout.input_src, sampled_tokens_, T);
   CUDA_CHECK_LAUNCH();
-  // Large decode grids take the sequences longest first; the lengths are the same in every layer.
-  const bool ordered =
-      is_decode && decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
+  // Large decode grids of several sequences take them longest first; the lengths are the same in
+  // every layer, so the order is made once per step.
+  const bool ordered = is_decode && S > 1 && S <= kOrderMaxSeqs &&
+                       decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
   rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);

@@ -56,7 +56,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         expect_shape(t_bt, {num_seqs, -1});
         expect_shape(t_len, {num_seqs});
         expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
-        if (t_order.ptr) expect_shape(t_order, {num_seqs});
+        if (!seq_order.is_none()) expect_shape(t_order, {num_seqs});
         same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order});
 
         const size_t ws_bytes = decode_attention_workspace_bytes(
