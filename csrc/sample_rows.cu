@@ -107,9 +107,12 @@ __device__ __forceinline__ uint4 philox(uint64_t key, uint32_t counter) {
 
 // logit - temperature * log(E) for E ~ Exp(1) from 32 random bits: E = -log(1 - v), v uniform
 // in (0, 1], computed as -log1p(-v) so that the small E that win races keep their precision.
+__device__ __forceinline__ float uniform_of(uint32_t bits) {
+  return fmaf(static_cast<float>(bits), 0x1p-32f, 0x1p-33f);
+}
+
 __device__ __forceinline__ float race_score(float logit, float temperature, uint32_t bits) {
-  const float v = fmaf(static_cast<float>(bits), 0x1p-32f, 0x1p-33f);
-  return logit - temperature * logf(-log1pf(-v));
+  return logit - temperature * logf(-log1pf(-uniform_of(bits)));
 }
 
 // A (value, index) candidate: larger values win, ties go to the lower index.
@@ -307,6 +310,17 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
 // -log(E) for E ~ Exp(1) never exceeds this: v >= 2^-33 in race_score gives E >= 2^-33.
 constexpr float kMaxRaceBoost = 23.f;
 
+// The uniform v (as race_score makes it) from which a token of logit x or below cannot beat a
+// race score of best: E = -log1p(-v) >= v, so v >= 2 exp(-(best - x) / T) gives a score of at
+// most best - T log 2. That margin, far above float32's rounding of the score where the check
+// applies (T log 2 / 4 > 1e-6 (|best| + |x|)), makes the skip exact. Returns 2 (no token skipped)
+// where it does not apply (best = -inf, tiny temperatures, x >= best).
+__device__ __forceinline__ float race_skip_from(float best, float x, float temperature) {
+  if (!(0.25f * temperature > 1e-6f * (fabsf(best) + fabsf(x)))) return 2.f;
+  const float d = (best - x) / temperature;
+  return d > 0.f ? 2.f * __expf(-d) : 2.f;
+}
+
 // Samples row r (its logits at `logits`); every thread returns the token.
 template <typename T>
 __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Shared& sh) {
@@ -372,7 +386,9 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
 
   // The race, on logit - temperature * log(E) (the same winner as logit / temperature - log(E)).
   // A token whose logit plus the largest possible boost cannot beat the thread's best so far
-  // cannot win: its random numbers are not computed.
+  // cannot win: its random numbers are not computed. Of the others, a token whose uniform is at
+  // least race_skip_from(best, the quad's largest logit) cannot win either: its score (two
+  // logarithms) is not computed. In flat rows that skips all but a few tokens per thread.
   const uint32_t kept_from = ordered_key(threshold);
   const uint64_t key = a.keys[r];
   const float max_boost = temperature * kMaxRaceBoost;
@@ -388,9 +404,17 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     if (!any) return;
     const uint4 bits = philox(key, static_cast<uint32_t>(first) >> 2);
     const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
+    float top = -INFINITY;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (contender[e]) keep_better(best, race_score(x[e], temperature, word[e]), first + e);
+      if (contender[e]) top = fmaxf(top, x[e]);
+    }
+    const float skip_from = race_skip_from(best.value, top, temperature);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (contender[e] && uniform_of(word[e]) < skip_from) {
+        keep_better(best, race_score(x[e], temperature, word[e]), first + e);
+      }
     }
   });
   best = block_best(best, sh);

@@ -230,6 +230,55 @@ def test_draws_follow_the_exact_renormalised_distribution(temperature, top_k, to
         assert statistic > CHI2_CRITICAL_0_001[dof]
 
 
+def philox_words(key: int, num_counters: int) -> np.ndarray:
+    """The kernel's Philox-4x32-10 for counters 0 .. num_counters - 1 under a 64-bit key: uint32 [num_counters, 4]
+    (word e of counter c is token 4c + e's)."""
+    mask = np.uint64(0xFFFFFFFF)
+    c0 = np.arange(num_counters, dtype=np.uint64)
+    c1, c2, c3 = (np.zeros(num_counters, dtype=np.uint64) for _ in range(3))
+    key &= 0xFFFFFFFFFFFFFFFF
+    k0, k1 = np.uint64(key & 0xFFFFFFFF), np.uint64(key >> 32)
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # < 2^64: exact
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & mask)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+    return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32)
+
+
+def race_reference(row: torch.Tensor, temperature: float, key: int) -> tuple[int, float]:
+    """float64 winner of the exponential race over a row without truncation, from the kernel's own random words:
+    argmax of x - T log(E), E = -log1p(-v), v = word 2^-32 + 2^-33; and the gap to the runner-up."""
+    vocab = row.numel()
+    words = philox_words(key, -(-vocab // 4)).reshape(-1)[:vocab].astype(np.float64)
+    v = words * 2.0**-32 + 2.0**-33
+    scores = row.double().numpy() - temperature * np.log(-np.log1p(-v))
+    top2 = np.argpartition(-scores, 1)[:2]
+    first, second = sorted(top2, key=lambda i: -scores[i])
+    return int(first), float(scores[first] - scores[second])
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("vocab, scale, temperature", [(151936, 0.5, 1.0), (151936, 4.0, 0.7), (32000, 1.0, 1.5),
+                                                        (1000, 20.0, 1.0)])
+def test_race_winner_is_the_float64_race_argmax(vocab, scale, temperature, dtype):
+    """The drawn token is the race's winner computed in float64 from the same random words, in every row whose
+    winner leads by more than float32's rounding could change: flat rows, where almost every token's score is
+    skipped as unable to win, as well as peaked ones."""
+    rows = 48
+    generator = torch.Generator().manual_seed(vocab + int(scale * 10))
+    logits = (torch.randn(rows, vocab, generator=generator) * scale).to(dtype)
+    params = same_params(rows, temperature)
+    params = params._replace(keys=random_keys(rows, generator))
+    tokens, _ = sample(logits.to(DEVICE), params, want_thresholds=False)
+    clear = 0
+    for r in range(rows):
+        winner, lead = race_reference(logits[r].float(), temperature, int(params.keys[r]))
+        if lead > 1e-3 * temperature:
+            clear += 1
+            assert tokens[r] == winner, f"row {r}: drew {int(tokens[r])}, the race's winner is {winner}"
+    assert clear >= 0.9 * rows, f"only {clear} of {rows} rows are clear"
+
+
 # ---- keys ------------------------------------------------------------------------------------------
 
 def test_a_key_gives_the_same_token_whatever_the_batch():
