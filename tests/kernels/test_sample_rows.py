@@ -245,6 +245,12 @@ def philox_words(key: int, num_counters: int) -> np.ndarray:
     return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32)
 
 
+def test_philox_reference_gives_the_published_answers():
+    """The reference Philox above against Random123's published answer for key 0 and counter 0 (its kat_vectors),
+    so that the race test's words are the kernel's Philox-4x32-10."""
+    assert [hex(w) for w in philox_words(0, 1)[0]] == ["0x6627e8d5", "0xe169c58d", "0xbc57ac4c", "0x9b00dbd8"]
+
+
 def race_reference(row: torch.Tensor, temperature: float, key: int) -> tuple[int, float]:
     """float64 winner of the exponential race over a row without truncation, from the kernel's own random words:
     argmax of x - T log(E), E = -log1p(-v), v = word 2^-32 + 2^-33; and the gap to the runner-up."""
