@@ -18,7 +18,8 @@
 // token id. That picks token i with probability exp(x_i) / sum over kept exp(x), needs no prefix
 // sum, and makes a row's token a function of its logits, parameters and key alone. A token
 // too far below a thread's best to win whatever its draw is skipped, random numbers included:
-// with peaked logits almost all are. Rows that ask for logprobs then get two or more passes over
+// with peaked logits almost all are; of the rest, a token whose random number is too large to win
+// skips its score's two logarithms: with flat logits almost all do (race_skip_from). Rows that ask for logprobs then get two or more passes over
 // their raw logits: log-sum-exp and rank, then a select and collection of the top n.
 // prepare_overrides copies the rows with penalties or masked tokens to float32 and modifies them
 // (16 CTAs per row), for sample_rows to read instead.
@@ -311,10 +312,12 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
 constexpr float kMaxRaceBoost = 23.f;
 
 // The uniform v (as race_score makes it) from which a token of logit x or below cannot beat a
-// race score of best: E = -log1p(-v) >= v, so v >= 2 exp(-(best - x) / T) gives a score of at
-// most best - T log 2. That margin, far above float32's rounding of the score where the check
-// applies (T log 2 / 4 > 1e-6 (|best| + |x|)), makes the skip exact. Returns 2 (no token skipped)
-// where it does not apply (best = -inf, tiny temperatures, x >= best).
+// race score of best: E = -log1p(-v) >= v, so v >= 2 exp(-(best - x) / T) bounds its exact score
+// by best - T log 2, and race_score's float32 rounding (last a subtraction rounded to nearest,
+// which cannot rise past the float best) keeps it at or below best; a skipped token also comes
+// after the thread's best in index order, so it could not win a tie. Returns 2 (nothing
+// skipped) for best = -inf, x >= best, and where best - x might overflow or T is tiny against
+// the logits (0.25 T <= 1e-6 (|best| + |x|)).
 __device__ __forceinline__ float race_skip_from(float best, float x, float temperature) {
   if (!(0.25f * temperature > 1e-6f * (fabsf(best) + fabsf(x)))) return 2.f;
   const float d = (best - x) / temperature;
