@@ -2,6 +2,7 @@
 // and prefill (causal, variable length, tensor cores).
 #pragma once
 #include "common.h"
+#include "rope.h"
 
 namespace nanograph {
 
@@ -34,6 +35,14 @@ struct DecodeAttentionArgs {
   // sequence that leaves the GPU part-idle while it finishes. Written by a kernel of the chain
   // before this one; small grids (batch 1 to 4 of Qwen3) do not read it.
   const int32_t* seq_order = nullptr;
+  // Optional, for a decode step (rope.qkv set): q is the step's raw qkv rows (rope.qkv == q,
+  // one token per sequence), and the kernel does what qk_norm_rope_kv_store(rope) would do before
+  // it, so the step needs no separate RoPE/KV-store kernel: it normalises and rotates the q heads
+  // (in shared memory; qkv is left unrotated) and stores each sequence's newest key and value
+  // into the cache at slot_mapping[s] (-1: no store; sequences of length 0 store nothing).
+  // rope's caches must be kv's; positions and slot_mapping, like the lengths, must be in place
+  // before the chain (small grids read them before the PDL wait).
+  RopeKvArgs rope{};
 };
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
@@ -43,8 +52,9 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 // Ordering (PDL, launch.h): on small grids the kernel reads the lengths, the block tables and
 // each sequence's cached keys and values before it waits for the previous kernel on the stream,
 // all but the newest key and value (position len - 1). So a kernel that runs right before it in
-// the same chain may write that newest position and nothing else of the cache, as the decode
-// step's RoPE/KV-store kernel does; lengths and block tables must be in place before the chain.
+// the same chain may write that newest position and nothing else of the cache, as the
+// RoPE/KV-store kernel does; lengths and block tables must be in place before the chain. With
+// args.rope the kernel stores the newest position itself.
 void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
 // Whether paged_decode_attention reads DecodeAttentionArgs::seq_order for these sizes (its large

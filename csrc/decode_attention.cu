@@ -23,6 +23,10 @@
 // decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost nothing.
 // The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise
 // combine_kernel merges the splits' (out, lse) pairs with log-sum-exp weights.
+// With DecodeAttentionArgs::rope (the decode step's own token, split_kernel<..., true>), each CTA
+// normalises and rotates its q heads itself (into shared memory), and the CTA whose split holds
+// the newest position stores that key and value into the cache before its warps load them; the
+// step then needs no RoPE/KV-store kernel. rope.cuh's norm_rope gives both paths the same bits.
 // Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
 // each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
 // per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
@@ -34,13 +38,15 @@
 // wait for their producers before any read. On small grids (batch 1 to 4, where the wait is on
 // the critical path) split_kernel<HD, true> loads each warp's first step of keys and values
 // before the wait, but for the newest key of the sequence (position len - 1), which the step's
-// RoPE/KV-store kernel writes; see paged_decode_attention in attention.h.
+// RoPE/KV-store kernel (or, with rope, the CTA itself) writes; see paged_decode_attention in
+// attention.h.
 #include <algorithm>
 #include <cmath>
 
 #include "attention.h"
 #include "bf16x8.cuh"
 #include "launch.h"
+#include "rope.cuh"
 
 namespace nanograph {
 namespace {
@@ -110,7 +116,46 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
 //   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
 //     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
-template <int HD, bool kEarlyKv>
+// The decode step's own token for one CTA (DecodeAttentionArgs::rope): the group's q heads of
+// sequence seq at `position`, normalised and rotated, into s_q [group][HD]; with store_kv, also
+// its key (normalised, rotated) and value into the cache at `slot` (-1: none). Lanes work in
+// groups of HD / 8, one head each, as in the RoPE/KV-store kernel.
+template <int HD>
+__device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args, int seq,
+                                                 int position, int slot, int kv_head, int group,
+                                                 bool store_kv, bf16* s_q) {
+  constexpr int kLanes = HD / kRopeVec;
+  constexpr int kHeadsPerPass = kThreads / kLanes;
+  const RopeKvArgs& r = args.rope;
+  const int lane_in_head = threadIdx.x % kLanes;
+  const unsigned group_mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+  const float* cos_sin_row = r.cos_sin + static_cast<int64_t>(position) * HD;
+  const bf16* row = args.q + static_cast<int64_t>(seq) * args.q_stride + lane_in_head * kRopeVec;
+  const int items = group + (store_kv ? 1 : 0);  // the q heads, then the k head
+  for (int item = threadIdx.x / kLanes; item < items; item += kHeadsPerPass) {
+    const bool is_q = item < group;
+    const int head = is_q ? kv_head * group + item : args.num_q_heads + kv_head;
+    Float8 x = load_bf16x8(row + head * HD);
+    const bf16* weight = is_q ? r.q_norm_weight : r.k_norm_weight;
+    if (weight != nullptr) {
+      norm_rope<HD, true>(x, weight, cos_sin_row, lane_in_head, group_mask, r.eps);
+    } else {
+      norm_rope<HD, false>(x, nullptr, cos_sin_row, lane_in_head, group_mask, r.eps);
+    }
+    if (is_q) {
+      store_bf16x8(s_q + item * HD + lane_in_head * kRopeVec, x);
+      continue;
+    }
+    if (slot < 0) continue;
+    const int64_t offset =
+        (static_cast<int64_t>(slot) * r.num_kv_heads + kv_head) * HD + lane_in_head * kRopeVec;
+    store_bf16x8(r.k_cache + offset, x);
+    *reinterpret_cast<uint4*>(r.v_cache + offset) =
+        *reinterpret_cast<const uint4*>(row + (args.num_q_heads + r.num_kv_heads + kv_head) * HD);
+  }
+}
+
+template <int HD, bool kEarlyKv, bool kRope>
 __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
                                                          int num_splits) {
   constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
@@ -213,6 +258,14 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
     }
   };
   int32_t first_blocks[kTilesPerStep];  // the first step's block ids, kept for a reload
+  // kRope: the token's position and cache slot are step metadata, in place before the chain, so
+  // small grids read them before the wait.
+  int position = 0, slot = -1;
+  auto read_token_metadata = [&] {
+    position = args.rope.positions[seq];
+    slot = args.rope.slot_mapping[seq];
+  };
+  if constexpr (kRope && kEarlyKv) read_token_metadata();
   if constexpr (kEarlyKv) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) first_blocks[tile] = next_block[tile];
@@ -222,8 +275,18 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
     allow_dependents();
   }
 
+  // kRope: the step's own token is this CTA's to rotate (and, in the split that holds the
+  // newest position, to store); the barrier orders the store before the warps' loads of it.
+  __shared__ __align__(16) bf16 s_q[kRope ? kMaxGroup : 1][HD];
+  if constexpr (kRope) {
+    if constexpr (!kEarlyKv) read_token_metadata();
+    rotate_own_token<HD>(args, seq, position, slot, kv_head, group,
+                         start <= newest && newest < end, &s_q[0][0]);
+    __syncthreads();
+  }
   uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
-  const bf16* q = args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
+  const bf16* q = kRope ? &s_q[0][0]
+                        : args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -508,6 +571,21 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
     require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
             "decode attention needs 16-byte aligned q, k_cache, v_cache, out and workspace");
   }
+  const RopeKvArgs& r = args.rope;
+  if (r.qkv != nullptr) {
+    require(r.qkv == args.q && r.num_tokens == args.num_seqs &&
+                r.num_q_heads == args.num_q_heads && r.num_kv_heads == kv.num_kv_heads &&
+                r.head_dim == kv.head_dim &&
+                args.q_stride == (args.num_q_heads + 2 * kv.num_kv_heads) * kv.head_dim,
+            "decode attention's rope must describe its q: rope.qkv == q, one token per sequence, "
+            "the same heads and head_dim, rows of (num_q_heads + 2 * num_kv_heads) * head_dim");
+    require(r.k_cache == kv.k_cache && r.v_cache == kv.v_cache,
+            "decode attention's rope must store into the caches it reads (k_cache, v_cache)");
+    require(r.cos_sin != nullptr && r.positions != nullptr && r.slot_mapping != nullptr,
+            "decode attention's rope needs cos_sin, positions and slot_mapping");
+    require((r.q_norm_weight == nullptr) == (r.k_norm_weight == nullptr),
+            "decode attention's rope: give both q_norm_weight and k_norm_weight, or neither");
+  }
   if (args.num_seqs == 0) return;
   require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,
           "decode attention supports up to 65535 sequences and kv heads per launch");
@@ -519,8 +597,10 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
     const bool early =
         !decode_attention_reads_order(args.num_seqs, kv.num_kv_heads, args.max_context_len);
-    launch_pdl(early ? split_kernel<HD, true> : split_kernel<HD, false>, grid, dim3(kThreads), 0,
-               stream, args, plan.split_keys, plan.num_splits);
+    const bool rope = args.rope.qkv != nullptr;
+    auto kernel = early ? (rope ? split_kernel<HD, true, true> : split_kernel<HD, true, false>)
+                        : (rope ? split_kernel<HD, false, true> : split_kernel<HD, false, false>);
+    launch_pdl(kernel, grid, dim3(kThreads), 0, stream, args, plan.split_keys, plan.num_splits);
     if (plan.num_splits > 1) {
       launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
                  stream, args, plan.split_keys, plan.num_splits);

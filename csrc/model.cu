@@ -1,7 +1,7 @@
 // The decoder forward for one step. Per layer, for T new tokens:
 //   hidden = add_rmsnorm(hidden, residual)            (first layer: rmsnorm of the embedding)
 //   qkv    = hidden . Wqkv^T (+ bias)                 cuBLASLt
-//   qkv    = qk_norm + rope, K/V stored by slot       one kernel
+//   qkv    = qk_norm + rope, K/V stored by slot       one kernel (large decode batches: in attention)
 //   attn   = paged decode (one token/seq) or prefill attention
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
 //   act    = silu(gate) * up of hidden . Wgate_up^T   (<= kGemvMaxM tokens: one kernel)
@@ -221,8 +221,13 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   CUDA_CHECK_LAUNCH();
   // Large decode grids of several sequences take them longest first; the lengths are the same in
   // every layer, so the order is made once per step.
-  const bool ordered = is_decode && S > 1 && S <= kOrderMaxSeqs &&
-                       decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
+  const bool large_grid =
+      is_decode && decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
+  const bool ordered = large_grid && S > 1 && S <= kOrderMaxSeqs;
+  // Large decode grids rotate the step's token and store its key and value inside attention (one
+  // kernel fewer per layer); small ones (batch 1 to 4), whose attention loads its keys before the
+  // PDL wait, measured faster with the separate kernel.
+  const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
   rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
@@ -235,14 +240,14 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
     bf16* v_cache = k_cache + kv_layer_elems;
     RopeKvArgs rope{qkv_, w.q_norm, w.k_norm, weights_.cos_sin, positions, slot_mapping,
                     k_cache, v_cache, T, c.num_q_heads, c.num_kv_heads, hd, c.rms_norm_eps};
-    qk_norm_rope_kv_store(rope, st);
-
     PagedKv kv{k_cache, v_cache, block_tables, block_table_width_, context_lens,
                limits_.block_size, c.num_kv_heads, hd};
+    if (!rope_in_attention) qk_norm_rope_kv_store(rope, st);
     if (is_decode) {
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
                                limits_.max_model_len, scale, attn_workspace_,
-                               ordered ? seq_order_ : nullptr};
+                               ordered ? seq_order_ : nullptr,
+                               rope_in_attention ? rope : RopeKvArgs{}};
       paged_decode_attention(args, st);
     } else {
       PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,

@@ -27,61 +27,19 @@
 
 #include "bf16x8.cuh"
 #include "launch.h"
+#include "rope.cuh"
 
 namespace nanograph {
 
 namespace {
 
-constexpr int kVec = 8;  // bf16 elements per lane: one 16-byte access (bf16x8.cuh)
 constexpr int kThreads = 256;
-
-// In-place QK-norm + RoPE of one head's 8-element slice held by this lane.
-template <int HEAD_DIM, bool QK_NORM>
-__device__ __forceinline__ void norm_rope(Float8& x, const bf16* norm_weight,
-                                          const float* cos_sin_row, int lane_in_head,
-                                          unsigned group_mask, float eps) {
-  constexpr int kLanes = HEAD_DIM / kVec;
-  constexpr int kHalfLanes = kLanes / 2;
-  if constexpr (QK_NORM) {
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) sum_sq += x.v[i] * x.v[i];
-#pragma unroll
-    for (int offset = kHalfLanes; offset > 0; offset /= 2) {
-      sum_sq += __shfl_xor_sync(group_mask, sum_sq, offset, kLanes);
-    }
-    const float rstd = rsqrtf(sum_sq / HEAD_DIM + eps);
-    const Float8 w = load_bf16x8(norm_weight + lane_in_head * kVec);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) x.v[i] *= rstd;
-    round_to_bf16(x);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) x.v[i] *= w.v[i];
-    round_to_bf16(x);
-  }
-  const bool first_half = lane_in_head < kHalfLanes;
-  const int freq = (lane_in_head % kHalfLanes) * kVec;
-  float cos_v[kVec], sin_v[kVec];
-#pragma unroll
-  for (int i = 0; i < kVec; i += 4) {
-    *reinterpret_cast<float4*>(&cos_v[i]) = *reinterpret_cast<const float4*>(cos_sin_row + freq + i);
-    *reinterpret_cast<float4*>(&sin_v[i]) =
-        *reinterpret_cast<const float4*>(cos_sin_row + HEAD_DIM / 2 + freq + i);
-  }
-  // First half: x1 * cos - x2 * sin; second half: x2 * cos + x1 * sin.
-  const float sign = first_half ? -1.f : 1.f;
-#pragma unroll
-  for (int i = 0; i < kVec; ++i) {
-    const float partner = __shfl_xor_sync(group_mask, x.v[i], kHalfLanes, kLanes);
-    x.v[i] = x.v[i] * cos_v[i] + sign * partner * sin_v[i];
-  }
-}
 
 template <int HEAD_DIM, bool QK_NORM>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvArgs args) {
   wait_for_producers();  // PDL: see launch.h
   allow_dependents();
-  constexpr int kLanes = HEAD_DIM / kVec;
+  constexpr int kLanes = HEAD_DIM / kRopeVec;
   const int heads_per_token = args.num_q_heads + args.num_kv_heads;
   const int item = (blockIdx.x * kThreads + threadIdx.x) / kLanes;  // fits int: see the launcher
   if (item >= args.num_tokens * heads_per_token) return;
@@ -93,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvA
 
   const int64_t row = static_cast<int64_t>(token) *
                       (args.num_q_heads + 2 * args.num_kv_heads) * HEAD_DIM;
-  const int lane_offset = lane_in_head * kVec;
+  const int lane_offset = lane_in_head * kRopeVec;
   const float* cos_sin_row = args.cos_sin + static_cast<int64_t>(args.positions[token]) * HEAD_DIM;
   const bool is_q = head < args.num_q_heads;
 
@@ -127,7 +85,7 @@ void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream) {
   const bool qk_norm = args.q_norm_weight != nullptr;
   DISPATCH_HEAD_DIM(args.head_dim, HEAD_DIM, [&] {
     const int64_t threads = static_cast<int64_t>(args.num_tokens) *
-                            (args.num_q_heads + args.num_kv_heads) * (HEAD_DIM / kVec);
+                            (args.num_q_heads + args.num_kv_heads) * (HEAD_DIM / kRopeVec);
     require(threads + kThreads <= INT_MAX,
             "qk_norm_rope_kv_store: " + std::to_string(args.num_tokens) + " tokens x " +
                 std::to_string(args.num_q_heads + args.num_kv_heads) +

@@ -17,7 +17,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "paged_decode_attention",
       [](py::object q, py::object k_cache, py::object v_cache, py::object block_tables,
          py::object context_lens, py::object out, int num_q_heads, float scale,
-         int max_context_len, py::object workspace, py::object seq_order) {
+         int max_context_len, py::object workspace, py::object seq_order,
+         py::object q_norm_weight, py::object k_norm_weight, py::object cos_sin,
+         py::object positions, py::object slot_mapping, float eps) {
         Tensor t_q = cuda_tensor(q, "q", "bfloat16");
         Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
         Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
@@ -26,6 +28,12 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         Tensor t_out = cuda_tensor(out, "out", "bfloat16");
         Tensor t_ws = optional_cuda_tensor(workspace, "workspace", "float32");
         Tensor t_order = optional_cuda_tensor(seq_order, "seq_order", "int32");
+        Tensor t_qw = optional_cuda_tensor(q_norm_weight, "q_norm_weight", "bfloat16");
+        Tensor t_kw = optional_cuda_tensor(k_norm_weight, "k_norm_weight", "bfloat16");
+        Tensor t_cs = optional_cuda_tensor(cos_sin, "cos_sin", "float32");
+        Tensor t_pos = optional_cuda_tensor(positions, "positions", "int32");
+        Tensor t_slot = optional_cuda_tensor(slot_mapping, "slot_mapping", "int32");
+        const bool rope = t_cs.ptr != nullptr;
 
         if (t_kc.dim() != 4) {
           throw_invalid_argument(
@@ -57,7 +65,28 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         expect_shape(t_len, {num_seqs});
         expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
         if (!seq_order.is_none()) expect_shape(t_order, {num_seqs});
-        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order});
+        if (rope) {
+          if (t_pos.ptr == nullptr || t_slot.ptr == nullptr) {
+            throw_invalid_argument("with cos_sin, give positions and slot_mapping too");
+          }
+          if ((t_qw.ptr == nullptr) != (t_kw.ptr == nullptr)) {
+            throw_invalid_argument(
+                "q_norm_weight and k_norm_weight must both be given (Qwen3 QK-norm) or both be None");
+          }
+          expect_shape(t_q, {num_seqs, (num_q_heads + 2 * num_kv_heads) * head_dim});
+          expect_shape(t_cs, {-1, head_dim});
+          expect_shape(t_pos, {num_seqs});
+          expect_shape(t_slot, {num_seqs});
+          if (t_qw.ptr != nullptr) {
+            expect_shape(t_qw, {head_dim});
+            expect_shape(t_kw, {head_dim});
+          }
+        } else if (t_qw.ptr != nullptr || t_kw.ptr != nullptr || t_pos.ptr != nullptr ||
+                   t_slot.ptr != nullptr) {
+          throw_invalid_argument("norm weights, positions and slot_mapping go with cos_sin");
+        }
+        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order, &t_qw, &t_kw,
+                     &t_cs, &t_pos, &t_slot});
 
         const size_t ws_bytes = decode_attention_workspace_bytes(
             static_cast<int>(num_seqs), num_q_heads, static_cast<int>(head_dim), max_context_len);
@@ -89,12 +118,31 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.scale = scale;
         args.workspace = t_ws.data<float>();
         args.seq_order = t_order.data<int32_t>();
+        if (rope) {
+          RopeKvArgs& r = args.rope;
+          r.qkv = t_q.data<bf16>();
+          r.q_norm_weight = t_qw.data<bf16>();
+          r.k_norm_weight = t_kw.data<bf16>();
+          r.cos_sin = t_cs.data<float>();
+          r.positions = t_pos.data<int32_t>();
+          r.slot_mapping = t_slot.data<int32_t>();
+          r.k_cache = t_kc.data<bf16>();
+          r.v_cache = t_vc.data<bf16>();
+          r.num_tokens = static_cast<int>(num_seqs);
+          r.num_q_heads = num_q_heads;
+          r.num_kv_heads = static_cast<int>(num_kv_heads);
+          r.head_dim = static_cast<int>(head_dim);
+          r.eps = eps;
+        }
         paged_decode_attention(args, torch_current_stream());
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("context_lens"), py::arg("out"), py::arg("num_q_heads"), py::arg("scale"),
       py::arg("max_context_len"), py::arg("workspace") = py::none(),
-      py::arg("seq_order") = py::none(),
+      py::arg("seq_order") = py::none(), py::arg("q_norm_weight") = py::none(),
+      py::arg("k_norm_weight") = py::none(), py::arg("cos_sin") = py::none(),
+      py::arg("positions") = py::none(), py::arg("slot_mapping") = py::none(),
+      py::arg("eps") = 1e-6f,
       "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
       "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
@@ -103,6 +151,11 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "at least decode_attention_workspace_bytes(...) bytes, or None to allocate one per call. "
       "seq_order: None, or [num_seqs] int32, a permutation of the sequences (order_by_length) in "
       "which large grids take them up; it changes no result. "
+      "With cos_sin (and positions, slot_mapping [num_seqs] int32, optional q_norm_weight and "
+      "k_norm_weight [hd], eps), q is the raw qkv rows [num_seqs, (nq + 2 nkv) * hd] of the step's "
+      "own token, and the call does what qk_norm_rope_kv_store would before it: q and k are "
+      "normalised and rotated (qkv itself is left as it is) and each sequence's key and value are "
+      "stored at slot_mapping (-1 skips; length-0 sequences store nothing). "
       "Block ids, lengths and the order live on the GPU and are not checked.");
 
   m.def("decode_attention_reads_order", &decode_attention_reads_order, py::arg("num_seqs"),

@@ -242,6 +242,92 @@ def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
         torch.testing.assert_close(out.float(), ref, **TOL)
 
 
+def bits(t):
+    """A bf16 tensor's bit patterns: equal bits, NaN included."""
+    return t.view(torch.int16)
+
+
+# (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, QK-norm): split grids at
+# batch 1 and 4 (which load keys before the PDL wait), a split batch of 64, an unsplit batch of 256,
+# and a group of 16 q heads whose newest key falls in a warp's first (3000) or second (3070) step.
+ROPE_CASES = [
+    ("batch1_split", [383], 16, 8, 128, 16, 400, True),
+    ("batch4_one_unstored", [1, 17, 200, 400], 16, 8, 128, 16, 400, True),
+    ("batch64_split_hd64_no_norm", random_lens(64, 1024, 9, zeros=(3,)), 32, 8, 64, 16, 1024, False),
+    ("batch256_unsplit", random_lens(256, 1024, 10, zeros=(7,)), 16, 8, 128, 16, 1024, True),
+    ("group16_steps", [3000, 3070, 1, 0], 16, 1, 128, 16, 16384, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,bs,max_len,qk_norm", [c[1:] for c in ROPE_CASES],
+                         ids=[c[0] for c in ROPE_CASES])
+def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, nkv, hd, bs, max_len, qk_norm):
+    """With cos_sin (a decode step's own token), attention normalises and rotates q and k and stores the newest
+    key and value itself: the output and both caches must equal, bit for bit, those of the RoPE/KV-store kernel
+    followed by attention on the rotated rows, and qkv must be left as it was. Replayed from a CUDA graph with
+    the newest slots and the output poisoned before each replay, as a stale read depends on timing. A row whose
+    slot is -1 stores nothing (both ways read what the cache held); a length-0 row gives zeros."""
+    from nanograph import ops
+
+    from .test_rope_kv import EPS, cos_sin_table
+
+    torch.manual_seed(len(lens) + hd)
+    qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
+    qw, kw = [(torch.rand(hd, device="cuda") * 1.5 + 0.25).bfloat16() if qk_norm else None for _ in range(2)]
+    cos_sin = cos_sin_table(max_len, hd).cuda()
+    newest = (context_lens.long() - 1).clamp(min=0)
+    slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
+    slots[context_lens == 0] = -1
+    if len(lens) == 4 and lens[0] == 1:
+        slots[2] = -1  # batch4_one_unstored
+    positions = newest.to(torch.int32)
+    stored = slots[slots >= 0].long()
+
+    def poison(kc, vc, o):
+        for cache in (kc, vc):
+            cache.view(-1, nkv, hd)[stored] = float("nan")
+        o.fill_(float("nan"))
+
+    # The separate kernels, on copies.
+    qkv_rotated, kc_ref, vc_ref, out_ref = qkv.clone(), k_cache.clone(), v_cache.clone(), out.clone()
+    poison(kc_ref, vc_ref, out_ref)
+    ops.qk_norm_rope_kv_store(qkv_rotated, qw, kw, cos_sin, positions, slots, kc_ref, vc_ref, nq, nkv, EPS)
+    ops.paged_decode_attention(qkv_rotated, kc_ref, vc_ref, block_tables, context_lens, out_ref, nq, hd**-0.5,
+                               max_len)
+    torch.cuda.synchronize()
+    assert not kc_ref.view(-1, nkv, hd)[stored].isnan().any()
+    torch.testing.assert_close(out_ref.float(), reference(qkv_rotated, kc_ref, vc_ref, block_tables, context_lens,
+                                                          nq), **TOL)
+
+    qkv_before = qkv.clone()
+    workspace = torch.empty(max(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, 1),
+                            device="cuda")
+
+    def fused():
+        ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
+                                   workspace, q_norm_weight=qw, k_norm_weight=kw, cos_sin=cos_sin,
+                                   positions=positions, slot_mapping=slots, eps=EPS)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused()
+    for _ in range(5):
+        poison(k_cache, v_cache, out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(out_ref)), "output differs from the separate kernels'"
+        assert torch.equal(bits(k_cache), bits(kc_ref)), "k_cache differs from the RoPE/KV-store kernel's"
+        assert torch.equal(bits(v_cache), bits(vc_ref)), "v_cache differs from the RoPE/KV-store kernel's"
+        assert torch.equal(qkv, qkv_before), "qkv changed"
+    assert (out[context_lens == 0] == 0).all()
+
+
 @pytest.mark.gpu
 def test_rejects_bad_arguments():
     from nanograph import ops
@@ -273,6 +359,17 @@ def test_rejects_bad_arguments():
         call(context_lens=context_lens.long())
     with pytest.raises(ValueError, match="workspace"):
         call(workspace=torch.empty(1, device="cuda"))
+    positions = torch.zeros(2, dtype=torch.int32, device="cuda")
+    cos_sin = torch.randn(max_len, hd, device="cuda")
+    with pytest.raises(ValueError, match="positions and slot_mapping"):
+        call(cos_sin=cos_sin, positions=positions)
+    with pytest.raises(ValueError, match="go with cos_sin"):
+        call(positions=positions)
+    with pytest.raises(ValueError, match="both"):
+        call(cos_sin=cos_sin, positions=positions, slot_mapping=positions,
+             q_norm_weight=torch.ones(hd, device="cuda").bfloat16())
+    with pytest.raises(ValueError, match="q must have shape"):  # raw qkv rows: (nq + 2 nkv) * hd
+        call(q=q[:, : nq * hd].contiguous(), cos_sin=cos_sin, positions=positions, slot_mapping=positions)
 
 
 def test_reference_matches_sdpa():
