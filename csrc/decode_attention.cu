@@ -107,15 +107,6 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Lane (g = lane / 4, t = lane % 4) of a warp, in mma fragment terms:
-//   Q (A operand, rows = q heads g and g + 8 of the group): for head_dim chunk c it holds
-//     q[head][c*32 + t*8 .. +8]; k-step 2c+s uses words 2s (cols 2t, 2t+1) and 2s+1
-//     (cols 2t+8, 2t+9).
-//   K (B operand of S = Q K^T, n = key): the same 8 dims of keys g and g + 8 of the tile.
-//   S, P (C of Q K^T, then A of P V): keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1).
-//   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
-//     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
-//   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
 // The decode step's own token for one CTA (DecodeAttentionArgs::rope): the group's q heads of
 // sequence seq at `position`, normalised and rotated, into s_q [group][HD]; with store_kv, also
 // its key (normalised, rotated) and value into the cache at `slot` (-1: none). Lanes work in
@@ -155,6 +146,15 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
   }
 }
 
+// Lane (g = lane / 4, t = lane % 4) of a warp, in mma fragment terms:
+//   Q (A operand, rows = q heads g and g + 8 of the group): for head_dim chunk c it holds
+//     q[head][c*32 + t*8 .. +8]; k-step 2c+s uses words 2s (cols 2t, 2t+1) and 2s+1
+//     (cols 2t+8, 2t+9).
+//   K (B operand of S = Q K^T, n = key): the same 8 dims of keys g and g + 8 of the tile.
+//   S, P (C of Q K^T, then A of P V): keys 2t, 2t+1 (n-tile 0) and 8+2t, 9+2t (n-tile 1).
+//   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
+//     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
+//   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
 template <int HD, bool kEarlyKv, bool kRope>
 __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
                                                          int num_splits) {
@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   // kEarlyKv: before the wait (PDL, launch.h), this CTA reads only what no kernel of the step
   // writes: the lengths and block tables (copied from the host before the step) and the keys and
   // values cached by earlier steps. The newest key of a sequence (position len - 1) is the one
-  // this step's RoPE/KV-store kernel writes: it is loaded after the wait.
+  // this step writes (the RoPE/KV-store kernel, or with kRope this CTA after the wait): it is
+  // loaded after the wait.
   if constexpr (!kEarlyKv) {
     wait_for_producers();
     allow_dependents();

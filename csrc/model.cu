@@ -1,7 +1,8 @@
 // The decoder forward for one step. Per layer, for T new tokens:
 //   hidden = add_rmsnorm(hidden, residual)            (first layer: rmsnorm of the embedding)
 //   qkv    = hidden . Wqkv^T (+ bias)                 cuBLASLt
-//   qkv    = qk_norm + rope, K/V stored by slot       one kernel (large decode batches: in attention)
+//   qkv    = qk_norm + rope, K/V stored by slot       one kernel; large decode grids do it inside
+//                                                     attention (q rotated there, qkv left as is)
 //   attn   = paged decode (one token/seq) or prefill attention
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
 //   act    = silu(gate) * up of hidden . Wgate_up^T   (<= kGemvMaxM tokens: one kernel)
@@ -225,8 +226,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
       is_decode && decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
   const bool ordered = large_grid && S > 1 && S <= kOrderMaxSeqs;
   // Large decode grids rotate the step's token and store its key and value inside attention (one
-  // kernel fewer per layer); small ones (batch 1 to 4), whose attention loads its keys before the
-  // PDL wait, measured faster with the separate kernel.
+  // kernel fewer per layer); small ones (at most 264 CTAs: batch 1 to 4 of Qwen3 at a short
+  // max_model_len), whose attention loads its keys before the PDL wait, measured faster with the
+  // separate kernel.
   const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);

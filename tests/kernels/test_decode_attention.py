@@ -247,15 +247,18 @@ def bits(t):
     return t.view(torch.int16)
 
 
-# (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, QK-norm): split grids at
-# batch 1 and 4 (which load keys before the PDL wait), a split batch of 64, an unsplit batch of 256,
-# and a group of 16 q heads whose newest key falls in a warp's first (3000) or second (3070) step.
+# (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, QK-norm). Small grids (at most 264 CTAs,
+# which load keys before the PDL wait): batch 1 and 4 split, a group of 16 q heads at head_dim 64, and a newest key
+# in a warp's second step; large grids (longest first, as the engine runs them): a split batch of 64, an unsplit
+# batch of 256, and a group of 16.
 ROPE_CASES = [
     ("batch1_split", [383], 16, 8, 128, 16, 400, True),
     ("batch4_one_unstored", [1, 17, 200, 400], 16, 8, 128, 16, 400, True),
     ("batch64_split_hd64_no_norm", random_lens(64, 1024, 9, zeros=(3,)), 32, 8, 64, 16, 1024, False),
     ("batch256_unsplit", random_lens(256, 1024, 10, zeros=(7,)), 16, 8, 128, 16, 1024, True),
-    ("group16_steps", [3000, 3070, 1, 0], 16, 1, 128, 16, 16384, True),
+    ("group16_large_grid", [3000, 3070, 1, 0], 16, 1, 128, 16, 16384, True),
+    ("hd64_group16_small_grid", [300, 0], 32, 2, 64, 16, 400, True),
+    ("second_step_small_grid", [15990], 16, 2, 128, 16, 16384, True),
 ]
 
 
@@ -275,13 +278,13 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
     torch.manual_seed(len(lens) + hd)
     qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
     qw, kw = [(torch.rand(hd, device="cuda") * 1.5 + 0.25).bfloat16() if qk_norm else None for _ in range(2)]
-    cos_sin = cos_sin_table(max_len, hd).cuda()
+    cos_sin = cos_sin_table(max_len + 8, hd).cuda()
     newest = (context_lens.long() - 1).clamp(min=0)
     slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
     slots[context_lens == 0] = -1
     if len(lens) == 4 and lens[0] == 1:
         slots[2] = -1  # batch4_one_unstored
-    positions = newest.to(torch.int32)
+    positions = (newest + 3).to(torch.int32)  # any position: the rotation must follow positions, not lengths
     stored = slots[slots >= 0].long()
 
     def poison(kc, vc, o):
@@ -301,13 +304,17 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
                                                           nq), **TOL)
 
     qkv_before = qkv.clone()
+    order = None  # large grids take the sequences longest first, as in the engine's decode steps
+    if ops.decode_attention_reads_order(len(lens), nkv, max_len):
+        order = torch.empty_like(context_lens)
+        ops.order_by_length(context_lens, order)
     workspace = torch.empty(max(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, 1),
                             device="cuda")
 
     def fused():
         ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
                                    workspace, q_norm_weight=qw, k_norm_weight=kw, cos_sin=cos_sin,
-                                   positions=positions, slot_mapping=slots, eps=EPS)
+                                   positions=positions, slot_mapping=slots, eps=EPS, seq_order=order)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
