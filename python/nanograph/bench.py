@@ -130,8 +130,15 @@ def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: 
 
 
 def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, compare_hf: bool = True,
-            **llm_kwargs) -> dict:
-    llm = LLM(model, max_num_seqs=1, max_model_len=prompt_len + output_len + 16, device="cuda", **llm_kwargs)
+            max_model_len: int | None = None, **llm_kwargs) -> dict:
+    """max_model_len sizes the KV cache and the decode graphs (the attention grid grows with it); by default just
+    enough for the workload."""
+    if max_model_len is None:
+        max_model_len = prompt_len + output_len + 16
+    elif max_model_len < prompt_len + output_len:
+        raise ValueError(f"max_model_len {max_model_len} cannot hold the {prompt_len}-token prompt and "
+                         f"{output_len} output tokens; give at least {prompt_len + output_len}")
+    llm = LLM(model, max_num_seqs=1, max_model_len=max_model_len, device="cuda", **llm_kwargs)
     vocab = llm.engine.vocab_size
     prompt = torch.randint(0, min(vocab, 10000), (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None):
     bench.add_argument("--prompt-len", type=int, default=128, help="latency: prompt tokens")
     bench.add_argument("--output-len", type=int, default=256, help="latency: output tokens")
     bench.add_argument("--no-hf", action="store_true", help="latency: skip the HF transformers comparison")
+    bench.add_argument("--max-model-len", type=int, help="latency: the engine's max_model_len (default: prompt + "
+                       "output + 16; larger values size bigger attention grids, as a server's would)")
     bench.add_argument("--num-seqs", type=int, default=256, help="throughput: requests")
     bench.add_argument("--max-input-len", type=int, default=1024, help="throughput: longest prompt")
     bench.add_argument("--max-output-len", type=int, default=1024, help="throughput: longest output")
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None):
         from . import bench as benchmarks
         if args.workload == "latency":
             benchmarks.latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
-                               enforce_eager=args.enforce_eager)
+                               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
         else:
             benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
                                   compare_hf=args.compare == "hf", enforce_eager=args.enforce_eager)

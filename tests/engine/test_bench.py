@@ -27,3 +27,12 @@ def test_throughput_bench_reports_on_cpu_with_the_hf_comparison(tmp_path, capsys
     assert 0 < result["host_share"] < 1 and result["speedup"] > 0
     out = capsys.readouterr().out
     assert "output tok/s" in out and "preemptions" in out and "HF transformers" in out
+
+
+def test_latency_bench_takes_max_model_len_from_the_command_line():
+    """`nanograph bench latency --max-model-len N` reaches the benchmark, which rejects a length that cannot hold
+    its workload before it loads anything (so this runs without a GPU)."""
+    from nanograph.cli import main
+
+    with pytest.raises(ValueError, match="max_model_len 300 cannot hold the 128-token prompt and 256 output"):
+        main(["bench", "latency", "--max-model-len", "300", "--no-hf"])
