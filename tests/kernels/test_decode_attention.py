@@ -64,6 +64,19 @@ def run_and_check(lens, nq, nkv, hd, block_size, max_context_len):
     assert (out[empty] == 0).all(), "rows of context length 0 must be exactly zero"
 
 
+def captured(fn):
+    """A CUDA graph of fn, captured after one warm-up call on a side stream (outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def random_lens(n, high, seed, zeros=()):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, high + 1, (n,), generator=g).tolist()
@@ -222,14 +235,7 @@ def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
         ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
                                    max_len, workspace)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for _ in range(10):
         qkv.copy_(qkv_before)  # RoPE rotates q and k in place
         for cache in (k_cache, v_cache):
@@ -316,14 +322,7 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
                                    workspace, q_norm_weight=qw, k_norm_weight=kw, cos_sin=cos_sin,
                                    positions=positions, slot_mapping=slots, eps=EPS, seq_order=order)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused()
+    graph = captured(fused)
     for _ in range(5):
         poison(k_cache, v_cache, out)
         graph.replay()
