@@ -17,9 +17,10 @@
 // x - log(E), E ~ Exp(1) drawn from Philox-4x32-10 keyed by the row's key and counted by the
 // token id. That picks token i with probability exp(x_i) / sum over kept exp(x), needs no prefix
 // sum, and makes a row's token a function of its logits, parameters and key alone. A token
-// too far below a thread's best to win whatever its draw is skipped, random numbers included:
-// with peaked logits almost all are; of the rest, a token whose random number is too large to win
-// skips its score's two logarithms: with flat logits almost all do (race_skip_from). Rows that ask for logprobs then get two or more passes over
+// too far below the best score the row's threads have computed so far (shared in the CTA) to win
+// whatever its draw is skipped, random numbers included: with peaked logits almost all are; of
+// the rest, a token whose random number is too large to win skips its score's two logarithms:
+// with flat logits almost all do (race_skip_from). Rows that ask for logprobs then get two or more passes over
 // their raw logits: log-sum-exp and rank, then a select and collection of the top n.
 // prepare_overrides copies the rows with penalties or masked tokens to float32 and modifies them
 // (16 CTAs per row), for sample_rows to read instead.
@@ -139,6 +140,7 @@ struct Shared {
   int pick;  // the bin where a select's target is reached, and the count and mass above it
   uint32_t pick_count;
   unsigned long long pick_mass;
+  uint32_t race_bound;  // ordered_key of the best race score any thread of the row has computed
 };
 
 __device__ Best block_best(Best best, Shared& sh) {
@@ -311,16 +313,24 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
 // -log(E) for E ~ Exp(1) never exceeds this: v >= 2^-33 in race_score gives E >= 2^-33.
 constexpr float kMaxRaceBoost = 23.f;
 
-// The uniform v (as race_score makes it) from which a token of logit x or below cannot beat a
-// race score of best: E = -log1p(-v) >= v, so v >= 2 exp(-(best - x) / T) bounds its exact score
-// by best - T log 2, and race_score's float32 rounding (last a subtraction rounded to nearest,
-// which cannot rise past the float best) keeps it at or below best; a skipped token also comes
-// after the thread's best in index order, so it could not win a tie. Returns 2 (nothing
-// skipped) for best = -inf, x >= best, and where best - x might overflow or T is tiny against
-// the logits (0.25 T <= 1e-6 (|best| + |x|)).
-__device__ __forceinline__ float race_skip_from(float best, float x, float temperature) {
-  if (!(0.25f * temperature > 1e-6f * (fabsf(best) + fabsf(x)))) return 2.f;
-  const float d = (best - x) / temperature;
+// 1 / temperature for race_skip_from, or 0 where it could overflow (then nothing is skipped).
+__device__ __forceinline__ float race_inverse_temperature(float temperature) {
+  return temperature >= 0x1p-64f ? 1.f / temperature : 0.f;
+}
+
+// The uniform v (as race_score makes it) from which a token of logit x or below cannot reach a
+// race score `bound` that some token of the row has reached: E = -log1p(-v) >= v, so
+// v >= 2 exp(-(bound - x) / T) bounds its exact score by bound - T log 2. The float evaluation
+// here (the product by 1 / T, __expf) moves that margin by a few parts in a million of T, and
+// race_score's float32 rounding moves the score by a few ulps of |x| + 23 T; with
+// 0.25 T > 1e-6 (|bound| + |x|) both are far below T log 2, so the computed score stays strictly
+// below bound: the token can neither win nor tie, whatever the index of the token that reached
+// bound. Returns 2 (nothing skipped) for bound = -inf, x >= bound, T below 2^-64 (inv_t = 0),
+// and where bound - x might overflow or T is tiny against the logits.
+__device__ __forceinline__ float race_skip_from(float bound, float x, float temperature,
+                                                float inv_t) {
+  if (!(0.25f * temperature > 1e-6f * (fabsf(bound) + fabsf(x))) || inv_t == 0.f) return 2.f;
+  const float d = (bound - x) * inv_t;
   return d > 0.f ? 2.f * __expf(-d) : 2.f;
 }
 
@@ -388,20 +398,27 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
   }
 
   // The race, on logit - temperature * log(E) (the same winner as logit / temperature - log(E)).
-  // A token whose logit plus the largest possible boost cannot beat the thread's best so far
-  // cannot win: its random numbers are not computed. Of the others, a token whose uniform is at
-  // least race_skip_from(best, the quad's largest logit) cannot win either: its score (two
-  // logarithms) is not computed. In flat rows that skips all but a few tokens per thread.
+  // The bound is the best score any thread has computed so far (shared, raised with atomicMax; a
+  // stale read only skips less). A token whose logit plus the largest possible boost stays below
+  // it cannot win or tie: its random numbers are not computed. Of the others, a token whose
+  // uniform is at least race_skip_from(bound, the quad's largest logit) cannot either: its score
+  // (two logarithms) is not computed. In flat rows that skips all but a few tokens of the row,
+  // and a shared bound keeps the few scored ones from diverging most of the warps' quads.
   const uint32_t kept_from = ordered_key(threshold);
   const uint64_t key = a.keys[r];
   const float max_boost = temperature * kMaxRaceBoost;
+  const float inv_t = race_inverse_temperature(temperature);
   Best best = {-INFINITY, INT_MAX};
+  volatile uint32_t* race_bound = &sh.race_bound;
+  if (threadIdx.x == 0) *race_bound = ordered_key(-INFINITY);
+  __syncthreads();
   row.for_each([&](int first, const float (&x)[4], int count) {
+    const float bound = fmaxf(best.value, key_value(*race_bound));
     bool contender[4], any = false;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       contender[e] = e < count && ordered_key(x[e]) >= kept_from && x[e] > -INFINITY &&
-                     !(x[e] + max_boost < best.value);
+                     !(x[e] + max_boost < bound);
       any = any || contender[e];
     }
     if (!any) return;
@@ -412,13 +429,15 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     for (int e = 0; e < 4; ++e) {
       if (contender[e]) top = fmaxf(top, x[e]);
     }
-    const float skip_from = race_skip_from(best.value, top, temperature);
+    const float skip_from = race_skip_from(bound, top, temperature, inv_t);
+    const float before = best.value;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       if (contender[e] && uniform_of(word[e]) < skip_from) {
         keep_better(best, race_score(x[e], temperature, word[e]), first + e);
       }
     }
+    if (best.value > before) atomicMax(const_cast<uint32_t*>(race_bound), ordered_key(best.value));
   });
   best = block_best(best, sh);
   const int token = best.index == INT_MAX ? 0 : best.index;
