@@ -586,6 +586,13 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
             "decode attention's rope needs cos_sin, positions and slot_mapping");
     require((r.q_norm_weight == nullptr) == (r.k_norm_weight == nullptr),
             "decode attention's rope: give both q_norm_weight and k_norm_weight, or neither");
+    for (const void* p : {static_cast<const void*>(r.cos_sin),
+                          static_cast<const void*>(r.q_norm_weight),
+                          static_cast<const void*>(r.k_norm_weight)}) {
+      require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
+              "decode attention's rope reads cos_sin and the norm weights 16 bytes at a time: "
+              "they must start on a 16-byte boundary (pass fresh tensors, or .clone() the views)");
+    }
   }
   if (args.num_seqs == 0) return;
   require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,

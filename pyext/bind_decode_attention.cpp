@@ -33,7 +33,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         Tensor t_cs = optional_cuda_tensor(cos_sin, "cos_sin", "float32");
         Tensor t_pos = optional_cuda_tensor(positions, "positions", "int32");
         Tensor t_slot = optional_cuda_tensor(slot_mapping, "slot_mapping", "int32");
-        const bool rope = t_cs.ptr != nullptr;
+        // Given or not by None, not by the data pointer (an empty tensor has none).
+        const bool rope = !cos_sin.is_none();
 
         if (t_kc.dim() != 4) {
           throw_invalid_argument(
@@ -66,10 +67,10 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
         if (!seq_order.is_none()) expect_shape(t_order, {num_seqs});
         if (rope) {
-          if (t_pos.ptr == nullptr || t_slot.ptr == nullptr) {
+          if (positions.is_none() || slot_mapping.is_none()) {
             throw_invalid_argument("with cos_sin, give positions and slot_mapping too");
           }
-          if ((t_qw.ptr == nullptr) != (t_kw.ptr == nullptr)) {
+          if (q_norm_weight.is_none() != k_norm_weight.is_none()) {
             throw_invalid_argument(
                 "q_norm_weight and k_norm_weight must both be given (Qwen3 QK-norm) or both be None");
           }
@@ -77,12 +78,12 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
           expect_shape(t_cs, {-1, head_dim});
           expect_shape(t_pos, {num_seqs});
           expect_shape(t_slot, {num_seqs});
-          if (t_qw.ptr != nullptr) {
+          if (!q_norm_weight.is_none()) {
             expect_shape(t_qw, {head_dim});
             expect_shape(t_kw, {head_dim});
           }
-        } else if (t_qw.ptr != nullptr || t_kw.ptr != nullptr || t_pos.ptr != nullptr ||
-                   t_slot.ptr != nullptr) {
+        } else if (!q_norm_weight.is_none() || !k_norm_weight.is_none() || !positions.is_none() ||
+                   !slot_mapping.is_none()) {
           throw_invalid_argument("norm weights, positions and slot_mapping go with cos_sin");
         }
         same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order, &t_qw, &t_kw,
@@ -155,7 +156,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "k_norm_weight [hd], eps), q is the raw qkv rows [num_seqs, (nq + 2 nkv) * hd] of the step's "
       "own token, and the call does what qk_norm_rope_kv_store would before it: q and k are "
       "normalised and rotated (qkv itself is left as it is) and each sequence's key and value are "
-      "stored at slot_mapping (-1 skips; length-0 sequences store nothing). "
+      "stored at slot_mapping (-1 skips; length-0 sequences store nothing). positions must be "
+      "below cos_sin's rows and slots below num_blocks * block_size (not checked: the values live "
+      "on the GPU). "
       "Block ids, lengths and the order live on the GPU and are not checked.");
 
   m.def("decode_attention_reads_order", &decode_attention_reads_order, py::arg("num_seqs"),

@@ -374,6 +374,12 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="both"):
         call(cos_sin=cos_sin, positions=positions, slot_mapping=positions,
              q_norm_weight=torch.ones(hd, device="cuda").bfloat16())
+    misaligned = torch.randn(max_len * hd + 4, device="cuda")[1 : 1 + max_len * hd].view(max_len, hd)
+    with pytest.raises(ValueError, match="16-byte boundary"):
+        call(q=torch.zeros(2, (nq + 2 * nkv) * hd, device="cuda").bfloat16(), cos_sin=misaligned,
+             positions=positions, slot_mapping=positions)
+    with pytest.raises(ValueError, match="positions and slot_mapping"):  # an empty table still asks for rope
+        call(cos_sin=cos_sin[:0], positions=positions)
     with pytest.raises(ValueError, match="q must have shape"):  # raw qkv rows: (nq + 2 nkv) * hd
         call(q=q[:, : nq * hd].contiguous(), cos_sin=cos_sin, positions=positions, slot_mapping=positions)
 
