@@ -1,24 +1,25 @@
 """Per-kernel time of one eager decode step, for `ncu` (each kernel timed alone):
 
     ncu --clock-control none --nvtx --nvtx-include "decode_step/" --metrics gpu__time_duration.sum \
-        --csv python benchmarks/profile_decode_step.py MODEL [BATCH [CONTEXT]] > profile.csv
+        --csv python benchmarks/profile_decode_step.py MODEL [BATCH [CONTEXT [MAX_MODEL_LEN]]] > profile.csv
     python benchmarks/profile_decode_step.py --summarize profile.csv
 
 BATCH sequences (default 1) each attend CONTEXT cached tokens (default 131: the middle of the latency
-benchmark's batch-1 run); the cache holds unwritten memory, which costs the same time to read.
+benchmark's batch-1 run); the cache holds unwritten memory, which costs the same time to read. A fourth argument,
+MAX_MODEL_LEN (default max(512, CONTEXT + 1)), sizes the engine, and with it the attention grid.
 """
 import csv
 import sys
 from collections import defaultdict
 
 
-def run(model, batch=1, context=131):
+def run(model, batch=1, context=131, max_model_len=None):
     import torch
 
     from nanograph import LLM, SamplingParams
     from nanograph.bench import write_decode_metadata
 
-    max_model_len = max(512, context + 1)
+    max_model_len = max_model_len or max(512, context + 1)
     block_size = 16
     width = -(-max_model_len // block_size) + 1  # the core's block-table width
     llm = LLM(model, device="cuda", enforce_eager=True, max_num_seqs=batch, max_model_len=max_model_len,
@@ -62,4 +63,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--summarize":
         summarize(sys.argv[2])
     else:
-        run(sys.argv[1], *map(int, sys.argv[2:4]))
+        run(sys.argv[1], *map(int, sys.argv[2:5]))
