@@ -56,7 +56,7 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;
 constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one mma tile
 constexpr int kSplitGranule = kWarps * kTileKeys;  // split lengths are multiples of this
-constexpr int kTargetCtas = 2048;      // ~15 CTAs per SM on a 132-SM H200
+constexpr int kTargetCtas = 1024;      // ~8 CTAs per SM on a 132-SM H200
 constexpr int kMaxSplits = 128;        // longer contexts get longer splits
 // Grids of at most this many CTAs (one wave at 2 per SM on a 132-SM H200: batch 1 to 4 of
 // Qwen3) load each warp's first step of keys and values before the PDL wait. That variant holds

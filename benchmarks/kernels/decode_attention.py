@@ -45,9 +45,11 @@ def cases():
     mixed = torch.randint(100, 2048, (256,), generator=g).tolist()
     yield _case(mixed, 16, 8, 128, 16, 2048, "256x(100-2k)")
     yield _case(mixed, 16, 8, 128, 16, 2048, "256x(100-2k)", ordered=True)
-    # Half the batch: 2 splits of 1,024 keys, so sequences over 1,024 take two CTAs.
+    # Half the batch (one split: 1,024 CTAs) and a quarter (2 splits of 1,024 keys, so sequences over 1,024 take
+    # two CTAs).
     yield _case(mixed[:128], 16, 8, 128, 16, 2048, "128x(100-2k)")
     yield _case(mixed[:128], 16, 8, 128, 16, 2048, "128x(100-2k)", ordered=True)
+    yield _case(mixed[:64], 16, 8, 128, 16, 2048, "64x(100-2k)", ordered=True)
     yield _case([1024] * 256, 16, 8, 128, 16, 1024, "256x1024")
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
