@@ -43,6 +43,10 @@ struct DecodeAttentionArgs {
   // rope's caches must be kv's; positions and slot_mapping, like the lengths, must be in place
   // before the chain (small grids read them before the PDL wait).
   RopeKvArgs rope{};
+  // The batch size the splits are planned for (0: num_seqs; otherwise at least num_seqs): a decode
+  // graph's bucket, so that a step run eagerly with fewer sequences divides every sequence's keys
+  // as the graph would, and gives the same bits.
+  int plan_num_seqs = 0;
 };
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,

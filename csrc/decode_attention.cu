@@ -598,13 +598,17 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
   require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,
           "decode attention supports up to 65535 sequences and kv heads per launch");
 
-  const SplitPlan plan = plan_splits(args.num_seqs, kv.num_kv_heads, args.max_context_len);
+  require(args.plan_num_seqs == 0 || args.plan_num_seqs >= args.num_seqs,
+          "decode attention: plan_num_seqs (" + std::to_string(args.plan_num_seqs) +
+              ") must be 0 or at least num_seqs (" + std::to_string(args.num_seqs) + ")");
+  const int plan_seqs = std::max(args.num_seqs, args.plan_num_seqs);
+  const SplitPlan plan = plan_splits(plan_seqs, kv.num_kv_heads, args.max_context_len);
   require(plan.num_splits == 1 || args.workspace != nullptr,
           "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
     const bool early =
-        !decode_attention_reads_order(args.num_seqs, kv.num_kv_heads, args.max_context_len);
+        !decode_attention_reads_order(plan_seqs, kv.num_kv_heads, args.max_context_len);
     const bool rope = args.rope.qkv != nullptr;
     auto kernel = early ? (rope ? split_kernel<HD, true, true> : split_kernel<HD, true, false>)
                         : (rope ? split_kernel<HD, false, true> : split_kernel<HD, false, false>);

@@ -201,6 +201,15 @@ size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
   return free_before > free_after ? free_before - free_after : 0;
 }
 
+int Model::decode_plan_seqs(int num_seqs) const {
+  const int bucket = decode_bucket(num_seqs);
+  if (bucket > 0) return bucket;
+  for (int b : default_decode_buckets(limits_.max_num_seqs)) {
+    if (b >= num_seqs) return b;
+  }
+  return num_seqs;
+}
+
 void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
@@ -222,8 +231,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   CUDA_CHECK_LAUNCH();
   // Large decode grids of several sequences take them longest first; the lengths are the same in
   // every layer, so the order is made once per step.
+  const int plan_seqs = is_decode ? decode_plan_seqs(S) : S;
   const bool large_grid =
-      is_decode && decode_attention_reads_order(S, c.num_kv_heads, limits_.max_model_len);
+      is_decode && decode_attention_reads_order(plan_seqs, c.num_kv_heads, limits_.max_model_len);
   const bool ordered = large_grid && S > 1 && S <= kOrderMaxSeqs;
   // Large decode grids rotate the step's token and store its key and value inside attention (one
   // kernel fewer per layer); small ones (at most 264 CTAs: batch 1 to 4 of Qwen3 at a short
@@ -249,7 +259,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
                                limits_.max_model_len, scale, attn_workspace_,
                                ordered ? seq_order_ : nullptr,
-                               rope_in_attention ? rope : RopeKvArgs{}};
+                               rope_in_attention ? rope : RopeKvArgs{}, plan_seqs};
       paged_decode_attention(args, st);
     } else {
       PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,

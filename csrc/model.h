@@ -96,6 +96,9 @@ class Model {
 
  private:
   void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode);
+  // The batch size decode attention plans its splits for: the graph bucket of num_seqs (the
+  // default buckets when no graph is captured), so that eager and graph steps give the same bits.
+  int decode_plan_seqs(int num_seqs) const;
   // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
   void write_inert_decode_metadata(int num_seqs);
   template <class T>
