@@ -1,5 +1,6 @@
 """Paged prefill attention at a long causal prefill: 8 sequences x 2048 tokens, 32 q heads,
-8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks."""
+8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks; and the throughput benchmark's
+prefill step: 31 prompts of 100..1,024 tokens (15.7k in all) with Qwen3-0.6B's 16 q heads and 8 kv heads."""
 import torch
 
 from nanograph import ops
@@ -12,27 +13,29 @@ def causal_flops(q_lens, context_lens, num_q_heads, head_dim):
     return 4 * head_dim * num_q_heads * pairs
 
 
-def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size):
+def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, lens=None):
+    """num_seqs prompts of seq_len tokens each, or of the lengths in lens (then seq_len is their maximum)."""
     dev = "cuda"
-    blocks_per_seq = seq_len // block_size
+    lens = lens or [seq_len] * num_seqs
+    blocks_per_seq = -(-seq_len // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, device=dev, dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device=dev, dtype=torch.bfloat16)
     block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(num_seqs, -1)
-    total_q = num_seqs * seq_len
+    total_q = sum(lens)
     q = torch.randn(total_q, num_q_heads * head_dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    cu_seqlens_q = torch.arange(0, total_q + 1, seq_len, device=dev, dtype=torch.int32)
-    context_lens = torch.full((num_seqs,), seq_len, device=dev, dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0] + lens, device=dev, dtype=torch.int32).cumsum(0).to(torch.int32)
+    context_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
     scale = head_dim ** -0.5
 
     def fn():
         ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                    context_lens, out, num_q_heads, scale, seq_len)
+                                    context_lens, out, num_q_heads, scale, max(lens))
 
-    bytes_moved = 2 * q.numel() * 2 + 2 * k_cache.numel() * 2  # Q + O, K + V (bf16)
-    flops = causal_flops([seq_len] * num_seqs, [seq_len] * num_seqs, num_q_heads, head_dim)
+    bytes_moved = 2 * q.numel() * 2 + 2 * total_q * num_kv_heads * head_dim * 2 * 2  # Q + O, K + V (bf16)
+    flops = causal_flops(lens, lens, num_q_heads, head_dim)
     return fn, bytes_moved, flops
 
 
@@ -41,3 +44,7 @@ def cases():
         fn, bytes_moved, flops = make_case(8, 2048, 32, 8, 128, block_size)
         label = f"prefill_attention 8x2048 causal q32/kv8 d128 block{block_size}"
         yield label, fn, bytes_moved, flops
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 1025, (31,), generator=g).tolist()
+    fn, bytes_moved, flops = make_case(len(lens), max(lens), 16, 8, 128, 16, lens)
+    yield f"prefill_attention 31x(100-1024) causal q16/kv8 d128 block16", fn, bytes_moved, flops
