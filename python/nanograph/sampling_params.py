@@ -88,8 +88,12 @@ class SamplingParams:
             raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
         if not all(isinstance(token_id, int) for token_id in self.stop_token_ids or ()):
             raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        if not all(isinstance(stop_str, str) for stop_str in self.stop or ()):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(not stop_str for stop_str in self.stop or ()):
             raise ValueError("stop cannot contain an empty string.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 

@@ -163,3 +163,46 @@ def test_closing_a_stream_early_aborts_its_requests():
     stream.close()
     assert not engine.has_unfinished() and not engine.requests
     assert engine.scheduler.block_manager.num_free_blocks == 64
+
+
+def test_a_stream_yields_what_another_call_generated_for_its_request():
+    """Another generate() on the engine while a stream is open runs the streamed request too; the stream still
+    yields the rest of its completion and its finished delta."""
+    engine = fake_engine()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    deltas = []
+    for delta in engine.stream([PROMPT], [greedy]):
+        deltas.append(delta)
+        if len(deltas) == 2:
+            engine.generate([[9, 9]], [greedy], use_tqdm=False)
+    texts, token_ids, finishes = collect(deltas)
+    assert token_ids[("0", 0)] == reference_completion(PROMPT, 8)
+    assert texts[("0", 0)] == text_of(reference_completion(PROMPT, 8))
+    assert finishes[("0", 0)] == 1 and deltas[-1].finish_reason == "length"
+
+
+def test_aborting_a_streamed_request_ends_it_with_an_abort_delta():
+    """An abort during a stream gives the request one last delta, finished with reason "abort", whose tokens and
+    text still agree (the token that was on its way from the device is dropped, not appended unseen); the other
+    request runs to its end."""
+    engine = fake_engine()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    for prompts in ([PROMPT], [PROMPT, [2, 7]]):
+        deltas, seen = [], 0
+        for delta in engine.stream(prompts, [greedy] * len(prompts)):
+            deltas.append(delta)
+            if delta.request_id == deltas[0].request_id:
+                seen += 1
+                if seen == 2:
+                    engine.abort_request(delta.request_id)
+        texts, token_ids, finishes = collect(deltas)
+        aborted = (deltas[0].request_id, 0)
+        last = [d for d in deltas if (d.request_id, d.index) == aborted][-1]
+        assert last.finished and last.finish_reason == "abort" and finishes[aborted] == 1
+        tokens = token_ids[aborted]
+        assert tokens == reference_completion(PROMPT, 8)[:len(tokens)] and len(tokens) < 8
+        assert texts[aborted] == text_of(tokens)
+        if len(prompts) == 2:
+            other = (str(int(deltas[0].request_id) + 1), 0)
+            assert token_ids[other] == reference_completion([2, 7], 8) and finishes[other] == 1
+        assert not engine.has_unfinished() and engine.scheduler.block_manager.num_free_blocks == 64

@@ -28,6 +28,9 @@ from .fake_model import fake_engine, reference_completion
     ({"logprobs": -2}, "logprobs must be non-negative or -1, got -2."),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids must contain only integers, got [1, '2']."),
     ({"stop": ["ok", ""]}, "stop cannot contain an empty string."),
+    ({"stop": [7]}, "stop must be a string or a list of strings, got [7]."),
+    ({"seed": "42"}, "seed must be an int or None, got '42'."),
+    ({"seed": True}, "seed must be an int or None, got True."),
 ])
 def test_invalid_values_raise_with_vllm_messages(kwargs, message):
     with pytest.raises(ValueError) as exc:

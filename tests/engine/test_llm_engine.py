@@ -18,7 +18,7 @@ def generate(engine, prompts, params=GREEDY):
     ("", "prompt is empty"),
     ([1, VOCAB_SIZE, 2], f"prompt token id {VOCAB_SIZE} at position 1 is outside the vocabulary \\[0, {VOCAB_SIZE}\\)"),
     ([3, -1], "prompt token id -1 at position 1 is outside"),
-    ([1] * 65, "prompt has 65 tokens; max_model_len is 64"),
+    ([1] * 65, "prompt has 65 tokens; max_model_len is 64: shorten the prompt, or raise max_model_len"),
 ])
 def test_bad_prompt_raises_and_the_engine_keeps_serving(prompt, message):
     engine = fake_engine(max_model_len=64)
@@ -45,6 +45,72 @@ def test_generate_validates_every_request_before_queueing_any():
         generate(engine, [[1, 2], [3], [4] * 100])
     assert not engine.has_unfinished()
     assert len(generate(engine, [[1, 2], [3]])) == 2
+
+
+@pytest.mark.parametrize("token_id", [VOCAB_SIZE, 10**6, -1, -VOCAB_SIZE + 5])
+def test_stop_token_ids_outside_the_vocabulary_are_rejected(token_id):
+    """An id outside the vocabulary would mask another row's logit (min_tokens) or fail mid-step: it is refused
+    with the request, and the others in the call are neither queued nor changed."""
+    engine = fake_engine()
+    bad = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[token_id])
+    with pytest.raises(ValueError, match=rf"request 1: stop_token_ids holds {token_id}, outside the vocabulary"):
+        engine.generate([[3, 1, 4], [2, 7]], [GREEDY, bad], use_tqdm=False)
+    assert not engine.has_unfinished() and not engine.requests
+    [output] = generate(engine, [[3, 1, 4]])
+    assert output.outputs[0].token_ids == reference_completion([3, 1, 4], 6)
+
+
+def test_min_tokens_that_cannot_fit_name_the_room_left():
+    engine = fake_engine(max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=None, min_tokens=10)
+    with pytest.raises(ValueError, match="min_tokens=10 does not fit: the 60-token prompt leaves 4 of "
+                                         "max_model_len=64; lower min_tokens or raise max_model_len"):
+        engine.add_request([1] * 60, params)
+    assert not engine.has_unfinished()
+
+
+def free_blocks(engine):
+    return engine.scheduler.block_manager.num_free_blocks
+
+
+def test_a_request_that_fails_while_queued_takes_back_the_ones_before_it():
+    """Queueing is all or nothing: if a request fails after validation, the call's earlier requests are taken
+    back, so that a later call neither runs them nor loses its own outputs among theirs."""
+    engine = fake_engine()
+    blocks = free_blocks(engine)
+
+    def failing_generator(seed):
+        raise RuntimeError("no generator")
+
+    engine.sampler.new_generator = failing_generator
+    seeded = SamplingParams(max_tokens=4, seed=5)
+    with pytest.raises(RuntimeError, match="no generator"):
+        engine.generate([[1, 2], [3, 4], [5]], [GREEDY, GREEDY, seeded], use_tqdm=False)
+    assert not engine.has_unfinished() and not engine.requests and free_blocks(engine) == blocks
+    outputs = generate(engine, [[9, 9]])
+    assert [out.outputs[0].token_ids for out in outputs] == [reference_completion([9, 9], 6)]
+
+
+def test_an_error_during_generate_ends_that_calls_requests():
+    """A step that raises (here the model) ends the call's requests: the engine frees their blocks and serves the
+    next call."""
+    engine = fake_engine()
+    blocks = free_blocks(engine)
+    run, calls = engine.runner.run, []
+
+    def failing_run(batch):
+        calls.append(batch)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return run(batch)
+
+    engine.runner.run = failing_run
+    with pytest.raises(RuntimeError, match="device lost"):
+        generate(engine, [[1, 2, 3], [4, 5]])
+    assert not engine.has_unfinished() and not engine.requests and free_blocks(engine) == blocks
+    engine.runner.run = run
+    [output] = generate(engine, [[7, 8]])
+    assert output.outputs[0].token_ids == reference_completion([7, 8], 6)
 
 
 def test_outputs_come_in_input_order_with_vllm_fields():

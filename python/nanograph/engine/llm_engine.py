@@ -42,6 +42,7 @@ class LLMEngine:
                              "raise gpu_memory_utilization (or num_kv_blocks) or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
+        self.max_position_embeddings = model_config.max_position_embeddings
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -74,6 +75,8 @@ class LLMEngine:
         for seq in request.seqs:
             if seq.is_finished:
                 continue
+            if seq.has_pending_token:  # its token, still on its way from the device, is not part of the output
+                seq.token_ids.pop()
             if seq in request.held_back:
                 seq.status = SequenceStatus.FINISHED
             else:
@@ -141,18 +144,25 @@ class LLMEngine:
         index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params))}
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         throughput = {"prefill": 0.0, "decode": 0.0}
-        with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            while self.has_unfinished():
-                start = time.perf_counter()
-                finished, batch = self.step()
-                if batch.seqs:
-                    throughput["prefill" if batch.is_prefill else "decode"] = \
-                        batch.num_tokens / (time.perf_counter() - start)
-                bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()}, refresh=False)
-                for output in finished:
-                    if output.request_id in index:  # requests queued with add_request before are not ours
-                        outputs[index[output.request_id]] = output
-                        bar.update(1)
+        try:
+            with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+                while self.has_unfinished():
+                    start = time.perf_counter()
+                    finished, batch = self.step()
+                    if batch.seqs:
+                        throughput["prefill" if batch.is_prefill else "decode"] = \
+                            batch.num_tokens / (time.perf_counter() - start)
+                    bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()},
+                                    refresh=False)
+                    for output in finished:
+                        if output.request_id in index:  # requests queued with add_request before are not ours
+                            outputs[index[output.request_id]] = output
+                            bar.update(1)
+        except BaseException:
+            # An error (or an interrupt) ends this call's requests, so that the next call does not run them.
+            for request_id in index:
+                self.abort_request(request_id)
+            raise
         return outputs
 
     def stream(self, prompts: list[Prompt], params: list[SamplingParams]) -> Iterator[CompletionDelta]:
@@ -160,10 +170,16 @@ class LLMEngine:
         All are validated before any is queued; closing the iterator early aborts the unfinished ones."""
         requests = [self.requests[request_id] for request_id in self._queue_all(prompts, params)]
         try:
-            while not all(request.finished for request in requests):
-                self.step()
+            while True:
+                # While the caller holds a delta, another caller's steps (or an abort) may advance or end the
+                # requests: the check comes before the take, so a last take follows every end.
+                done = all(request.finished for request in requests)
                 for request in requests:
                     yield from request.take_deltas()
+                if done:
+                    break
+                if not all(request.finished for request in requests):
+                    self.step()
         finally:
             for request in requests:
                 if not request.finished:
@@ -176,7 +192,15 @@ class LLMEngine:
                 validated.append(self._validated(prompt, request_params))
             except ValueError as exc:
                 raise ValueError(f"request {i}: {exc}") from None
-        return [self._queue(prompt, *request) for prompt, request in zip(prompts, validated)]
+        request_ids = []
+        try:
+            for prompt, request in zip(prompts, validated):
+                request_ids.append(self._queue(prompt, *request))
+        except BaseException:  # all or nothing: what was queued before the failure is taken back
+            for request_id in request_ids:
+                self.abort_request(request_id)
+            raise
+        return request_ids
 
     def _validated(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids, and the request's own copy of params (validated again: fields may have changed
@@ -195,9 +219,20 @@ class LLMEngine:
             raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
         if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}")
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}: "
+                             f"shorten the prompt, or raise max_model_len (the model takes up to "
+                             f"{self.max_position_embeddings} positions)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+        for token_id in params.stop_token_ids or ():
+            if isinstance(token_id, int) and not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
+        if params.max_tokens is None:
+            room = max(1, self.config.max_model_len - len(token_ids))
+            if params.min_tokens > room:
+                raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "
+                                 f"leaves {room} of max_model_len={self.config.max_model_len}; lower min_tokens or "
+                                 f"raise max_model_len")
         max_tokens = params.max_tokens or max(1, self.config.max_model_len - len(token_ids))
         return token_ids, replace(params, max_tokens=max_tokens)
 

@@ -114,9 +114,9 @@ class Scheduler:
         """Put each sequence's sampled token in place of its pending one; return the sequences that ended."""
         finished = []
         for seq, token_id in zip(seqs, sampled_token_ids):
-            seq.token_ids[-1] = token_id
-            if seq.is_finished:  # aborted while its token was on its way
+            if seq.is_finished:  # aborted while its token was on its way: the token is dropped
                 continue
+            seq.token_ids[-1] = token_id
             seq.finish_reason = self._finish_reason(seq)
             if seq.finish_reason:
                 self.finish(seq)
