@@ -262,8 +262,9 @@ class Sampler:
             truncated_ids, truncation = self._drawn_truncated(logits, plan, rows, uniforms[len(plan.full_rows):])
             drawn.append(truncated_ids)
         token_ids = drawn[0] if len(drawn) == 1 else torch.cat(drawn).index_select(0, rows.order)
-        if len(plan.truncated_rows) and plan.num_candidates < logits.shape[-1]:
-            self._redraw_spilled(truncation, plan, rows, uniforms[len(plan.full_rows):], token_ids)
+        if len(plan.truncated_rows) and (plan.num_candidates < logits.shape[-1] or plan.has_seeded_truncated):
+            self._redraw_spilled(truncation, plan, rows, uniforms[len(plan.full_rows):], token_ids,
+                                 plan.num_candidates < logits.shape[-1])
         return token_ids
 
     def _drawn_truncated(self, logits: torch.Tensor, plan: SamplingPlan, rows: DeviceArrays,
@@ -281,10 +282,17 @@ class Sampler:
                 _Truncation(truncated, candidates, floors, thresholds))
 
     def _redraw_spilled(self, t: _Truncation, plan: SamplingPlan, rows: DeviceArrays, uniforms: torch.Tensor,
-                        token_ids: torch.Tensor):
+                        token_ids: torch.Tensor, may_spill: bool):
         """Draw again, from their whole rows, the truncated rows whose kept tokens may reach past their candidates
-        (the last candidate is kept), with the exact top-p threshold of the sorted row. The host waits here."""
-        spilled = (t.candidates[:, -1:] >= t.thresholds).squeeze(1).nonzero().squeeze(1)
+        (the last candidate is kept; may_spill: the candidates are fewer than the vocabulary), with the exact top-p
+        threshold of the sorted row; and the seeded ones, always: whether a row spills depends on the batch (its
+        largest top-k sets the number of candidates), and a candidate draw (in descending order) picks another
+        token than a whole-row draw (in vocabulary order) for the same uniform. The host waits here."""
+        spilled = (t.candidates[:, -1:] >= t.thresholds).squeeze(1) if may_spill else \
+            torch.zeros(len(t.candidates), dtype=torch.bool, device=t.candidates.device)
+        if plan.has_seeded_truncated:
+            spilled.index_fill_(0, rows.seeded_truncated, True)
+        spilled = spilled.nonzero().squeeze(1)
         if len(spilled) == 0:
             return
         whole = t.rows.index_select(0, spilled)

@@ -233,6 +233,11 @@ class SamplingPlan:
         seeded = [i for i, row in enumerate(sampled_rows.tolist()) if seqs[row].generator is not None]
         self.has_seeded = bool(seeded)
         self.arrays["seeded"] = np.array(seeded, dtype=np.int64)
+        # The seeded truncated rows, by their place among the truncated rows (which follow the full ones): the
+        # torch path draws them from their whole rows, so that their token does not depend on the batch.
+        seeded_truncated = [i - len(self.full_rows) for i in seeded if i >= len(self.full_rows)]
+        self.has_seeded_truncated = bool(seeded_truncated)
+        self.arrays["seeded_truncated"] = np.array(seeded_truncated, dtype=np.int64)
         self.arrays["seeded_uniforms"] = np.array(
             [(seqs[row].generator.getrandbits(53) + 1) * 2.0 ** -53 for row in sampled_rows[seeded].tolist()],
             dtype=np.float64)

@@ -163,6 +163,31 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch(params):
                   SamplingParams(min_p=0.1, seed=3), SamplingParams()], 5) == alone
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.95, seed=1234),
+                                    SamplingParams(temperature=1.0, top_k=1400, seed=99),
+                                    SamplingParams(temperature=1.0, min_p=0.5, seed=5)])
+def test_a_seeded_row_draws_the_same_beside_a_large_top_k(params):
+    """Whether a row's kept tokens spill past the candidates depends on the batch (its largest top-k sets how many
+    there are): a seeded row is drawn from its whole row either way, so its tokens are the same alone, beside a
+    top_k=1000 request (its ~1,400 kept tokens then fit the 2,024 candidates), and beside one whose candidates are
+    the whole row."""
+    generator = torch.Generator().manual_seed(0)
+    vocab = 3000
+    row = torch.full((vocab,), -30.0)
+    row[torch.randperm(vocab, generator=generator)[:1500]] = torch.randn(1500, generator=generator) * 0.1
+
+    def draws(neighbour: SamplingParams | None) -> list[int]:
+        s = sampler(1)
+        seqs = [seq(params, sampler_for_seed=s)] + ([seq(neighbour)] if neighbour else [])
+        logits = row.repeat(len(seqs), 1)
+        return [s(logits, seqs).token_ids[0] for _ in range(8)]
+
+    alone = draws(None)
+    assert len(set(alone)) > 1
+    assert draws(SamplingParams(temperature=1.0, top_k=1000)) == alone
+    assert draws(SamplingParams(temperature=1.0, top_k=2500)) == alone
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])  # torch path, kernels
 def test_penalties_follow_the_sequence_tokens_as_they_change(device):
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]], device=device)
