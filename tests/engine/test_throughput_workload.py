@@ -1,5 +1,6 @@
 """nano-vllm's 256-request benchmark, scaled down: every request finishes with exactly its max_tokens, none is
 lost, while a small KV cache forces preemptions and a small token budget chunks prompts."""
+import warnings
 from random import randint, seed
 
 import pytest
@@ -41,3 +42,14 @@ def test_256_sampled_requests_finish_with_their_max_tokens_on_a_tiny_model(tmp_p
     assert [len(out.outputs[0].token_ids) for out in outputs] == [p.max_tokens for p in params]
     assert all(out.outputs[0].finish_reason == "length" for out in outputs)
     assert llm.engine.scheduler.block_manager.num_free_blocks == 24
+
+
+def test_a_max_model_len_past_the_models_positions_is_capped_with_a_warning(tmp_path):
+    make_tiny_model(tmp_path, "qwen3-tied")  # 256 positions
+    with pytest.warns(UserWarning, match="max_model_len 100000 is more than the model's 256 positions "
+                                         r"\(max_position_embeddings\); using 256"):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=100000, num_kv_blocks=24, block_size=16)
+    assert llm.engine.config.max_model_len == 256
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default (4,096) is capped without a warning
+        assert LLM(str(tmp_path), device="cpu", num_kv_blocks=24, block_size=16).engine.config.max_model_len == 256

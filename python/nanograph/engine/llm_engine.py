@@ -8,6 +8,7 @@ dropped."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from itertools import count
@@ -58,8 +59,12 @@ class LLMEngine:
     def from_config(cls, config: Config) -> LLMEngine:
         model = config.model or default_model_path()
         model_config = ModelConfig.from_pretrained(model)
-        config = replace(config, model=model,
-                         max_model_len=min(config.max_model_len, model_config.max_position_embeddings))
+        positions = model_config.max_position_embeddings
+        if config.max_model_len > positions and config.max_model_len != Config.max_model_len:
+            # An explicit length past the model's positions (the default is capped without a word).
+            warnings.warn(f"max_model_len {config.max_model_len} is more than the model's {positions} positions "
+                          f"(max_position_embeddings); using {positions}", stacklevel=3)
+        config = replace(config, model=model, max_model_len=min(config.max_model_len, positions))
         return cls(config, model_config, make_runner(config, model_config), _load_tokenizer(model))
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
