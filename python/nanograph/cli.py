@@ -37,24 +37,26 @@ def main(argv: list[str] | None = None):
     bench.add_argument("--compare", choices=["hf"], help="throughput: also run HF transformers batched generate "
                        "on the first 16 requests and print the ratio")
     args = parser.parse_args(argv)
-    if args.command == "bench":
-        from . import bench as benchmarks
-        if args.workload == "latency":
-            benchmarks.latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
-                               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
-        else:
-            benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
-                                  compare_hf=args.compare == "hf", enforce_eager=args.enforce_eager)
-        return
     try:
+        if args.command == "bench":
+            from . import bench as benchmarks
+            if args.workload == "latency":
+                benchmarks.latency(args.model, args.prompt_len, args.output_len, compare_hf=not args.no_hf,
+                                   max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+            else:
+                benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
+                                      compare_hf=args.compare == "hf", enforce_eager=args.enforce_eager)
+            return
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
         llm = LLM(args.model, device=args.device)
         if args.command == "chat":
             outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    except ValueError as exc:
-        parser.error(str(exc))
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        # What a user can fix (a model folder, a device, an argument) is one line, not a traceback. OSError covers
+        # missing files; KeyError a tensor missing from the weights.
+        parser.error(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
     print(outputs[0].outputs[0].text)
 
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 class Config:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"
-    max_model_len: int = 4096  # capped at the model's max_position_embeddings when the engine loads it (with a
-                               # warning when a larger value was asked for)
+    # Capped at the model's positions (ModelConfig.max_context) when the engine loads it, with a warning when a
+    # larger value was asked for.
+    max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9

@@ -31,6 +31,9 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
+                             "files, or call generate() with token-id prompts")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)
@@ -40,14 +43,35 @@ class LLM:
 
 def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
               ) -> tuple[list[Prompt], list[SamplingParams]]:
-    """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length. A
+    prompt is a string, a list of token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and isinstance(prompts[0], int)):
         prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                        f"or a list of those; got {type(prompts).__name__}")
+    prompts = [_prompt(prompt) for prompt in prompts]
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
+    if not isinstance(sampling_params, (list, tuple)) or \
+            not all(isinstance(params, SamplingParams) for params in sampling_params):
+        raise TypeError("sampling_params must be a SamplingParams, or a list of them (one per prompt)")
     if len(sampling_params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
                          "pass one SamplingParams, or one per prompt")
     return list(prompts), list(sampling_params)
+
+
+def _prompt(prompt):
+    """vLLM's prompt dicts as the engine's prompt forms; strings and token-id lists as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"a prompt dict takes exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of ids); "
+                     f"got keys {sorted(prompt)}")

@@ -29,6 +29,7 @@ class ModelConfig:
     qk_norm: bool
     qkv_bias: bool
     max_position_embeddings: int
+    max_context: int  # the longest context the rope serves: max_position_embeddings, or YaRN's scaled length
     dtype: torch.dtype
     eos_token_ids: list[int]
     hf_config: PretrainedConfig
@@ -60,6 +61,7 @@ class ModelConfig:
             qk_norm=architecture == "Qwen3ForCausalLM",
             qkv_bias=architecture == "Qwen2ForCausalLM",
             max_position_embeddings=hf.max_position_embeddings,
+            max_context=_max_context(hf),
             dtype=_torch_dtype(hf),
             eos_token_ids=_eos_token_ids(hf, path),
             hf_config=hf,
@@ -83,6 +85,24 @@ def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
         raise ValueError("mlp_bias=True is not supported")
     if getattr(hf, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
+    params = _rope_parameters(hf)
+    if params.get("rope_type", params.get("type")) in ("longrope", "su"):
+        raise ValueError("rope_type 'longrope' is not supported: it switches between two frequency tables with the "
+                         "sequence length, and nanograph keeps one")
+
+
+def _rope_parameters(hf: PretrainedConfig) -> dict:
+    return getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+
+
+def _max_context(hf: PretrainedConfig) -> int:
+    """YaRN stretches the original context by its factor (Qwen2.5's and Qwen3's long-context recipe keeps
+    max_position_embeddings at the original length); every other rope type serves max_position_embeddings."""
+    params = _rope_parameters(hf)
+    if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
+        original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
+        return max(hf.max_position_embeddings, int(original * params["factor"]))
+    return hf.max_position_embeddings
 
 
 def _torch_dtype(hf: PretrainedConfig) -> torch.dtype:

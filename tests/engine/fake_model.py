@@ -67,6 +67,6 @@ class FakeTokenizer:
 def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS,), max_model_len: int = 64,
                 peak: float = 10.0, **config) -> LLMEngine:
     model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids),
-                                   max_position_embeddings=max(max_model_len, 256))
+                                   max_context=max(max_model_len, 256))
     runner = FakeRunner(num_kv_blocks, block_size, peak)
     return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner, FakeTokenizer())

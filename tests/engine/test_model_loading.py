@@ -14,6 +14,7 @@ EXPECTED = {  # architecture, head_dim, qk_norm, qkv_bias, tied
     "qwen3-yarn-untied": ("Qwen3ForCausalLM", 24, True, False, False),
     "llama3-untied": ("LlamaForCausalLM", 16, False, False, False),
     "qwen2-tied": ("Qwen2ForCausalLM", 16, False, True, True),
+    "qwen2-yarn-short": ("Qwen2ForCausalLM", 16, False, True, True),
 }
 
 
@@ -28,7 +29,8 @@ def test_config_fields(tiny):
     mc = ModelConfig.from_pretrained(folder)
     assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.qkv_bias, mc.tie_word_embeddings) == EXPECTED[name]
     assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (64, 2, 4, 2)
-    assert (mc.vocab_size, mc.intermediate_size, mc.max_position_embeddings) == (256, 96, 256)
+    assert (mc.vocab_size, mc.intermediate_size, mc.max_context) == (256, 96, 256)  # YaRN: 64 x 4 for the short one
+    assert mc.max_position_embeddings == (64 if name == "qwen2-yarn-short" else 256)
     assert mc.dtype == torch.float32
 
 

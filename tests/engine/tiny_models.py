@@ -19,6 +19,10 @@ TINY_CONFIGS = {
                                                         "original_max_position_embeddings": 64}),
     "qwen2-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                        rope_theta=1e6),
+    # Qwen2.5's long-context recipe: max_position_embeddings stays the original length, YaRN stretches it 4x.
+    "qwen2-yarn-short": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
+                             rope_theta=1e4, max_position_embeddings=64,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
 }
 
 

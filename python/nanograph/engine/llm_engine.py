@@ -43,7 +43,7 @@ class LLMEngine:
                              "raise gpu_memory_utilization (or num_kv_blocks) or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
-        self.max_position_embeddings = model_config.max_position_embeddings
+        self.max_context = model_config.max_context
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -59,13 +59,19 @@ class LLMEngine:
     def from_config(cls, config: Config) -> LLMEngine:
         model = config.model or default_model_path()
         model_config = ModelConfig.from_pretrained(model)
-        positions = model_config.max_position_embeddings
+        positions = model_config.max_context
         if config.max_model_len > positions and config.max_model_len != Config.max_model_len:
             # An explicit length past the model's positions (the default is capped without a word).
             warnings.warn(f"max_model_len {config.max_model_len} is more than the model's {positions} positions "
-                          f"(max_position_embeddings); using {positions}", stacklevel=3)
+                          f"(max_position_embeddings, or YaRN's scaled context); using {positions}", stacklevel=3)
         config = replace(config, model=model, max_model_len=min(config.max_model_len, positions))
-        return cls(config, model_config, make_runner(config, model_config), _load_tokenizer(model))
+        tokenizer = _load_tokenizer(model)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(eos, int) and 0 <= eos < model_config.vocab_size and eos not in model_config.eos_token_ids:
+            # The tokenizer's end-of-text token ends a completion too, as in vLLM: a fine-tune often sets it
+            # (e.g. <|im_end|>) while config.json keeps the base model's.
+            model_config = replace(model_config, eos_token_ids=[*model_config.eos_token_ids, eos])
+        return cls(config, model_config, make_runner(config, model_config), tokenizer)
 
     def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
         """Queue one request and return its id; an invalid request raises ValueError and changes nothing."""
@@ -226,7 +232,7 @@ class LLMEngine:
         if len(token_ids) > self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}: "
                              f"shorten the prompt, or raise max_model_len (the model takes up to "
-                             f"{self.max_position_embeddings} positions)")
+                             f"{self.max_context} positions)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
         for token_id in params.stop_token_ids or ():
