@@ -7,7 +7,7 @@ from dataclasses import dataclass
 @dataclass
 class Config:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"
+    dtype: str = "auto"  # or a torch.dtype, kept as its name
     # Capped at the model's positions (ModelConfig.max_context) when the engine loads it, with a warning when a
     # larger value was asked for.
     max_model_len: int = 4096
@@ -22,6 +22,11 @@ class Config:
     seed: int = 0
 
     def __post_init__(self):
+        if not isinstance(self.dtype, str):  # a torch.dtype (as vLLM takes): its name
+            name = str(self.dtype).removeprefix("torch.")
+            if name not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"unsupported dtype {self.dtype}; use 'auto', 'bfloat16', 'float16' or 'float32'")
+            self.dtype = name
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

@@ -29,14 +29,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them; a content is a string
+        or a list of OpenAI-style text parts ({"type": "text", "text": ...}). chat_template_kwargs go to the chat
+        template (e.g. Qwen3's enable_thinking=False)."""
         if self.tokenizer is None:
             raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
                              "files, or call generate() with token-id prompts")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False)
+        prompts = [self.tokenizer.apply_chat_template([_text_message(m) for m in conversation],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                      **(chat_template_kwargs or {}))
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -75,3 +78,13 @@ def _prompt(prompt):
         return list(prompt["prompt_token_ids"])
     raise ValueError(f"a prompt dict takes exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of ids); "
                      f"got keys {sorted(prompt)}")
+
+
+def _text_message(message: dict) -> dict:
+    """A chat message whose content is a list of text parts, with the parts joined into one string."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+        raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
+    return {**message, "content": "".join(part["text"] for part in content)}

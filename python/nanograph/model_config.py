@@ -42,7 +42,10 @@ class ModelConfig:
                                     "holding config.json and *.safetensors (models are not downloaded)")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{str(path)!r} has no config.json; pass a Hugging Face model folder")
-        raw = json.loads((path / "config.json").read_text())
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{str(path / 'config.json')!r} is not valid JSON: {exc}") from None
         architecture = _architecture(raw)
         hf = AutoConfig.from_pretrained(path)
         _check_supported_options(hf, architecture)

@@ -117,3 +117,30 @@ def test_cli_errors_are_one_line(argv, message, tiny, capsys):
     assert any(line.startswith("nanograph") and "error:" in line for line in err.splitlines())
     import re
     assert re.search(message, err)
+
+
+def test_a_torch_dtype_is_taken_by_its_name(tiny):
+    folder, _ = tiny
+    llm = LLM(str(folder), device="cpu", dtype=torch.bfloat16, max_model_len=64, num_kv_blocks=8, block_size=16)
+    assert llm.engine.config.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="unsupported dtype torch.int8"):
+        LLM(str(folder), device="cpu", dtype=torch.int8)
+
+
+def test_chat_takes_text_parts_and_chat_template_kwargs(tmp_path):
+    make_tiny_model(tmp_path, "qwen3-tied")
+    save_word_tokenizer(tmp_path, eos_token="<end>")
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                                         "{% if enable_thinking is defined and not enable_thinking %}w9{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=8, block_size=16)
+    plain = llm.chat([{"role": "user", "content": "w3 w4"}], GREEDY, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "w3 "}, {"type": "text", "text": "w4"}]}],
+                     GREEDY, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids == [3, 4]
+    off = llm.chat([{"role": "user", "content": "w3 w4"}], GREEDY, use_tqdm=False,
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    assert off.prompt_token_ids == [3, 4, 9]
+    with pytest.raises(ValueError, match="text content parts only"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], GREEDY)

@@ -122,3 +122,35 @@ def test_architecture_from_model_type_when_architectures_absent(tmp_path):
     del config["architectures"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert ModelConfig.from_pretrained(tmp_path).architecture == "LlamaForCausalLM"
+
+
+def test_broken_checkpoints_name_the_file_at_fault(tmp_path):
+    """A config.json that is not JSON, a shard the index names but the folder lacks, a truncated safetensors file and
+    a missing tensor each raise an error naming the file or tensor (ValueError or FileNotFoundError, not KeyError)."""
+    make_tiny_model(tmp_path, "llama3-untied", max_shard_size="40KB")
+    mc = ModelConfig.from_pretrained(tmp_path)
+    config_text = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config_text[:-5])
+    with pytest.raises(ValueError, match=r"config\.json' is not valid JSON"):
+        ModelConfig.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(config_text)
+
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard = tmp_path / sorted(set(index["weight_map"].values()))[1]
+    data = shard.read_bytes()
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"names shard\(s\) \['{shard.name}'\] that are not in the folder"):
+        load_weights(tmp_path, mc, torch.float32, "cpu")
+    shard.write_bytes(data[:20])
+    with pytest.raises(ValueError, match=rf"cannot read the weights file .*{shard.name}"):
+        load_weights(tmp_path, mc, torch.float32, "cpu")
+    shard.write_bytes(data)
+
+    from safetensors.torch import load_file, save_file
+    holder = tmp_path / index["weight_map"].pop("model.norm.weight")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    tensors = load_file(holder)
+    del tensors["model.norm.weight"]
+    save_file(tensors, holder, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) \['model.norm.weight'\]"):
+        load_weights(tmp_path, mc, torch.float32, "cpu")

@@ -17,13 +17,18 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
     k_norm (Qwen3), o_proj, post_attention_layernorm, gate_up_proj (gate rows first), down_proj}."""
     files = weight_files(Path(path))
     with ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
+        handles = []
+        for f in files:
+            try:
+                handles.append(stack.enter_context(safe_open(f, framework="pt")))
+            except Exception as exc:  # safetensors' own error type: a truncated or foreign file
+                raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
 
         def get(*names: str) -> torch.Tensor:
             missing = [n for n in names if n not in file_of]
             if missing:
-                raise KeyError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
+                raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
             parts = [file_of[n].get_tensor(n) for n in names]
             return torch.cat(parts).to(device=device, dtype=dtype)
 
@@ -50,7 +55,11 @@ def weight_files(path: Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards an index names, else every *.safetensors in the folder."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        return [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        shards = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        absent = [shard.name for shard in shards if not shard.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{str(index)!r} names shard(s) {absent} that are not in the folder")
+        return shards
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}; "
