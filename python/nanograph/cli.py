@@ -53,10 +53,9 @@ def main(argv: list[str] | None = None):
             outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
-        # What a user can fix (a model folder, a device, an argument) is one line, not a traceback. OSError covers
-        # missing files; KeyError a tensor missing from the weights.
-        parser.error(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
+    except (ValueError, OSError, RuntimeError) as exc:
+        # What a user can fix (a model folder or file, a device, an argument) is one line, not a traceback.
+        parser.error(str(exc))
     print(outputs[0].outputs[0].text)
 
 

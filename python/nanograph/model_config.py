@@ -88,21 +88,26 @@ def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
         raise ValueError("mlp_bias=True is not supported")
     if getattr(hf, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=True) is not supported")
-    params = _rope_parameters(hf)
-    if params.get("rope_type", params.get("type")) in ("longrope", "su"):
+    if rope_type(hf) in ("longrope", "su"):
         raise ValueError("rope_type 'longrope' is not supported: it switches between two frequency tables with the "
                          "sequence length, and nanograph keeps one")
 
 
-def _rope_parameters(hf: PretrainedConfig) -> dict:
+def rope_parameters(hf: PretrainedConfig) -> dict:
+    """The config's rope parameters (transformers 5's rope_parameters, or the older rope_scaling), {} for none."""
     return getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+
+
+def rope_type(hf: PretrainedConfig) -> str:
+    params = rope_parameters(hf)
+    return params.get("rope_type", params.get("type", "default"))
 
 
 def _max_context(hf: PretrainedConfig) -> int:
     """YaRN stretches the original context by its factor (Qwen2.5's and Qwen3's long-context recipe keeps
     max_position_embeddings at the original length); every other rope type serves max_position_embeddings."""
-    params = _rope_parameters(hf)
-    if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
+    params = rope_parameters(hf)
+    if rope_type(hf) == "yarn" and params.get("factor"):
         original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
         return max(hf.max_position_embeddings, int(original * params["factor"]))
     return hf.max_position_embeddings

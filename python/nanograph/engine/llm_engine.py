@@ -238,14 +238,12 @@ class LLMEngine:
         for token_id in params.stop_token_ids or ():
             if isinstance(token_id, int) and not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
-        if params.max_tokens is None:
-            room = max(1, self.config.max_model_len - len(token_ids))
-            if params.min_tokens > room:
-                raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "
-                                 f"leaves {room} of max_model_len={self.config.max_model_len}; lower min_tokens or "
-                                 f"raise max_model_len")
-        max_tokens = params.max_tokens or max(1, self.config.max_model_len - len(token_ids))
-        return token_ids, replace(params, max_tokens=max_tokens)
+        room = max(1, self.config.max_model_len - len(token_ids))
+        if params.max_tokens is None and params.min_tokens > room:
+            raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "
+                             f"leaves {room} of max_model_len={self.config.max_model_len}; lower min_tokens or "
+                             f"raise max_model_len")
+        return token_ids, replace(params, max_tokens=params.max_tokens or room)
 
     def _queue(self, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._request_ids))

@@ -6,7 +6,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..model_config import ModelConfig
+from ..model_config import ModelConfig, rope_type
 
 
 def rope_cos_sin(model_config: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -18,10 +18,9 @@ def rope_cos_sin(model_config: ModelConfig, max_positions: int, device: torch.de
 
 
 def _rope_init_fn(hf_config: PretrainedConfig):
-    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ROPE_INIT_FUNCTIONS:
-        return ROPE_INIT_FUNCTIONS[rope_type]
-    if rope_type == "default":  # transformers 5 moved the default initialiser onto the rotary embedding classes
+    kind = rope_type(hf_config)
+    if kind in ROPE_INIT_FUNCTIONS:
+        return ROPE_INIT_FUNCTIONS[kind]
+    if kind == "default":  # transformers 5 moved the default initialiser onto the rotary embedding classes
         return LlamaRotaryEmbedding.compute_default_rope_parameters
-    raise ValueError(f"unsupported rope_type {rope_type!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
+    raise ValueError(f"unsupported rope_type {kind!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
