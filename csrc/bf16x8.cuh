@@ -9,9 +9,7 @@ struct Float8 {
   float v[8];
 };
 
-// src must be 16-byte aligned.
-__device__ __forceinline__ Float8 load_bf16x8(const bf16* src) {
-  uint4 raw = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ Float8 bf16x8_to_float8(const uint4& raw) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
   Float8 out;
 #pragma unroll
@@ -21,6 +19,11 @@ __device__ __forceinline__ Float8 load_bf16x8(const bf16* src) {
     out.v[2 * i + 1] = f.y;
   }
   return out;
+}
+
+// src must be 16-byte aligned.
+__device__ __forceinline__ Float8 load_bf16x8(const bf16* src) {
+  return bf16x8_to_float8(*reinterpret_cast<const uint4*>(src));
 }
 
 // Rounds to nearest-even, like torch's cast to bfloat16. dst must be 16-byte aligned.

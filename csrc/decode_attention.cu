@@ -452,8 +452,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs a
   __shared__ float s_inv_sum;
   __shared__ float4 s_part[kSplitLanes][kColumns];
 
+  allow_dependents();  // before the wait: the next kernel is o_proj's GEMV (launch.h)
   wait_for_producers();
-  allow_dependents();
   const int row = blockIdx.x;
   const int len = args.kv.context_lens[row / args.num_q_heads];
   const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));

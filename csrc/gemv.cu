@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin);
-  wait_for_producers();
+  wait_for_producers_after_loads();
   allow_dependents();
 
   // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.

@@ -13,7 +13,12 @@
 //   - before the wait it reads only data no kernel of the current chain writes (weights). The
 //     one exception is decode attention on small grids, which reads the KV cache before the wait
 //     under the contract stated in attention.h (paged_decode_attention).
-// On older GPUs, or with NANOGRAPH_PDL=0 in the environment, launches are ordinary and the two
+// Where a kernel calls allow_dependents() decides how early the next one is launched. The small
+// kernels that come right before a GEMV (the norms, RoPE, attention's combine) call it before
+// their wait, so the GEMV's CTAs are resident and its first weight batch in flight while they
+// wait; the GEMVs and attention's split call it after their wait (earlier, their dependents took
+// SM room from their own CTAs: a slower decode step, measured).
+// On older GPUs, or with NANOGRAPH_PDL=0 in the environment, launches are ordinary and the
 // device functions compile to nothing.
 #pragma once
 #include "common.h"
@@ -25,6 +30,18 @@ namespace nanograph {
 __device__ __forceinline__ void wait_for_producers() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// wait_for_producers() for a kernel that issues loads before it (a GEMV's first weight batch).
+// ptxas places griddepcontrol.wait as early as it can within its basic block, so a wait in
+// straight-line code after such loads ends up above them (seen with CUDA 13.0 for sm_90a), and
+// the loads start only once the previous kernel has completed. It does not move the wait out of
+// its own block: the branch keeps it after the loads, and is taken at run time (a grid has at
+// least one CTA), so every CTA still waits.
+__device__ __forceinline__ void wait_for_producers_after_loads() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (gridDim.x != 0) wait_for_producers();
 #endif
 }
 

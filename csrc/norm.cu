@@ -35,11 +35,18 @@ template <int VPT, bool kAddResidual>
 __global__ void __launch_bounds__(kMaxCtaThreads)
     rmsnorm_kernel(const bf16* x, bf16* residual, const bf16* __restrict__ weight, bf16* out,
                    int rows, int dim, float eps) {
-  wait_for_producers();  // PDL: see launch.h
-  allow_dependents();
+  // The weight is no kernel's output: it is in flight before the PDL wait (launch.h).
+  const int vecs = dim / 8;
+  uint4 w_raw[VPT];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int v = threadIdx.x + i * blockDim.x;
+    if (v < vecs) w_raw[i] = *reinterpret_cast<const uint4*>(weight + v * 8);
+  }
+  allow_dependents();  // before the wait: the next kernel is a GEMV (launch.h)
+  wait_for_producers_after_loads();
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   if (row >= rows) return;
-  const int vecs = dim / 8;
   const int64_t row_offset = static_cast<int64_t>(row) * dim;
 
   Float8 h[VPT];
@@ -76,7 +83,7 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) break;
-    const Float8 w = load_bf16x8(weight + v * 8);
+    const Float8 w = bf16x8_to_float8(w_raw[i]);
 #pragma unroll
     for (int k = 0; k < 8; ++k) h[i].v[k] *= rstd;
     round_to_bf16(h[i]);

@@ -35,35 +35,44 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Before its PDL wait (launch.h) a thread reads what no kernel of the chain writes: its token's
+// position and slot (step metadata), that position's cos/sin and the norm weight. The head itself
+// (the previous kernel's output) is read after the wait.
 template <int HEAD_DIM, bool QK_NORM>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvArgs args) {
-  wait_for_producers();  // PDL: see launch.h
-  allow_dependents();
   constexpr int kLanes = HEAD_DIM / kRopeVec;
   const int heads_per_token = args.num_q_heads + args.num_kv_heads;
   const int item = (blockIdx.x * kThreads + threadIdx.x) / kLanes;  // fits int: see the launcher
-  if (item >= args.num_tokens * heads_per_token) return;
+  const bool in_range = item < args.num_tokens * heads_per_token;
   const int token = item / heads_per_token;
   const int head = item % heads_per_token;
   const int lane_in_head = threadIdx.x % kLanes;
+  const bool is_q = head < args.num_q_heads;
+  NormRopeOperands op;
+  int slot = -1;
+  if (in_range) {
+    const int position = args.positions[token];
+    if (!is_q) slot = args.slot_mapping[token];
+    op = load_norm_rope_operands<HEAD_DIM, QK_NORM>(
+        is_q ? args.q_norm_weight : args.k_norm_weight,
+        args.cos_sin + static_cast<int64_t>(position) * HEAD_DIM, lane_in_head);
+  }
+  allow_dependents();  // before the wait (launch.h)
+  wait_for_producers_after_loads();
+  if (!in_range) return;
   // Groups never straddle a warp, and a group is wholly in or out of range.
   const unsigned group_mask = ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
 
   const int64_t row = static_cast<int64_t>(token) *
                       (args.num_q_heads + 2 * args.num_kv_heads) * HEAD_DIM;
   const int lane_offset = lane_in_head * kRopeVec;
-  const float* cos_sin_row = args.cos_sin + static_cast<int64_t>(args.positions[token]) * HEAD_DIM;
-  const bool is_q = head < args.num_q_heads;
 
   bf16* x_ptr = args.qkv + row + head * HEAD_DIM + lane_offset;
   Float8 x = load_bf16x8(x_ptr);
-  norm_rope<HEAD_DIM, QK_NORM>(x, is_q ? args.q_norm_weight : args.k_norm_weight, cos_sin_row,
-                               lane_in_head, group_mask, args.eps);
+  apply_norm_rope<HEAD_DIM, QK_NORM>(x, op, lane_in_head, group_mask, args.eps);
   store_bf16x8(x_ptr, x);
-  if (is_q) return;
+  if (is_q || slot < 0) return;
 
-  const int slot = args.slot_mapping[token];
-  if (slot < 0) return;
   const int kv_head = head - args.num_q_heads;
   const int64_t cache_offset =
       (static_cast<int64_t>(slot) * args.num_kv_heads + kv_head) * HEAD_DIM + lane_offset;

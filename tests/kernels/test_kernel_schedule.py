@@ -1,0 +1,118 @@
+"""Instruction order that the compiled core depends on for speed, read from its sm_90 SASS (cuobjdump).
+
+Kernels launched with PDL issue loads of what no kernel of the chain writes (weights, step metadata, the
+RoPE table) before griddepcontrol.wait, so that they are in flight while the previous kernel finishes
+(launch.h). ptxas is free to schedule the wait above those loads, which then start only after the previous
+kernel has completed: the results stay right and the decode step is slower. These tests need no GPU, only the built core and cuobjdump with nvdisasm (CUDA's bin folder, or the
+nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels)."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+
+import nanograph
+
+WEIGHT_BATCH = 8  # kUnroll in gemv.cu: 16-byte weight loads per lane issued together
+
+
+def _tool_dirs():
+    dirs = [os.path.dirname(p) for p in (shutil.which("cuobjdump"), shutil.which("nvdisasm")) if p]
+    dirs.append("/usr/local/cuda/bin")
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        dirs += glob.glob(os.path.join(base, "nvidia", "cu*", "bin")) + glob.glob(
+            os.path.join(base, "nvidia", "cuda_*", "bin"))
+    return dirs
+
+
+def _find(tool):
+    for d in _tool_dirs():
+        path = os.path.join(d, tool)
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def _core_path():
+    if not nanograph.core_available():
+        return None
+    from nanograph import _C
+    return _C.__file__
+
+
+def functions(sass: str) -> dict[str, list[str]]:
+    """cuobjdump -sass text -> {mangled function name: its instructions, in order}."""
+    out, current = {}, None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            current = out.setdefault(m.group(1), [])
+            continue
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        if m and current is not None:
+            current.append(m.group(1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sm90_functions():
+    core = _core_path()
+    if core is None:
+        pytest.skip(f"the C++/CUDA core is not built ({nanograph.CORE_ERROR})")
+    cuobjdump, nvdisasm = _find("cuobjdump"), _find("nvdisasm")
+    if cuobjdump is None or nvdisasm is None:
+        pytest.skip("cuobjdump and nvdisasm not found (CUDA's bin folder, or pip install "
+                    "nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, PATH=os.path.dirname(nvdisasm) + os.pathsep + os.environ.get("PATH", ""))
+    result = subprocess.run([cuobjdump, "-sass", core], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    # cuobjdump prints one section per architecture; keep sm_90's.
+    sections = re.split(r"\n(?=\s*arch = )", result.stdout)
+    sm90 = "\n".join(s for s in sections if re.search(r"arch = sm_90", s))
+    if not sm90:
+        pytest.skip("the core was built without sm_90 code (NANOGRAPH_CUDA_ARCHS)")
+    return functions(sm90)
+
+
+def test_functions_parser():
+    text = """
+        Function : _Z3fooPi
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   ACQBULK ;                               /* 0x0000000000007b1d */
+        Function : _Z3barv
+        /*0000*/                   EXIT ;                                  /* 0x000000000000794d */
+    """
+    assert functions(text) == {"_Z3fooPi": ["LDC R1, c[0x0][0x28]", "ACQBULK"], "_Z3barv": ["EXIT"]}
+
+
+def _waits(ins):
+    return [i for i, x in enumerate(ins) if x.split()[0] == "ACQBULK" or " ACQBULK" in x]
+
+
+def test_gemv_weight_loads_come_before_the_pdl_wait(sm90_functions):
+    gemvs = {name: ins for name, ins in sm90_functions.items() if "gemv_kernel" in name}
+    assert len(gemvs) >= 4, f"expected the GEMV's template variants, found {sorted(sm90_functions)[:20]}"
+    for name, ins in gemvs.items():
+        waits = _waits(ins)
+        assert waits, f"{name}: no griddepcontrol.wait (ACQBULK)"
+        # Weight loads bypass L1 (ld.global.nc.L1::no_allocate): LDG.E.NA.128.CONSTANT.
+        weight_loads = [i for i, x in enumerate(ins) if re.search(r"\bLDG\S*\.NA\.128", x)]
+        early = sum(1 for i in weight_loads if i < waits[0])
+        assert early >= WEIGHT_BATCH, (
+            f"{name}: {early} weight loads before the PDL wait (instruction {waits[0]}), expected the first "
+            f"batch of {WEIGHT_BATCH}")
+
+
+@pytest.mark.parametrize("kernel, what", [("rmsnorm_kernel", "the norm weight"),
+                                          ("qk_norm_rope_kv_store_kernel", "position, slot, cos/sin, norm weight")])
+def test_small_kernels_load_before_the_pdl_wait(sm90_functions, kernel, what):
+    found = {name: ins for name, ins in sm90_functions.items() if kernel in name}
+    assert found, f"no {kernel} in the core"
+    for name, ins in found.items():
+        waits = _waits(ins)
+        assert waits, f"{name}: no griddepcontrol.wait (ACQBULK)"
+        early = sum(1 for i, x in enumerate(ins[:waits[0]]) if re.search(r"\bLDG", x))
+        assert early >= 1, f"{name}: {what} should be loaded before the PDL wait (instruction {waits[0]})"
