@@ -1,5 +1,5 @@
-// Token embedding lookup: out[t, :] = table[ids[t], :], or a zero row when ids[t] is outside
-// [0, vocab).
+// Token embedding lookup: out[t, :] = table[id, :], or a zero row when id is outside [0, vocab),
+// where id = ids[t], or sampled[id_src[t]] when id_src is given and id_src[t] >= 0.
 //
 // Layouts: ids [num_tokens] int32; table [vocab, hidden] bf16; out [num_tokens, hidden] bf16;
 // hidden is a multiple of 8 so every row is a whole number of 16-byte vectors.
@@ -15,9 +15,11 @@ constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads)
     embedding_kernel(const int32_t* __restrict__ ids, const uint4* __restrict__ table,
-                     uint4* __restrict__ out, int vecs_per_row, int vocab) {
+                     uint4* __restrict__ out, int vecs_per_row, int vocab,
+                     const int32_t* __restrict__ id_src, const int32_t* __restrict__ sampled) {
   const int token = blockIdx.x;
-  const int id = ids[token];
+  const int from = id_src != nullptr ? id_src[token] : -1;
+  const int id = from >= 0 ? sampled[from] : ids[token];
   uint4* dst = out + static_cast<int64_t>(token) * vecs_per_row;
   if (id < 0 || id >= vocab) {
     for (int v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = make_uint4(0, 0, 0, 0);
@@ -30,7 +32,9 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void embedding(const int32_t* ids, const bf16* table, bf16* out, int num_tokens, int hidden,
-               int vocab, cudaStream_t stream) {
+               int vocab, cudaStream_t stream, const int32_t* id_src, const int32_t* sampled) {
+  require((id_src == nullptr) == (sampled == nullptr),
+          "embedding: give both id_src and sampled, or neither");
   require(hidden > 0 && hidden % 8 == 0,
           "embedding: hidden size " + std::to_string(hidden) +
               " must be a positive multiple of 8 (rows are copied as 16-byte vectors)");
@@ -38,7 +42,8 @@ void embedding(const int32_t* ids, const bf16* table, bf16* out, int num_tokens,
           "embedding: table and out must be 16-byte aligned (allocate them with torch/cudaMalloc)");
   if (num_tokens == 0) return;
   embedding_kernel<<<num_tokens, kThreads, 0, stream>>>(
-      ids, reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab);
+      ids, reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab,
+      id_src, sampled);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,5 @@
-// pdl_enabled() (see launch.h): compute capability 9.0 or newer, unless NANOGRAPH_PDL=0.
+// pdl_enabled() and clusters_supported() (see launch.h): compute capability 9.0 or newer (PDL
+// unless NANOGRAPH_PDL=0).
 #include "launch.h"
 
 #include <cstdlib>
@@ -12,6 +13,13 @@ bool pdl_enabled() {
     return value == nullptr || std::strcmp(value, "0") != 0;
   }();
   if (!allowed) return false;
+  int device = 0, major = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
+}
+
+bool clusters_supported() {
   int device = 0, major = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));

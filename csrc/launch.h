@@ -54,6 +54,9 @@ __device__ __forceinline__ void allow_dependents() {
 // True when launches on the current device use PDL.
 bool pdl_enabled();
 
+// True when the current device launches thread block clusters (compute capability 9.0+).
+bool clusters_supported();
+
 template <class... Params, class... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
                 cudaStream_t stream, Args&&... args) {

@@ -41,13 +41,6 @@ __global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const in
   }
 }
 
-// input_ids[t] = sampled[input_src[t]] where input_src[t] >= 0 (StepLayout), in place.
-__global__ void resolve_input_ids_kernel(int32_t* input_ids, const int32_t* input_src,
-                                         const int32_t* sampled, int num_tokens) {
-  const int t = blockIdx.x * blockDim.x + threadIdx.x;
-  if (t < num_tokens && input_src[t] >= 0) input_ids[t] = sampled[input_src[t]];
-}
-
 }  // namespace
 
 StepLayout::StepLayout(int num_tokens, int num_seqs, int block_table_width) {
@@ -213,7 +206,7 @@ int Model::decode_plan_seqs(int num_seqs) const {
 void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
-  int32_t* input_ids = device_meta_ + layout.input_ids;
+  const int32_t* input_ids = device_meta_ + layout.input_ids;
   const int32_t* positions = device_meta_ + layout.positions;
   const int32_t* slot_mapping = device_meta_ + layout.slot_mapping;
   const int32_t* cu_seqlens_q = device_meta_ + layout.cu_seqlens_q;
@@ -226,9 +219,6 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
 
-  resolve_input_ids_kernel<<<ceil_div(T, 256), 256, 0, st>>>(
-      input_ids, device_meta_ + layout.input_src, sampled_tokens_, T);
-  CUDA_CHECK_LAUNCH();
   // Large decode grids of several sequences take them longest first; the lengths are the same in
   // every layer, so the order is made once per step.
   const int plan_seqs = is_decode ? decode_plan_seqs(S) : S;
@@ -241,7 +231,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   // separate kernel.
   const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
-  embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st);
+  // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
+  embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st,
+            device_meta_ + layout.input_src, sampled_tokens_);
   rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];

@@ -9,7 +9,14 @@
 // (< 8 elements), so every row is vectorised whatever its alignment. Each thread keeps its best
 // (value, index), then a warp-shuffle and a shared-memory pass reduce them. The per-element
 // work is one packed max per pair, which keeps the scan at memory speed.
+// Few rows (decode at small batch) leave most SMs idle, and one SM streams a 300 KB row in about
+// 11 us: on sm_90 such rows take a cluster of kClusterCtas CTAs each, which scan one slice of the
+// row's body and merge their results through distributed shared memory.
 #include "sampling.h"
+
+#include "launch.h"
+
+#include <cooperative_groups.h>
 
 #include <climits>
 
@@ -78,29 +85,30 @@ __device__ __forceinline__ void warp_merge(Best& best) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    argmax_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
-                  int32_t* __restrict__ out) {
-  const bf16* row = logits + blockIdx.x * stride;
+// This CTA's best over the vectors [v_begin, v_end) of the row's body (and the head and tail
+// when it scans them), reduced over its threads; every thread of warp 0 holds the result.
+__device__ __forceinline__ Best scan_row(const bf16* row, int vocab, int v_begin, int v_end,
+                                         bool with_head_and_tail) {
   const int misalignment = static_cast<int>((reinterpret_cast<uintptr_t>(row) % 16) / sizeof(bf16));
   const int head = min(vocab, (8 - misalignment) % 8);
   const int body_vecs = (vocab - head) / 8;
   const int tail_start = head + body_vecs * 8;
   const uint4* body = reinterpret_cast<const uint4*>(row + head);
+  v_end = min(v_end, body_vecs);
 
   Best best = {-INFINITY, kNone};
-  if (threadIdx.x < head) scan_one(best, row[threadIdx.x], threadIdx.x);
-  int v = threadIdx.x;
-  for (; v + (kLoadsInFlight - 1) * kThreads < body_vecs; v += kLoadsInFlight * kThreads) {
+  if (with_head_and_tail && threadIdx.x < head) scan_one(best, row[threadIdx.x], threadIdx.x);
+  int v = v_begin + threadIdx.x;
+  for (; v + (kLoadsInFlight - 1) * kThreads < v_end; v += kLoadsInFlight * kThreads) {
     uint4 raw[kLoadsInFlight];
 #pragma unroll
     for (int i = 0; i < kLoadsInFlight; ++i) raw[i] = __ldg(body + v + i * kThreads);
 #pragma unroll
     for (int i = 0; i < kLoadsInFlight; ++i) scan_vec(best, raw[i], head + (v + i * kThreads) * 8);
   }
-  for (; v < body_vecs; v += kThreads) scan_vec(best, __ldg(body + v), head + v * 8);
+  for (; v < v_end; v += kThreads) scan_vec(best, __ldg(body + v), head + v * 8);
   const int tail_index = tail_start + threadIdx.x;
-  if (tail_index < vocab) scan_one(best, row[tail_index], tail_index);
+  if (with_head_and_tail && tail_index < vocab) scan_one(best, row[tail_index], tail_index);
 
   warp_merge(best);
   __shared__ Best warp_best[kThreads / 32];
@@ -110,9 +118,50 @@ __global__ void __launch_bounds__(kThreads)
   if (warp == 0) {
     best = warp_best[lane];
     warp_merge(best);
-    // No thread saw a value above -inf only when the whole row is -inf: torch answers 0.
-    if (lane == 0) out[blockIdx.x] = best.index == kNone ? 0 : best.index;
   }
+  return best;
+}
+
+// No thread saw a value above -inf only when the whole row is -inf: torch answers 0.
+__device__ __forceinline__ int32_t answer(const Best& best) {
+  return best.index == kNone ? 0 : best.index;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    argmax_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
+                  int32_t* __restrict__ out) {
+  const Best best = scan_row(logits + blockIdx.x * stride, vocab, 0, INT_MAX, true);
+  if (threadIdx.x == 0) out[blockIdx.x] = answer(best);
+}
+
+// Row blockIdx.y, slice blockIdx.x (the CTA's rank in its cluster of kClusterCtas): the body's
+// vectors are cut into kClusterCtas contiguous slices; rank 0 also scans the head and the tail,
+// then merges the ranks' results.
+constexpr int kClusterCtas = 8;
+constexpr int kClusterMaxRows = 16;
+
+__global__ void __launch_bounds__(kThreads)
+    argmax_cluster_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
+                          int32_t* __restrict__ out) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int body_vecs = vocab / 8;  // an upper bound: scan_row clips to the row's own body
+  const int per_cta = (body_vecs + kClusterCtas - 1) / kClusterCtas;
+  __shared__ Best cta_best;
+  const Best best = scan_row(logits + blockIdx.y * stride, vocab, rank * per_cta,
+                             rank * per_cta + per_cta, rank == 0);
+  if (threadIdx.x == 0) cta_best = best;
+  cluster.sync();  // every rank's cta_best is written
+  if (rank == 0 && threadIdx.x < 32) {
+    Best merged = threadIdx.x < kClusterCtas ? *cluster.map_shared_rank(&cta_best, threadIdx.x)
+                                             : Best{-INFINITY, kNone};
+    warp_merge(merged);
+    if (threadIdx.x == 0) out[blockIdx.y] = answer(merged);
+  }
+  cluster.sync();  // no rank exits while rank 0 reads its shared memory
+#endif
 }
 
 }  // namespace
@@ -125,6 +174,22 @@ void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, c
   require(reinterpret_cast<uintptr_t>(logits) % sizeof(bf16) == 0,
           "argmax: logits must be 2-byte aligned");
   if (rows == 0) return;
+  if (rows <= kClusterMaxRows && vocab >= 8 * kThreads && clusters_supported()) {
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kClusterCtas;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(kClusterCtas, rows);
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    CUDA_CHECK(cudaLaunchKernelEx(&config, argmax_cluster_kernel, logits, vocab,
+                                  static_cast<int64_t>(stride), out));
+    return;
+  }
   argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, stride, out);
   CUDA_CHECK_LAUNCH();
 }

@@ -27,21 +27,35 @@ std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
 NANOGRAPH_BINDINGS(bind_basic) {
   m.def(
       "embedding",
-      [](py::object ids, py::object table, py::object out) {
+      [](py::object ids, py::object table, py::object out, py::object id_src, py::object sampled) {
         Tensor ti = cuda_tensor(ids, "ids", "int32");
         Tensor tt = cuda_tensor(table, "table", "bfloat16");
         Tensor to = cuda_tensor(out, "out", "bfloat16");
+        Tensor ts = optional_cuda_tensor(id_src, "id_src", "int32");
+        Tensor tz = optional_cuda_tensor(sampled, "sampled", "int32");
+        if (id_src.is_none() != sampled.is_none()) {
+          throw_invalid_argument("embedding: give both id_src and sampled, or neither");
+        }
         expect_shape(ti, {-1});
         expect_shape(tt, {-1, -1});
         expect_shape(to, {ti.size(0), tt.size(1)});
-        same_device({&ti, &tt, &to});
+        std::vector<const Tensor*> tensors{&ti, &tt, &to};
+        if (!id_src.is_none()) {
+          expect_shape(ts, {ti.size(0)});
+          expect_shape(tz, {-1});
+          tensors.insert(tensors.end(), {&ts, &tz});
+        }
+        same_device(tensors);
         embedding(ti.data<int32_t>(), tt.data<bf16>(), to.data<bf16>(),
                   checked_int(ti.size(0), "number of tokens"), checked_int(tt.size(1), "hidden"),
-                  checked_int(tt.size(0), "vocab"), torch_current_stream());
+                  checked_int(tt.size(0), "vocab"), torch_current_stream(), ts.data<int32_t>(),
+                  tz.data<int32_t>());
       },
-      py::arg("ids"), py::arg("table"), py::arg("out"),
-      "out[t] = table[ids[t]]; ids [n] int32, table [vocab, hidden] bf16, out [n, hidden] bf16. "
-      "Ids outside [0, vocab) give zero rows.");
+      py::arg("ids"), py::arg("table"), py::arg("out"), py::arg("id_src") = py::none(),
+      py::arg("sampled") = py::none(),
+      "out[t] = table[id]; ids [n] int32, table [vocab, hidden] bf16, out [n, hidden] bf16, where id "
+      "is ids[t], or sampled[id_src[t]] where id_src ([n] int32, with sampled [m] int32) is >= 0. "
+      "Ids outside [0, vocab) give zero rows; id_src[t] must be < m.");
 
   m.def(
       "rmsnorm",

@@ -152,16 +152,19 @@ class Sampler:
         """logits: [num_rows, vocab], one row per sequence, left unmodified."""
         return self.sample(logits, seqs).result()
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], token_out: torch.Tensor | None = None) -> PendingSample:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
         unmodified) without waiting for the device, unless the torch path truncates rows (see the module's
-        docstring)."""
+        docstring). token_out: an int32 [num_rows] device tensor that the core's argmax of an all-greedy batch
+        may write the token ids into (the core's own buffer for the next step: no copy), or None."""
         plan = self._plan(logits, seqs)
         if self._kernel:
             if plan.plain_greedy:  # the argmax alone: no parameters to send
                 if logits.dtype != torch.bfloat16:
                     return PendingSample(logits.argmax(dim=-1))
-                token_ids = torch.empty(len(seqs), dtype=torch.int32, device=logits.device)
+                usable = (token_out is not None and token_out.dtype == torch.int32
+                          and token_out.shape == (len(seqs),) and token_out.device == logits.device)
+                token_ids = token_out if usable else torch.empty(len(seqs), dtype=torch.int32, device=logits.device)
                 require_core().argmax(logits, token_ids)
                 return PendingSample(token_ids)
             pending = self._sample_on_core(logits, plan)

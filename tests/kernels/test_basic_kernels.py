@@ -55,6 +55,23 @@ def test_embedding_out_of_range_ids_give_zero_rows():
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))
 
 
+def test_embedding_reads_sampled_ids_where_id_src_says():
+    """A decode step's tokens sampled on the device by the step before: id_src[t] >= 0 picks sampled[id_src[t]]
+    (ids[t] then holds a stale value), -1 keeps ids[t]."""
+    vocab, hidden = 5000, 1024
+    table = torch.randn(vocab, hidden, device=DEVICE).to(BF16)
+    ids = torch.tensor([7, 4999, 123, 0, 42], dtype=torch.int32, device=DEVICE)
+    id_src = torch.tensor([-1, 2, 0, -1, 3], dtype=torch.int32, device=DEVICE)
+    sampled = torch.tensor([11, 2500, 4998, vocab + 5], dtype=torch.int32, device=DEVICE)
+    out = poisoned(len(ids), hidden)
+    ops.embedding(ids, table, out, id_src=id_src, sampled=sampled)
+    want_ids = torch.tensor([7, 4998, 11, 0], device=DEVICE)
+    assert torch.equal(out[:4], table[want_ids])
+    assert torch.equal(out[4], torch.zeros_like(out[4]))  # sampled[3] is outside the vocabulary
+    with pytest.raises(ValueError, match="both"):
+        ops.embedding(ids, table, out, id_src=id_src)
+
+
 def test_embedding_no_tokens():
     ops.embedding(torch.empty(0, dtype=torch.int32, device=DEVICE),
                   torch.randn(10, 64, device=DEVICE).to(BF16),
@@ -213,6 +230,41 @@ def test_argmax_offset_start_and_special_values():
     got = run_argmax(logits)
     assert torch.equal(got[:4].long(), want)
     assert torch.equal(got[4].long(), reference_argmax(logits[4:5])[0])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 17])
+@pytest.mark.parametrize("vocab", [8192, 32000, 151936, 151943])
+def test_argmax_across_cluster_slices(rows, vocab):
+    """Few rows of a large vocabulary are scanned by eight CTAs each (on sm_90), one slice of the row's 16-byte
+    vectors apiece: maxima and ties on either side of every slice boundary, in the last slice only, and rows of
+    -inf and NaN, at the row counts on both sides of the cluster path's limit (16)."""
+    torch.manual_seed(rows * 7 + vocab)
+    logits = torch.randn(rows, vocab, device=DEVICE).to(BF16)
+    per_slice = -(-(vocab // 8) // 8) * 8  # elements per slice (aligned rows: no head)
+    boundaries = [k * per_slice for k in range(1, 8) if k * per_slice < vocab]
+    want = torch.empty(rows, dtype=torch.long)
+    for r in range(rows):
+        kind = r % 5
+        if kind == 0:  # a tie straddling a boundary: the lower index wins
+            b = boundaries[r % len(boundaries)]
+            logits[r, b - 1] = logits[r, b] = 40.0
+            want[r] = b - 1
+        elif kind == 1:  # every boundary holds the maximum: the first boundary wins
+            logits[r, boundaries] = 40.0
+            want[r] = boundaries[0]
+        elif kind == 2:  # the maximum in the last slice's last element
+            logits[r, vocab - 1] = 40.0
+            want[r] = vocab - 1
+        elif kind == 3:  # -inf everywhere but a NaN in the last slice
+            logits[r, :] = float("-inf")
+            logits[r, vocab - 3] = float("nan")
+            want[r] = vocab - 3
+        else:  # all -inf: index 0, like torch
+            logits[r, :] = float("-inf")
+            want[r] = 0
+    got = run_argmax(logits)
+    assert torch.equal(got.long().cpu(), want)
+    assert torch.equal(got.long(), reference_argmax(logits))
 
 
 def test_argmax_rejects_bad_layouts():

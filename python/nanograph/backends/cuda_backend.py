@@ -119,8 +119,10 @@ class CudaRunner:
 
     def publish_sampled(self, token_ids: torch.Tensor):
         """The tokens just sampled, one per sampling row, copied on torch's stream into the core's buffer, where a
-        later batch's input_src points (StepLayout in csrc/model.h)."""
-        self.sampled_tokens[:len(token_ids)].copy_(token_ids)
+        later batch's input_src points (StepLayout in csrc/model.h); nothing to copy when the sampler wrote them
+        there itself."""
+        if token_ids.data_ptr() != self.sampled_tokens.data_ptr():
+            self.sampled_tokens[:len(token_ids)].copy_(token_ids)
 
     def run(self, batch) -> torch.Tensor:
         """The batch's logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid until the next step

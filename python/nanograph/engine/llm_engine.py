@@ -112,7 +112,9 @@ class LLMEngine:
         rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
         if rows:
             seqs = [batch.seqs[i] for i in rows]
-            pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs)
+            buffer = getattr(self.runner, "sampled_tokens", None)  # the core's: an all-greedy argmax writes there
+            pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs,
+                                          token_out=None if buffer is None else buffer[:len(rows)])
             self.runner.publish_sampled(pending.token_ids)
             for row, seq in enumerate(seqs):
                 seq.token_ids.append(PENDING_TOKEN)
