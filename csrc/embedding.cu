@@ -4,8 +4,11 @@
 // Layouts: ids [num_tokens] int32; table [vocab, hidden] bf16; out [num_tokens, hidden] bf16;
 // hidden is a multiple of 8 so every row is a whole number of 16-byte vectors.
 // Launch: one CTA per token, threads striding over the row's 16-byte vectors. The kernel is a
-// pure copy, so the only thing that matters is wide, coalesced loads and stores.
+// pure copy, so the only thing that matters is wide, coalesced loads and stores. Launched with
+// PDL (launch.h): it lets the next kernel launch at once, and waits before reading the ids.
 #include "embedding.h"
+
+#include "launch.h"
 
 namespace nanograph {
 
@@ -17,6 +20,8 @@ __global__ void __launch_bounds__(kThreads)
     embedding_kernel(const int32_t* __restrict__ ids, const uint4* __restrict__ table,
                      uint4* __restrict__ out, int vecs_per_row, int vocab,
                      const int32_t* __restrict__ id_src, const int32_t* __restrict__ sampled) {
+  allow_dependents();  // the next kernel (a norm) preloads its weight while this one runs
+  wait_for_producers();  // ids and id_src come from the step's metadata staging
   const int token = blockIdx.x;
   const int from = id_src != nullptr ? id_src[token] : -1;
   const int id = from >= 0 ? sampled[from] : ids[token];
@@ -41,10 +46,9 @@ void embedding(const int32_t* ids, const bf16* table, bf16* out, int num_tokens,
   require(reinterpret_cast<uintptr_t>(table) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
           "embedding: table and out must be 16-byte aligned (allocate them with torch/cudaMalloc)");
   if (num_tokens == 0) return;
-  embedding_kernel<<<num_tokens, kThreads, 0, stream>>>(
-      ids, reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab,
-      id_src, sampled);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(embedding_kernel, dim3(num_tokens), dim3(kThreads), 0, stream, ids,
+             reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab,
+             id_src, sampled);
 }
 
 }  // namespace nanograph

@@ -33,7 +33,8 @@ int GraphManager::bucket_for(int batch) const {
   return it == buckets_.end() ? -1 : *it;
 }
 
-void GraphManager::capture(int bucket, cudaStream_t stream, const std::function<void()>& body) {
+void GraphManager::capture(int bucket, cudaStream_t stream, const std::function<void()>& body,
+                           int variant) {
   require(std::binary_search(buckets_.begin(), buckets_.end(), bucket),
           "batch " + std::to_string(bucket) + " is not a graph bucket");
   cudaGraph_t graph = nullptr;
@@ -50,14 +51,15 @@ void GraphManager::capture(int bucket, cudaStream_t stream, const std::function<
   cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   CUDA_CHECK(err);
-  auto old = graphs_.find(bucket);
+  auto old = graphs_.find({bucket, variant});
   if (old != graphs_.end()) cudaGraphExecDestroy(old->second);
-  graphs_[bucket] = exec;
+  graphs_[{bucket, variant}] = exec;
 }
 
-void GraphManager::replay(int bucket, cudaStream_t stream) const {
-  auto it = graphs_.find(bucket);
-  require(it != graphs_.end(), "no graph captured for bucket " + std::to_string(bucket));
+void GraphManager::replay(int bucket, cudaStream_t stream, int variant) const {
+  auto it = graphs_.find({bucket, variant});
+  require(it != graphs_.end(), "no graph captured for bucket " + std::to_string(bucket) +
+                                   (variant != 0 ? " (variant " + std::to_string(variant) + ")" : ""));
   CUDA_CHECK(cudaGraphLaunch(it->second, stream));
 }
 

@@ -1,5 +1,6 @@
-// Decode graph manager: one CUDA graph per batch bucket, captured once over static buffers with
-// cudaStreamBeginCapture/EndCapture and replayed with cudaGraphLaunch every step.
+// Decode graph manager: CUDA graphs per batch bucket, captured once over static buffers with
+// cudaStreamBeginCapture/EndCapture and replayed with cudaGraphLaunch every step. A bucket may
+// hold several variants of its graph (the model's: without and with the greedy argmax).
 #pragma once
 #include "common.h"
 
@@ -24,15 +25,16 @@ class GraphManager {
   // Smallest bucket >= batch, or -1 when the batch exceeds the largest bucket (run eagerly).
   int bucket_for(int batch) const;
 
-  // Records body(bucket) on `stream` into the bucket's graph and instantiates it. `body` must
-  // enqueue work on `stream` only and must not allocate or synchronise.
-  void capture(int bucket, cudaStream_t stream, const std::function<void()>& body);
-  bool captured(int bucket) const { return graphs_.count(bucket) > 0; }
-  void replay(int bucket, cudaStream_t stream) const;
+  // Records body() on `stream` into the graph of (bucket, variant) and instantiates it. `body`
+  // must enqueue its work on `stream` (or on streams it forks from and joins back to `stream`)
+  // and must not allocate or synchronise.
+  void capture(int bucket, cudaStream_t stream, const std::function<void()>& body, int variant = 0);
+  bool captured(int bucket, int variant = 0) const { return graphs_.count({bucket, variant}) > 0; }
+  void replay(int bucket, cudaStream_t stream, int variant = 0) const;
 
  private:
   std::vector<int> buckets_;
-  std::map<int, cudaGraphExec_t> graphs_;
+  std::map<std::pair<int, int>, cudaGraphExec_t> graphs_;  // (bucket, variant)
 };
 
 }  // namespace nanograph

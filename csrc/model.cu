@@ -15,11 +15,14 @@
 #include "activation.h"
 #include "embedding.h"
 #include "gemv.h"
+#include "launch.h"
 #include "norm.h"
 #include "rope.h"
+#include "sampling.h"
 
 #include <algorithm>
 #include <cmath>
+#include <thread>
 
 namespace nanograph {
 
@@ -40,6 +43,39 @@ __global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const in
     b_dst[i] = b_src[i];
   }
 }
+
+// A decode graph's first kernel: the step's metadata from the pinned host buffer (mapped; read
+// over PCIe) into the device buffer, `vecs` 16-byte vectors, so that no host-to-device copy on
+// the copy engine sits between one graph and the next. Once every CTA has its part, the last
+// one writes the step's ticket (ticket[0], set by the host before the launch) to ticket[1]: the
+// host may then refill the buffer for the next step.
+__global__ void stage_metadata_kernel(const int4* __restrict__ host, int4* __restrict__ device,
+                                      int vecs, volatile int32_t* ticket, unsigned* ctas_done) {
+  allow_dependents();  // the embedding after it gets resident (it waits for this kernel)
+  const int32_t number = threadIdx.x == 0 ? ticket[0] : 0;  // in flight with the copy's loads
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += gridDim.x * blockDim.x) {
+    device[i] = host[i];
+  }
+  __syncthreads();  // every load of this CTA has returned (its value is stored)
+  if (threadIdx.x != 0) return;
+  if (gridDim.x > 1) {
+    __threadfence();
+    if (atomicAdd(ctas_done, 1u) != gridDim.x - 1) return;
+    *ctas_done = 0;
+  }
+  __threadfence_system();
+  ticket[1] = number;
+}
+
+constexpr int kStageThreads = 256;
+constexpr int kStageMaxCtas = 64;
+
+// Graph variants of a bucket: without the argmax, and with it into host token slot 0 or 1.
+constexpr int kPlainGraph = 0;
+int greedy_graph(int slot) { return 1 + slot; }
+
+// StepLayout's total rounded up to whole 16-byte vectors (the buffers are allocated so).
+int meta_vecs(const StepLayout& layout) { return ceil_div(layout.total, 4); }
 
 }  // namespace
 
@@ -82,12 +118,23 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  CUDA_CHECK(cudaEventCreateWithFlags(&meta_copied_, cudaEventDisableTiming));
+  for (cudaEvent_t* event : {&meta_copied_, &tokens_ready_[0], &tokens_ready_[1]}) {
+    CUDA_CHECK(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
+  }
   const int T = limits.max_num_tokens;
   const int S = limits.max_num_seqs;
-  const size_t meta = StepLayout(T, S, block_table_width_).total;
-  CUDA_CHECK(cudaMallocHost(&host_meta_, meta * sizeof(int32_t)));
+  const size_t meta = 4 * static_cast<size_t>(meta_vecs(StepLayout(T, S, block_table_width_)));
+  CUDA_CHECK(cudaHostAlloc(&host_meta_, meta * sizeof(int32_t), cudaHostAllocMapped));
   std::fill(host_meta_, host_meta_ + meta, 0);
+  CUDA_CHECK(cudaHostGetDevicePointer(&host_meta_mapped_, host_meta_, 0));
+  CUDA_CHECK(cudaHostAlloc(&host_tokens_, 2 * S * sizeof(int32_t), cudaHostAllocMapped));
+  std::fill(host_tokens_, host_tokens_ + 2 * S, 0);
+  CUDA_CHECK(cudaHostGetDevicePointer(&host_tokens_mapped_, host_tokens_, 0));
+  CUDA_CHECK(cudaHostAlloc(&stage_ticket_, 2 * sizeof(int32_t), cudaHostAllocMapped));
+  stage_ticket_[0] = stage_ticket_[1] = 0;
+  CUDA_CHECK(cudaHostGetDevicePointer(&stage_ticket_mapped_, stage_ticket_, 0));
+  stage_ctas_done_ = alloc<unsigned>(1);
+  CUDA_CHECK(cudaMemset(stage_ctas_done_, 0, sizeof(unsigned)));
   device_meta_ = alloc<int32_t>(meta);
   residual_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
   hidden_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
@@ -114,7 +161,11 @@ Model::~Model() {
   if (kv_cache_) cudaFree(kv_cache_);
   for (void* p : allocations_) cudaFree(p);
   if (host_meta_) cudaFreeHost(host_meta_);
-  if (meta_copied_) cudaEventDestroy(meta_copied_);
+  if (host_tokens_) cudaFreeHost(host_tokens_);
+  if (stage_ticket_) cudaFreeHost(stage_ticket_);
+  for (cudaEvent_t event : {meta_copied_, tokens_ready_[0], tokens_ready_[1]}) {
+    if (event) cudaEventDestroy(event);
+  }
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -135,11 +186,28 @@ void Model::allocate_kv_cache(int num_blocks) {
 }
 
 int32_t* Model::host_metadata() {
-  CUDA_CHECK(cudaEventSynchronize(meta_copied_));
+  CUDA_CHECK(cudaEventSynchronize(meta_copied_));  // an eager step's copy
+  wait_staged();
   return host_meta_;
 }
 
-void Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph) {
+void Model::wait_staged() {
+  // The last graph step's staging kernel runs as soon as the graph before it ends: a short wait.
+  const volatile int32_t* staged = stage_ticket_ + 1;
+  for (int64_t spins = 1; *staged != stage_issued_; ++spins) {
+    if (spins % 4096 == 0) {  // the stream may have failed
+      const cudaError_t state = cudaStreamQuery(stream_);
+      if (state == cudaSuccess && *staged != stage_issued_) {
+        throw std::runtime_error("decode graph " + std::to_string(stage_issued_) +
+                                 " ended without staging its metadata");
+      }
+      if (state != cudaErrorNotReady) CUDA_CHECK(state);
+    }
+    std::this_thread::yield();
+  }
+}
+
+int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, bool greedy) {
   require(kv_cache_ != nullptr, "allocate the KV cache before running the model");
   require(num_tokens >= 1 && num_tokens <= limits_.max_num_tokens,
           "a step has " + std::to_string(num_tokens) + " tokens; max_num_batched_tokens is " +
@@ -147,16 +215,42 @@ void Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph) {
   require(num_seqs >= 1 && num_seqs <= limits_.max_num_seqs,
           "a step has " + std::to_string(num_seqs) + " sequences; max_num_seqs is " +
               std::to_string(limits_.max_num_seqs));
-  const StepLayout layout(num_tokens, num_seqs, block_table_width_);
-  CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
-                             cudaMemcpyHostToDevice, stream_));
-  CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
+  const int slot = greedy ? next_token_slot_ : -1;
+  if (greedy) next_token_slot_ ^= 1;
   const bool is_decode = num_tokens == num_seqs;
   if (use_graph && is_decode && graphs_ && graphs_->captured(num_seqs)) {
-    graphs_->replay(num_seqs, stream_);
+    // The graph stages the metadata itself and reports the ticket once it has (the ticket may be
+    // renumbered only once the previous graph has read it).
+    wait_staged();
+    stage_ticket_[0] = ++stage_issued_;
+    graphs_->replay(num_seqs, stream_, greedy ? greedy_graph(slot) : kPlainGraph);
   } else {
-    forward(num_tokens, num_seqs, max_q_len, is_decode);
+    const StepLayout layout(num_tokens, num_seqs, block_table_width_);
+    CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
+    forward(num_tokens, num_seqs, max_q_len, is_decode,
+            greedy ? host_tokens_mapped_ + slot * limits_.max_num_seqs : nullptr);
   }
+  if (greedy) CUDA_CHECK(cudaEventRecord(tokens_ready_[slot], stream_));
+  return slot;
+}
+
+const int32_t* Model::greedy_tokens(int slot) {
+  require(slot == 0 || slot == 1, "greedy token slot must be 0 or 1, got " + std::to_string(slot));
+  CUDA_CHECK(cudaEventSynchronize(tokens_ready_[slot]));
+  return host_tokens_ + slot * limits_.max_num_seqs;
+}
+
+void Model::decode_graph_body(int bucket, int32_t* argmax_host_out) {
+  const StepLayout layout(bucket, bucket, block_table_width_);
+  const int vecs = meta_vecs(layout);
+  const int ctas = std::min(ceil_div(vecs, kStageThreads), kStageMaxCtas);
+  stage_metadata_kernel<<<ctas, kStageThreads, 0, stream_>>>(
+      reinterpret_cast<const int4*>(host_meta_mapped_), reinterpret_cast<int4*>(device_meta_), vecs,
+      stage_ticket_mapped_, stage_ctas_done_);
+  CUDA_CHECK_LAUNCH();
+  forward(bucket, bucket, 1, true, argmax_host_out);
 }
 
 void Model::write_inert_decode_metadata(int num_seqs) {
@@ -187,7 +281,12 @@ size_t Model::capture_decode_graphs(const std::vector<int>& buckets) {
     // inert metadata: no cache writes, no context.
     write_inert_decode_metadata(bucket);
     forward(bucket, bucket, 1, true);
-    graphs_->capture(bucket, stream_, [&] { forward(bucket, bucket, 1, true); });
+    graphs_->capture(bucket, stream_, [&] { decode_graph_body(bucket, nullptr); }, kPlainGraph);
+    for (int slot = 0; slot < 2; ++slot) {
+      int32_t* host_out = host_tokens_mapped_ + slot * limits_.max_num_seqs;
+      graphs_->capture(bucket, stream_, [&] { decode_graph_body(bucket, host_out); },
+                       greedy_graph(slot));
+    }
   }
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
@@ -203,7 +302,7 @@ int Model::decode_plan_seqs(int num_seqs) const {
   return num_seqs;
 }
 
-void Model::forward(int T, int S, int max_q_len, bool is_decode) {
+void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax_host_out) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
   const int32_t* input_ids = device_meta_ + layout.input_ids;
@@ -280,6 +379,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode) {
   }
   add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
   gemm_.linear(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, st);
+  if (argmax_host_out != nullptr) {
+    argmax(logits_, S, c.vocab_size, c.vocab_size, sampled_tokens_, st, argmax_host_out);
+  }
 }
 
 }  // namespace nanograph

@@ -80,27 +80,44 @@ class Model {
   // Frees any previous cache; the cache is [layers][k|v][blocks][block_size][nkv][hd].
   void allocate_kv_cache(int num_blocks);
 
-  // Pinned; StepLayout gives the fields. Waits until the previous step's copy has read it.
+  // Pinned; StepLayout gives the fields. Waits until the previous step has read it.
   int32_t* host_metadata();
-  // One step: copies the step's metadata to the device (one async copy), then runs the forward
-  // (decode graph when captured and all sequences have one new token). Logits of each sequence's
-  // last new token land in logits()[0 : num_seqs]. Asynchronous on stream().
-  void step(int num_tokens, int num_seqs, int max_q_len, bool use_graph);
+  // One step: moves the step's metadata to the device, then runs the forward (the decode graph
+  // when captured and all sequences have one new token). Logits of each sequence's last new
+  // token land in logits()[0 : num_seqs]. Asynchronous on stream().
+  // A decode graph's first kernel reads the metadata from the pinned buffer itself (no copy on
+  // the copy engine between graphs); eager steps copy it.
+  // greedy: the step also takes each sequence's argmax (inside the graph, for a graph step) into
+  // sampled_tokens() and into a pinned host slot; returns that slot (read it with
+  // greedy_tokens), else -1.
+  int step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, bool greedy = false);
+  // The ids a greedy step wrote into `slot` ([num_seqs] int32, the step's sequences first),
+  // once the step has run (waits for it). Valid until the second greedy step after it is queued:
+  // the slots alternate.
+  const int32_t* greedy_tokens(int slot);
   const bf16* logits() const { return logits_; }  // [max_num_seqs, vocab]
   int32_t* sampled_tokens() const { return sampled_tokens_; }  // [max_num_seqs], see StepLayout
 
-  // Decode graphs: capture every bucket (largest first); returns the device bytes they took.
+  // Decode graphs: capture every bucket (largest first), each without and with the greedy
+  // argmax (one per host slot); returns the device bytes they took.
   size_t capture_decode_graphs(const std::vector<int>& buckets);
   int decode_bucket(int num_seqs) const { return graphs_ ? graphs_->bucket_for(num_seqs) : -1; }
   const GraphManager* graphs() const { return graphs_.get(); }
 
  private:
-  void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode);
+  // argmax_host_out: also take each sequence's argmax into sampled_tokens_ and this pinned
+  // host buffer (a greedy decode graph).
+  void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode,
+               int32_t* argmax_host_out = nullptr);
+  // A decode graph's body: the metadata staged from the pinned buffer, then the forward.
+  void decode_graph_body(int bucket, int32_t* argmax_host_out);
   // The batch size decode attention plans its splits for: the graph bucket of num_seqs (the
   // default buckets when no graph is captured), so that eager and graph steps give the same bits.
   int decode_plan_seqs(int num_seqs) const;
   // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
   void write_inert_decode_metadata(int num_seqs);
+  // Waits until the last graph step's first kernel has read host_meta_ (stage_ticket_).
+  void wait_staged();
   template <class T>
   T* alloc(size_t count);
 
@@ -113,8 +130,20 @@ class Model {
   Gemm gemm_;
   std::vector<void*> allocations_;
 
-  int32_t* host_meta_ = nullptr;
-  cudaEvent_t meta_copied_ = nullptr;
+  int32_t* host_meta_ = nullptr;     // pinned and mapped: decode graphs read it directly
+  int32_t* host_meta_mapped_ = nullptr;  // its device address
+  cudaEvent_t meta_copied_ = nullptr;  // the last eager step's copy has read host_meta_
+  int32_t* host_tokens_ = nullptr;   // pinned and mapped: [2][max_num_seqs], a greedy step's ids
+  int32_t* host_tokens_mapped_ = nullptr;
+  cudaEvent_t tokens_ready_[2] = {nullptr, nullptr};
+  int next_token_slot_ = 0;
+  // Decode graphs read host_meta_ in their first kernel, which then reports that it has: the
+  // host numbers each graph step (stage_ticket_[0], mapped) and the kernel copies the number
+  // into stage_ticket_[1] once the metadata is read; host_metadata() waits for the last one.
+  int32_t* stage_ticket_ = nullptr;  // pinned and mapped: [issued, staged]
+  int32_t* stage_ticket_mapped_ = nullptr;
+  int32_t stage_issued_ = 0;
+  unsigned* stage_ctas_done_ = nullptr;  // device: the staging CTAs that have finished their part
   int32_t* device_meta_ = nullptr;
   bf16* residual_ = nullptr;
   bf16* hidden_ = nullptr;

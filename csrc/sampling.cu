@@ -129,9 +129,12 @@ __device__ __forceinline__ int32_t answer(const Best& best) {
 
 __global__ void __launch_bounds__(kThreads)
     argmax_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
-                  int32_t* __restrict__ out) {
+                  int32_t* __restrict__ out, int32_t* __restrict__ host_out) {
   const Best best = scan_row(logits + blockIdx.x * stride, vocab, 0, INT_MAX, true);
-  if (threadIdx.x == 0) out[blockIdx.x] = answer(best);
+  if (threadIdx.x == 0) {
+    out[blockIdx.x] = answer(best);
+    if (host_out != nullptr) host_out[blockIdx.x] = answer(best);
+  }
 }
 
 // Row blockIdx.y, slice blockIdx.x (the CTA's rank in its cluster of kClusterCtas): the body's
@@ -142,7 +145,7 @@ constexpr int kClusterMaxRows = 16;
 
 __global__ void __launch_bounds__(kThreads)
     argmax_cluster_kernel(const bf16* __restrict__ logits, int vocab, int64_t stride,
-                          int32_t* __restrict__ out) {
+                          int32_t* __restrict__ out, int32_t* __restrict__ host_out) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -158,7 +161,10 @@ __global__ void __launch_bounds__(kThreads)
     Best merged = threadIdx.x < kClusterCtas ? *cluster.map_shared_rank(&cta_best, threadIdx.x)
                                              : Best{-INFINITY, kNone};
     warp_merge(merged);
-    if (threadIdx.x == 0) out[blockIdx.y] = answer(merged);
+    if (threadIdx.x == 0) {
+      out[blockIdx.y] = answer(merged);
+      if (host_out != nullptr) host_out[blockIdx.y] = answer(merged);
+    }
   }
   cluster.sync();  // no rank exits while rank 0 reads its shared memory
 #endif
@@ -166,7 +172,8 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream) {
+void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream,
+            int32_t* host_out) {
   require(vocab > 0, "argmax: vocab must be positive, got " + std::to_string(vocab));
   require(stride >= vocab, "argmax: row stride " + std::to_string(stride) +
                                " is smaller than vocab " + std::to_string(vocab) +
@@ -187,10 +194,10 @@ void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, c
     config.attrs = &attribute;
     config.numAttrs = 1;
     CUDA_CHECK(cudaLaunchKernelEx(&config, argmax_cluster_kernel, logits, vocab,
-                                  static_cast<int64_t>(stride), out));
+                                  static_cast<int64_t>(stride), out, host_out));
     return;
   }
-  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, stride, out);
+  argmax_kernel<<<rows, kThreads, 0, stream>>>(logits, vocab, stride, out, host_out);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -7,7 +7,11 @@ namespace nanograph {
 
 // logits: [rows, vocab] with row stride `stride` elements; out: [rows] int32.
 // Ties resolve to the lowest index, like torch.argmax.
-void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream);
+// host_out (optional): [rows] int32 in mapped pinned host memory (cudaHostAllocMapped), written
+// with the same ids by the kernel itself, so the host reads them once the stream has passed the
+// kernel, without a device-to-host copy.
+void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, cudaStream_t stream,
+            int32_t* host_out = nullptr);
 
 // One token per row, in vLLM's order, on x = logit / temperature:
 //   1. floor: the higher of the k-th largest x (top-k) and max x + log(min_p) (min_p);

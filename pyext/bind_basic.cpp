@@ -111,18 +111,34 @@ NANOGRAPH_BINDINGS(bind_basic) {
 
   m.def(
       "argmax",
-      [](py::object logits, py::object out) {
+      [](py::object logits, py::object out, py::object host_out) {
         auto [tl, row_stride] = row_strided_logits(logits);
         Tensor to = cuda_tensor(out, "out", "int32");
         expect_shape(to, {tl.size(0)});
         same_device({&tl, &to});
+        int32_t* host = nullptr;
+        if (!host_out.is_none()) {
+          const bool usable = py::str(host_out.attr("device").attr("type")).cast<std::string>() == "cpu" &&
+                              host_out.attr("is_pinned")().cast<bool>() &&
+                              py::str(host_out.attr("dtype")).cast<std::string>() == "torch.int32" &&
+                              host_out.attr("is_contiguous")().cast<bool>() &&
+                              host_out.attr("numel")().cast<int64_t>() == tl.size(0);
+          if (!usable) {
+            throw_invalid_argument("argmax: host_out must be a contiguous pinned CPU int32 tensor of " +
+                                   std::to_string(tl.size(0)) +
+                                   " elements (torch.empty(rows, dtype=torch.int32, pin_memory=True))");
+          }
+          host = reinterpret_cast<int32_t*>(host_out.attr("data_ptr")().cast<uintptr_t>());
+        }
         argmax(tl.data<bf16>(), checked_int(tl.size(0), "rows"), checked_int(tl.size(1), "vocab"),
                checked_int(row_stride, "logits' row stride"), to.data<int32_t>(),
-               torch_current_stream());
+               torch_current_stream(), host);
       },
-      py::arg("logits"), py::arg("out"),
+      py::arg("logits"), py::arg("out"), py::arg("host_out") = py::none(),
       "out[r] = argmax(logits[r]) with ties to the lowest index, like torch.argmax; logits "
-      "[rows, vocab] bf16 (rows may be strided, vocab must be contiguous), out [rows] int32.");
+      "[rows, vocab] bf16 (rows may be strided, vocab must be contiguous), out [rows] int32. "
+      "host_out: optional pinned CPU int32 [rows] that the kernel writes the same ids into (read "
+      "it once the stream has passed the kernel).");
 }
 
 }  // namespace nanograph::py_ext

@@ -3,7 +3,7 @@
 #include <string>
 
 #include "../csrc/attention.h"
-#include "tensor.h"
+#include "rope_args.h"
 
 namespace nanograph::py_ext {
 
@@ -28,31 +28,14 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         Tensor t_out = cuda_tensor(out, "out", "bfloat16");
         Tensor t_ws = optional_cuda_tensor(workspace, "workspace", "float32");
         Tensor t_order = optional_cuda_tensor(seq_order, "seq_order", "int32");
-        Tensor t_qw = optional_cuda_tensor(q_norm_weight, "q_norm_weight", "bfloat16");
-        Tensor t_kw = optional_cuda_tensor(k_norm_weight, "k_norm_weight", "bfloat16");
-        Tensor t_cs = optional_cuda_tensor(cos_sin, "cos_sin", "float32");
-        Tensor t_pos = optional_cuda_tensor(positions, "positions", "int32");
-        Tensor t_slot = optional_cuda_tensor(slot_mapping, "slot_mapping", "int32");
-        // Given or not by None, not by the data pointer (an empty tensor has none).
-        const bool rope = !cos_sin.is_none();
 
-        if (t_kc.dim() != 4) {
-          throw_invalid_argument(
-              "k_cache must have shape [num_blocks, block_size, num_kv_heads, head_dim], got " +
-              std::to_string(t_kc.dim()) + " dims");
-        }
+        const int64_t head_dim = paged_cache_head_dim(t_kc, t_vc);
         const int64_t block_size = t_kc.size(1), num_kv_heads = t_kc.size(2);
-        const int64_t head_dim = t_kc.size(3);
-        if (head_dim != 64 && head_dim != 128) {
-          throw_invalid_argument("unsupported head_dim " + std::to_string(head_dim) +
-                                " (k_cache.size(-1)); supported: 64, 128");
-        }
         if (num_q_heads <= 0 || num_q_heads % num_kv_heads != 0) {
           throw_invalid_argument("num_q_heads (" + std::to_string(num_q_heads) +
                                 ") must be a positive multiple of num_kv_heads (" +
                                 std::to_string(num_kv_heads) + ", k_cache.size(2))");
         }
-        expect_shape(t_vc, t_kc.shape);
         if (t_q.dim() != 2) {
           throw_invalid_argument("q must be 2-D [num_seqs, q_stride] (q heads first in each row)");
         }
@@ -66,28 +49,18 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         expect_shape(t_len, {num_seqs});
         expect_shape(t_out, {num_seqs, num_q_heads * head_dim});
         if (!seq_order.is_none()) expect_shape(t_order, {num_seqs});
-        if (rope) {
+        RopeKvArgs rope{};  // rope.qkv == nullptr: no RoPE/KV store
+        if (!cos_sin.is_none()) {
           if (positions.is_none() || slot_mapping.is_none()) {
             throw_invalid_argument("with cos_sin, give positions and slot_mapping too");
           }
-          if (q_norm_weight.is_none() != k_norm_weight.is_none()) {
-            throw_invalid_argument(
-                "q_norm_weight and k_norm_weight must both be given (Qwen3 QK-norm) or both be None");
-          }
-          expect_shape(t_q, {num_seqs, (num_q_heads + 2 * num_kv_heads) * head_dim});
-          expect_shape(t_cs, {-1, head_dim});
-          expect_shape(t_pos, {num_seqs});
-          expect_shape(t_slot, {num_seqs});
-          if (!q_norm_weight.is_none()) {
-            expect_shape(t_qw, {head_dim});
-            expect_shape(t_kw, {head_dim});
-          }
+          rope = rope_kv_args(t_q, t_kc, t_vc, q_norm_weight, k_norm_weight, cos_sin, positions,
+                              slot_mapping, num_q_heads, eps);
         } else if (!q_norm_weight.is_none() || !k_norm_weight.is_none() || !positions.is_none() ||
                    !slot_mapping.is_none()) {
           throw_invalid_argument("norm weights, positions and slot_mapping go with cos_sin");
         }
-        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order, &t_qw, &t_kw,
-                     &t_cs, &t_pos, &t_slot});
+        same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order});
 
         const size_t ws_bytes = decode_attention_workspace_bytes(
             static_cast<int>(num_seqs), num_q_heads, static_cast<int>(head_dim), max_context_len);
@@ -119,22 +92,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.scale = scale;
         args.workspace = t_ws.data<float>();
         args.seq_order = t_order.data<int32_t>();
-        if (rope) {
-          RopeKvArgs& r = args.rope;
-          r.qkv = t_q.data<bf16>();
-          r.q_norm_weight = t_qw.data<bf16>();
-          r.k_norm_weight = t_kw.data<bf16>();
-          r.cos_sin = t_cs.data<float>();
-          r.positions = t_pos.data<int32_t>();
-          r.slot_mapping = t_slot.data<int32_t>();
-          r.k_cache = t_kc.data<bf16>();
-          r.v_cache = t_vc.data<bf16>();
-          r.num_tokens = static_cast<int>(num_seqs);
-          r.num_q_heads = num_q_heads;
-          r.num_kv_heads = static_cast<int>(num_kv_heads);
-          r.head_dim = static_cast<int>(head_dim);
-          r.eps = eps;
-        }
+        args.rope = rope;
         paged_decode_attention(args, torch_current_stream());
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),

@@ -117,7 +117,20 @@ NANOGRAPH_BINDINGS(bind_model) {
         return step_views(self.cast<Model&>(), num_tokens, num_seqs, self);
       }, py::arg("num_tokens"), py::arg("num_seqs"))
       .def("step", &Model::step, py::arg("num_tokens"), py::arg("num_seqs"), py::arg("max_q_len"),
-           py::arg("use_graph"), py::call_guard<py::gil_scoped_release>())
+           py::arg("use_graph"), py::arg("greedy") = false, py::call_guard<py::gil_scoped_release>(),
+           "Queues one step; with greedy, also each sequence's argmax (into sampled_tokens and a "
+           "host slot, returned; else -1).")
+      .def("greedy_tokens", [](Model& self, int slot, int rows) {
+        require(rows >= 0 && rows <= self.limits().max_num_seqs,
+                "rows must be in [0, max_num_seqs=" + std::to_string(self.limits().max_num_seqs) + "]");
+        const int32_t* ids = nullptr;
+        {
+          py::gil_scoped_release release;
+          ids = self.greedy_tokens(slot);
+        }
+        return std::vector<int>(ids, ids + rows);
+      }, py::arg("slot"), py::arg("rows"),
+      "The first `rows` token ids a greedy step wrote into `slot`, once it has run (waits for it).")
       .def("capture_decode_graphs", &Model::capture_decode_graphs, py::arg("buckets"))
       .def("decode_bucket", &Model::decode_bucket, py::arg("num_seqs"))
       .def("synchronize", [](const Model& self) { CUDA_CHECK(cudaStreamSynchronize(self.stream())); },

@@ -197,19 +197,23 @@ def recorded_steps(llm: LLM):
     """Counts steps, context tokens and preemptions, and the time the host spent waiting for the device (the host
     queues step N + 1 before it waits for step N's tokens, so the rest is host work the device did not hide)."""
     engine, runner, scheduler, stats = llm.engine, llm.engine.runner, llm.engine.scheduler, StepStats()
-    run = runner.run
+    names = [name for name in ("run", "run_greedy") if hasattr(runner, name)]  # every way a step is queued
 
-    def recorded_run(batch):
-        stats.steps += 1
-        stats.context_tokens += int(batch.context_lens.sum())
-        return run(batch)
+    def recorded(method):
+        def recorded_run(batch):
+            stats.steps += 1
+            stats.context_tokens += int(batch.context_lens.sum())
+            return method(batch)
+        return recorded_run
 
     preemptions, waited = scheduler.num_preemptions, engine.device_wait_seconds
-    runner.run = recorded_run
+    for name in names:
+        setattr(runner, name, recorded(getattr(runner, name)))
     try:
         yield stats
     finally:
-        del runner.run
+        for name in names:
+            delattr(runner, name)
         stats.preemptions = scheduler.num_preemptions - preemptions
         stats.device_wait_seconds = engine.device_wait_seconds - waited
 

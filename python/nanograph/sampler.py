@@ -152,6 +152,14 @@ class Sampler:
         """logits: [num_rows, vocab], one row per sequence, left unmodified."""
         return self.sample(logits, seqs).result()
 
+    def plain_greedy(self, seqs: list[Sequence], vocab_size: int) -> bool:
+        """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, min_tokens
+        masks or logprobs). Decided by their parameters alone, so before their logits exist: the core can then take
+        the argmax within the step."""
+        if self._batch is None or not self._batch.same(seqs, vocab_size):
+            self._batch = BatchRows(seqs, vocab_size)
+        return self._batch.plain_greedy
+
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], token_out: torch.Tensor | None = None) -> PendingSample:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
         unmodified) without waiting for the device, unless the torch path truncates rows (see the module's

@@ -84,5 +84,40 @@ TEST(GraphManager, ReplayMatchesEagerAndReadsDeviceInputs) {
   cudaStreamDestroy(stream);
 }
 
+TEST(GraphManager, VariantsOfABucketAreSeparateGraphs) {
+  SKIP_WITHOUT_GPU();
+  const int n = 1024;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  float* x;
+  int* n_dev;
+  ASSERT_EQ(cudaMalloc(&x, n * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&n_dev, sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(n_dev, &n, sizeof(int), cudaMemcpyHostToDevice), cudaSuccess);
+
+  GraphManager graphs({n});
+  graphs.capture(n, stream, [&] { affine_kernel<<<n / 256, 256, 0, stream>>>(x, n_dev, 2.0f, 1.0f); }, 0);
+  graphs.capture(n, stream, [&] { affine_kernel<<<n / 256, 256, 0, stream>>>(x, n_dev, 0.0f, 5.0f); }, 2);
+  EXPECT_TRUE(graphs.captured(n, 0));
+  EXPECT_FALSE(graphs.captured(n, 1));
+  EXPECT_TRUE(graphs.captured(n, 2));
+
+  std::vector<float> init(n), got(n);
+  for (int i = 0; i < n; ++i) init[i] = static_cast<float>(i % 17) - 8.0f;
+  ASSERT_EQ(cudaMemcpy(x, init.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  graphs.replay(n, stream, 0);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < n; ++i) ASSERT_FLOAT_EQ(got[i], 2.0f * init[i] + 1.0f) << "variant 0, element " << i;
+  graphs.replay(n, stream, 2);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), x, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int i = 0; i < n; ++i) ASSERT_FLOAT_EQ(got[i], 5.0f) << "variant 2, element " << i;
+  EXPECT_THROW(graphs.replay(n, stream, 1), std::invalid_argument);
+  cudaFree(x);
+  cudaFree(n_dev);
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 }  // namespace nanograph

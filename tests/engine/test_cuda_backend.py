@@ -137,3 +137,31 @@ def test_greedy_generation_matches_hf(model_pair):
                 assert a in hf_top and b in tops[i][t], (
                     f"{name} prompt {i}: diverged at token {t} ({a} vs {b}) outside each other's top 5")
                 break
+
+
+def test_run_greedy_takes_the_argmax_within_the_step(model_pair):
+    """run_greedy leaves each sequence's argmax of the step's own logits in sampled_tokens (row i: sequence i) and
+    in the pinned host slot its pending sample reads: for a prefill (eager) and for decode steps replayed from a
+    graph with a padding row (3 sequences in the bucket of 4). The greedy graph's logits are bit-identical to the
+    plain graph's for the same step."""
+    name, hf, runner = model_pair
+    assert runner.use_graphs and runner.model.decode_bucket(3) == 4
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, runner.model_config.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 77)]
+    tables = Tables()
+    ids = [300 + i for i in range(len(prompts))]
+    batch = tables.batch(ids, [0] * len(prompts), prompts)
+    tokens = None
+    for step in range(6):
+        runner.sampled_tokens.fill_(-7)
+        torch.cuda.synchronize()  # the core's stream is not ordered after torch's here
+        greedy = runner.run_greedy(batch)
+        got = greedy.rows([2, 0, 1]).result().token_ids  # any subset and order of the batch's rows
+        torch.cuda.current_stream().wait_stream(runner.stream)
+        logits = runner.logits[:3].clone()
+        want = logits.float().argmax(-1)
+        assert got == want[[2, 0, 1]].tolist(), f"{name} step {step}"
+        assert torch.equal(runner.sampled_tokens[:3].long(), want), f"{name} step {step}"
+        if step > 0:  # the same decode step through the plain graph: the same logits, bit for bit
+            assert torch.equal(runner.run(batch), logits), f"{name} step {step}: greedy and plain graphs differ"
+        batch = tables.batch(ids, [len(p) + step for p in prompts], [[t] for t in want.tolist()])

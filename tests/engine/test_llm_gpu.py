@@ -55,6 +55,56 @@ def test_graphs_change_nothing(qwen3_folder):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"request {i} differs"
 
 
+def generate_counting_core_greedy(folder, prompts, params, core_greedy: bool):
+    """Outputs of one generate call, and how many steps the core's in-step argmax (run_greedy) took."""
+    llm = LLM(folder, device="cuda", max_num_seqs=8, max_model_len=512, num_kv_blocks=1024)
+    try:
+        engine = llm.engine
+        engine._core_greedy = core_greedy
+        calls = [0]
+        run_greedy = engine.runner.run_greedy
+
+        def counted(batch):
+            calls[0] += 1
+            return run_greedy(batch)
+
+        engine.runner.run_greedy = counted
+        return llm.generate(prompts, params, use_tqdm=False), calls[0]
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def test_core_greedy_matches_the_sampler(qwen3_folder):
+    """An all-greedy batch's argmax is taken by the core within the step (inside the decode graph): the same tokens
+    as the sampler's argmax. Requests end at different lengths and on stop tokens the host reads only after the
+    next step is queued (their rows are dropped from it); greedy requests with logprobs and sampled ones send their
+    batches through the sampler instead, and the two kinds of step alternate as they finish."""
+    prompts = random_prompts(11, 2, 200, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+              for m in torch.randint(3, 40, (8,), generator=gen)]
+    params += [SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
+               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    first, _ = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False)
+    for i in (0, 3):  # stop on the token each produced sixth (the first time it appears)
+        tokens = first[i].outputs[0].token_ids
+        params[i] = SamplingParams(temperature=0, max_tokens=params[i].max_tokens, ignore_eos=True,
+                                   stop_token_ids=[tokens[min(5, len(tokens) - 1)]])
+    core, core_calls = generate_counting_core_greedy(qwen3_folder, prompts[:8], params[:8], core_greedy=True)
+    mixed, mixed_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=True)
+    sampler, sampler_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False)
+    assert core_calls > 20 and mixed_calls > 0 and sampler_calls == 0
+    for i in (0, 3):
+        assert core[i].outputs[0].finish_reason == "stop" and len(core[i].outputs[0].token_ids) <= 6
+    for i, (c, m, s) in enumerate(zip(core + [None] * 3, mixed, sampler)):
+        assert m.outputs[0].token_ids == s.outputs[0].token_ids, f"request {i} differs"
+        if c is not None:
+            assert c.outputs[0].token_ids == s.outputs[0].token_ids, f"request {i} differs (all greedy)"
+
+
 def test_prefix_caching_reuses_a_shared_prefix(qwen3_folder):
     prefix = random_prompts(1, 1000, 1001, seed=3)[0]
     suffixes = random_prompts(2, 5, 40, seed=4)

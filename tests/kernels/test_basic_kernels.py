@@ -267,6 +267,31 @@ def test_argmax_across_cluster_slices(rows, vocab):
     assert torch.equal(got.long(), reference_argmax(logits))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+@pytest.mark.parametrize("vocab", [1000, 151936])
+def test_argmax_host_out_gets_the_same_ids(rows, vocab):
+    """host_out: the kernel itself writes the ids into pinned host memory (no copy), on both the cluster path
+    (<= 16 rows of a large vocabulary) and the one-CTA-per-row path."""
+    logits, want = planted_logits(rows, vocab, rows + 3 * vocab)
+    out = poisoned(rows, dtype=torch.int32)
+    host = torch.full((rows,), -12345, dtype=torch.int32, pin_memory=True)
+    ops.argmax(logits, out, host)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(out.long(), want)
+    assert torch.equal(host.long(), want.cpu())
+
+
+def test_argmax_host_out_must_be_pinned_int32():
+    logits = torch.randn(4, 64, device=DEVICE).to(BF16)
+    out = torch.empty(4, dtype=torch.int32, device=DEVICE)
+    for bad in (torch.empty(4, dtype=torch.int32),  # not pinned
+                torch.empty(4, dtype=torch.int64, pin_memory=True),
+                torch.empty(3, dtype=torch.int32, pin_memory=True),
+                torch.empty(4, dtype=torch.int32, device=DEVICE)):
+        with pytest.raises(ValueError, match="host_out must be a contiguous pinned CPU int32 tensor of 4"):
+            ops.argmax(logits, out, bad)
+
+
 def test_argmax_rejects_bad_layouts():
     logits = torch.randn(4, 64, device=DEVICE).to(BF16)
     with pytest.raises(ValueError, match="stride"):

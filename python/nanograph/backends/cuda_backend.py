@@ -16,6 +16,7 @@ import torch
 from .._core import require_core
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
+from ..sampler import PendingSample, SamplerOutput
 
 
 def warm_up_lengths(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> np.ndarray:
@@ -65,6 +66,7 @@ class CudaRunner:
         self.sampled_tokens = torch.as_tensor(
             _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
         self.num_kv_blocks = self._size_kv_cache()
+        self._torch_stream_used = True  # since the last step: whether torch's stream may have written its inputs
         self.use_graphs = not config.enforce_eager
         if self.use_graphs:
             self._capture_graphs()
@@ -127,6 +129,21 @@ class CudaRunner:
     def run(self, batch) -> torch.Tensor:
         """The batch's logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid until the next step
         is queued (the sampler reads it first, on torch's stream)."""
+        self._step(batch, greedy=False)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._torch_stream_used = True  # the caller samples there; the next step waits for it
+        return self.logits[:batch.num_seqs]
+
+    def run_greedy(self, batch) -> GreedyTokens:
+        """run() for an all-greedy batch: the core takes the argmax of every sequence's logits within the step (inside
+        the decode graph). The ids land where the next step reads them (sampled_tokens[i] for sequence i of the
+        batch) and in pinned host memory, which the returned pending tokens read once the step has run. Nothing is
+        left for torch's stream, so it is not ordered after the step (the logits stay in self.logits, on the core's
+        stream)."""
+        return GreedyTokens(self.model, self._step(batch, greedy=True), batch.num_seqs)
+
+    def _step(self, batch, greedy: bool) -> int:
+        """Queues the batch's step on the core's stream; the host token slot of a greedy step, else -1."""
         num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
         rows, tokens = num_seqs, num_tokens
         use_graph = False
@@ -152,8 +169,35 @@ class CudaRunner:
             v["cu_seqlens_q"][num_seqs + 1:] = np.arange(num_tokens + 1, tokens + 1)
             v["context_lens"][num_seqs:] = 0
         q_lens = np.diff(batch.cu_seqlens_q)
-        # The previous step's sampler (on torch's stream) wrote the tokens this step may read.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self.model.step(tokens, rows, int(q_lens.max()), use_graph)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        return self.logits[:num_seqs]
+        if self._torch_stream_used:
+            # The previous step's sampler (on torch's stream) wrote the tokens this step may read.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._torch_stream_used = False
+        return self.model.step(tokens, rows, int(q_lens.max()), use_graph, greedy)
+
+
+class GreedyTokens:
+    """The pending result of CudaRunner.run_greedy: the argmax of each of the batch's rows, read from the core's
+    pinned host slot once the step has run. rows(...) gives the PendingSample of a subset of the rows."""
+
+    def __init__(self, model, slot: int, num_rows: int):
+        self._model, self._slot, self._num_rows = model, slot, num_rows
+
+    def rows(self, rows: list[int]) -> PendingSample:
+        """The pending sample of the batch rows `rows` (their tokens, in that order)."""
+        return _GreedyRows(self, rows)
+
+    def read(self) -> list[int]:
+        return self._model.greedy_tokens(self._slot, self._num_rows)
+
+
+class _GreedyRows(PendingSample):
+    def __init__(self, tokens: GreedyTokens, rows: list[int]):  # not PendingSample.__init__: nothing to copy
+        self._tokens, self._rows = tokens, rows
+        self._output: SamplerOutput | None = None
+
+    def result(self) -> SamplerOutput:
+        if self._output is None:
+            ids = self._tokens.read()
+            self._output = SamplerOutput([ids[row] for row in self._rows], [None] * len(self._rows))
+        return self._output

@@ -50,6 +50,8 @@ class LLMEngine:
         block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, block_manager, self.eos_token_ids)
         self.sampler = Sampler(runner.device, sorted(self.eos_token_ids), config.seed)
+        # The core takes an all-greedy batch's argmax within its step (CudaRunner.run_greedy).
+        self._core_greedy = hasattr(runner, "run_greedy")
         self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
         self._in_flight: tuple[list[Sequence], PendingSample] | None = None  # sampled, not read yet
@@ -103,7 +105,13 @@ class LLMEngine:
         """Queue one batch, and apply the tokens of the one before; return the requests that finished, and the batch
         (for throughput accounting; empty when only the previous step's tokens were left to apply)."""
         batch = self.scheduler.schedule()
-        logits = self.runner.run(build_forward_batch(batch, self.scheduler.block_manager)) if batch.seqs else None
+        logits = greedy = None
+        if batch.seqs:
+            forward_batch = build_forward_batch(batch, self.scheduler.block_manager)
+            if self._core_greedy and self.sampler.plain_greedy(batch.seqs, self.vocab_size):
+                greedy = self.runner.run_greedy(forward_batch)  # the argmax comes with the step
+            else:
+                logits = self.runner.run(forward_batch)
         finished = self._apply_sampled()
         if not batch.seqs:
             return finished, batch
@@ -112,11 +120,15 @@ class LLMEngine:
         rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
         if rows:
             seqs = [batch.seqs[i] for i in rows]
-            buffer = getattr(self.runner, "sampled_tokens", None)  # the core's: an all-greedy argmax writes there
-            pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs,
-                                          token_out=None if buffer is None else buffer[:len(rows)])
-            self.runner.publish_sampled(pending.token_ids)
-            for row, seq in enumerate(seqs):
+            if greedy is not None:  # the core left sequence i's token at sampled_tokens[i]
+                pending, sample_rows = greedy.rows(rows), rows
+            else:
+                buffer = getattr(self.runner, "sampled_tokens", None)  # the core's: an all-greedy argmax writes there
+                pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs,
+                                              token_out=None if buffer is None else buffer[:len(rows)])
+                self.runner.publish_sampled(pending.token_ids)
+                sample_rows = range(len(rows))
+            for row, seq in zip(sample_rows, seqs):
                 seq.token_ids.append(PENDING_TOKEN)
                 seq.sample_row = row
             self._in_flight = (seqs, pending)
