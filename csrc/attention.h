@@ -41,7 +41,8 @@ struct DecodeAttentionArgs {
   // (in shared memory; qkv is left unrotated) and stores each sequence's newest key and value
   // into the cache at slot_mapping[s] (-1: no store; sequences of length 0 store nothing).
   // rope's caches must be kv's; positions and slot_mapping, like the lengths, must be in place
-  // before the chain (small grids read them before the PDL wait).
+  // before this kernel can launch (small grids read them before the PDL wait): written before
+  // the chain, or by a kernel that completes before any later one launches (launch.h).
   RopeKvArgs rope{};
   // The batch size the splits are planned for (0: num_seqs; otherwise at least num_seqs): a decode
   // graph's bucket, so that a step run eagerly with fewer sequences divides every sequence's keys
@@ -57,8 +58,9 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 // each sequence's cached keys and values before it waits for the previous kernel on the stream,
 // all but the newest key and value (position len - 1). So a kernel that runs right before it in
 // the same chain may write that newest position and nothing else of the cache, as the
-// RoPE/KV-store kernel does; lengths and block tables must be in place before the chain. With
-// args.rope the kernel stores the newest position itself.
+// RoPE/KV-store kernel does; lengths and block tables must be in place before this kernel can
+// launch (see DecodeAttentionArgs::rope). With args.rope the kernel stores the newest position
+// itself.
 void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
 
 // Whether paged_decode_attention reads DecodeAttentionArgs::seq_order for these sizes (its large

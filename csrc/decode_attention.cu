@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   __shared__ float s_sum[kWarps][kMaxGroup];
 
   // kEarlyKv: before the wait (PDL, launch.h), this CTA reads only what no kernel of the step
-  // writes: the lengths and block tables (copied from the host before the step) and the keys and
+  // writes: the lengths and block tables (step metadata, in place before the kernels after the
+  // embedding launch: launch.h) and the keys and
   // values cached by earlier steps. The newest key of a sequence (position len - 1) is the one
   // this step writes (the RoPE/KV-store kernel, or with kRope this CTA after the wait): it is
   // loaded after the wait.

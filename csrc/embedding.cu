@@ -5,7 +5,8 @@
 // hidden is a multiple of 8 so every row is a whole number of 16-byte vectors.
 // Launch: one CTA per token, threads striding over the row's 16-byte vectors. The kernel is a
 // pure copy, so the only thing that matters is wide, coalesced loads and stores. Launched with
-// PDL (launch.h): it lets the next kernel launch at once, and waits before reading the ids.
+// PDL (launch.h): it waits for the step's metadata staging before it reads the ids, and only then
+// lets the next kernel launch.
 #include "embedding.h"
 
 #include "launch.h"
@@ -20,8 +21,10 @@ __global__ void __launch_bounds__(kThreads)
     embedding_kernel(const int32_t* __restrict__ ids, const uint4* __restrict__ table,
                      uint4* __restrict__ out, int vecs_per_row, int vocab,
                      const int32_t* __restrict__ id_src, const int32_t* __restrict__ sampled) {
-  allow_dependents();  // the next kernel (a norm) preloads its weight while this one runs
   wait_for_producers();  // ids and id_src come from the step's metadata staging
+  // After the wait: the kernels of the step read the metadata before their own waits, so none may
+  // launch before the staging kernel has completed (launch.h).
+  allow_dependents();
   const int token = blockIdx.x;
   const int from = id_src != nullptr ? id_src[token] : -1;
   const int id = from >= 0 ? sampled[from] : ids[token];

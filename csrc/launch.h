@@ -10,9 +10,11 @@
 // Rules for a kernel launched with launch_pdl():
 //   - every CTA calls wait_for_producers() before it reads anything an earlier kernel wrote and
 //     before it exits (so that completion stays transitive down the chain);
-//   - before the wait it reads only data no kernel of the current chain writes (weights). The
-//     one exception is decode attention on small grids, which reads the KV cache before the wait
-//     under the contract stated in attention.h (paged_decode_attention).
+//   - before the wait it reads only data no kernel it can overlap writes: weights, tables, and
+//     the step's metadata. A decode graph writes the metadata in its first kernel; the embedding
+//     after it calls allow_dependents() only after its wait, so every later kernel launches after
+//     the metadata is in place. Decode attention on small grids also reads the KV cache before
+//     the wait, under the contract stated in attention.h (paged_decode_attention).
 // Where a kernel calls allow_dependents() decides how early the next one is launched. The small
 // kernels that come right before a GEMV (the norms, RoPE, attention's combine) call it before
 // their wait, so the GEMV's CTAs are resident and its first weight batch in flight while they

@@ -50,9 +50,9 @@ __global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const in
 // one writes the step's ticket (ticket[0], set by the host before the launch) to ticket[1]: the
 // host may then refill the buffer for the next step.
 __global__ void stage_metadata_kernel(const int4* __restrict__ host, int4* __restrict__ device,
-                                      int vecs, volatile int32_t* ticket, unsigned* ctas_done) {
-  allow_dependents();  // the embedding after it gets resident (it waits for this kernel)
-  const int32_t number = threadIdx.x == 0 ? ticket[0] : 0;  // in flight with the copy's loads
+                                      int vecs, volatile uint32_t* ticket, unsigned* ctas_done) {
+  allow_dependents();  // the next kernel (the embedding) gets resident; it waits for this one
+  const uint32_t number = threadIdx.x == 0 ? ticket[0] : 0u;  // in flight with the copy's loads
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += gridDim.x * blockDim.x) {
     device[i] = host[i];
   }
@@ -130,7 +130,7 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   CUDA_CHECK(cudaHostAlloc(&host_tokens_, 2 * S * sizeof(int32_t), cudaHostAllocMapped));
   std::fill(host_tokens_, host_tokens_ + 2 * S, 0);
   CUDA_CHECK(cudaHostGetDevicePointer(&host_tokens_mapped_, host_tokens_, 0));
-  CUDA_CHECK(cudaHostAlloc(&stage_ticket_, 2 * sizeof(int32_t), cudaHostAllocMapped));
+  CUDA_CHECK(cudaHostAlloc(&stage_ticket_, 2 * sizeof(uint32_t), cudaHostAllocMapped));
   stage_ticket_[0] = stage_ticket_[1] = 0;
   CUDA_CHECK(cudaHostGetDevicePointer(&stage_ticket_mapped_, stage_ticket_, 0));
   stage_ctas_done_ = alloc<unsigned>(1);
@@ -193,7 +193,7 @@ int32_t* Model::host_metadata() {
 
 void Model::wait_staged() {
   // The last graph step's staging kernel runs as soon as the graph before it ends: a short wait.
-  const volatile int32_t* staged = stage_ticket_ + 1;
+  const volatile uint32_t* staged = stage_ticket_ + 1;
   for (int64_t spins = 1; *staged != stage_issued_; ++spins) {
     if (spins % 4096 == 0) {  // the stream may have failed
       const cudaError_t state = cudaStreamQuery(stream_);
@@ -216,14 +216,15 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
           "a step has " + std::to_string(num_seqs) + " sequences; max_num_seqs is " +
               std::to_string(limits_.max_num_seqs));
   const int slot = greedy ? next_token_slot_ : -1;
-  if (greedy) next_token_slot_ ^= 1;
   const bool is_decode = num_tokens == num_seqs;
   if (use_graph && is_decode && graphs_ && graphs_->captured(num_seqs)) {
     // The graph stages the metadata itself and reports the ticket once it has (the ticket may be
     // renumbered only once the previous graph has read it).
+    // Committed once the launch is queued: a launch that throws leaves nothing to wait for.
     wait_staged();
-    stage_ticket_[0] = ++stage_issued_;
+    stage_ticket_[0] = stage_issued_ + 1;
     graphs_->replay(num_seqs, stream_, greedy ? greedy_graph(slot) : kPlainGraph);
+    ++stage_issued_;
   } else {
     const StepLayout layout(num_tokens, num_seqs, block_table_width_);
     CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
@@ -232,7 +233,10 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
     forward(num_tokens, num_seqs, max_q_len, is_decode,
             greedy ? host_tokens_mapped_ + slot * limits_.max_num_seqs : nullptr);
   }
-  if (greedy) CUDA_CHECK(cudaEventRecord(tokens_ready_[slot], stream_));
+  if (greedy) {
+    CUDA_CHECK(cudaEventRecord(tokens_ready_[slot], stream_));
+    next_token_slot_ ^= 1;
+  }
   return slot;
 }
 

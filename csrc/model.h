@@ -54,10 +54,12 @@ struct EngineLimits {
 
 // Where each field of the step metadata sits in the int32 metadata buffer for a step of
 // `num_tokens` new tokens over `num_seqs` sequences; the fields are packed back to back so one
-// copy moves exactly the bytes the step uses.
+// copy (an eager step) or one staging kernel (a decode graph's first) moves exactly the bytes the
+// step uses.
 // input_src[t] >= 0 says that token t is not in input_ids yet: it is sampled_tokens()[input_src[t]],
-// which the previous step's sampler wrote on the device (so the host can queue a step before it
-// has read the tokens of the one before). -1: input_ids[t] holds the token.
+// which the previous step wrote on the device (the sampler, or the step's own greedy argmax), so
+// the host can queue a step before it has read the tokens of the one before. -1: input_ids[t]
+// holds the token.
 struct StepLayout {
   int input_ids, input_src, positions, slot_mapping, cu_seqlens_q, context_lens, block_tables,
       total;
@@ -140,9 +142,10 @@ class Model {
   // Decode graphs read host_meta_ in their first kernel, which then reports that it has: the
   // host numbers each graph step (stage_ticket_[0], mapped) and the kernel copies the number
   // into stage_ticket_[1] once the metadata is read; host_metadata() waits for the last one.
-  int32_t* stage_ticket_ = nullptr;  // pinned and mapped: [issued, staged]
-  int32_t* stage_ticket_mapped_ = nullptr;
-  int32_t stage_issued_ = 0;
+  // Unsigned: they wrap around (a long-running server), and only equality is compared.
+  uint32_t* stage_ticket_ = nullptr;  // pinned and mapped: [issued, staged]
+  uint32_t* stage_ticket_mapped_ = nullptr;
+  uint32_t stage_issued_ = 0;
   unsigned* stage_ctas_done_ = nullptr;  // device: the staging CTAs that have finished their part
   int32_t* device_meta_ = nullptr;
   bf16* residual_ = nullptr;

@@ -35,9 +35,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Before its PDL wait (launch.h) a thread reads what no kernel of the chain writes: its token's
-// position and slot (step metadata), that position's cos/sin and the norm weight. The head itself
-// (the previous kernel's output) is read after the wait.
+// Before its PDL wait (launch.h) a thread reads what no kernel it can overlap writes: its token's
+// position and slot (step metadata, staged before the kernels after the embedding launch), that
+// position's cos/sin and the norm weight. The head itself (the previous kernel's output) is read
+// after the wait.
 template <int HEAD_DIM, bool QK_NORM>
 __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvArgs args) {
   constexpr int kLanes = HEAD_DIM / kRopeVec;

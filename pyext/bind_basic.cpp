@@ -128,7 +128,16 @@ NANOGRAPH_BINDINGS(bind_basic) {
                                    std::to_string(tl.size(0)) +
                                    " elements (torch.empty(rows, dtype=torch.int32, pin_memory=True))");
           }
-          host = reinterpret_cast<int32_t*>(host_out.attr("data_ptr")().cast<uintptr_t>());
+          // The kernel's address of the page-locked memory (the host's own under unified
+          // addressing for cudaHostAlloc, not necessarily for registered memory).
+          void* mapped = nullptr;
+          void* pinned = reinterpret_cast<void*>(host_out.attr("data_ptr")().cast<uintptr_t>());
+          if (cudaHostGetDevicePointer(&mapped, pinned, 0) != cudaSuccess) {
+            cudaGetLastError();  // not sticky: clear it
+            throw_invalid_argument("argmax: host_out's memory is not mapped for the GPU; allocate it "
+                                   "with torch.empty(..., pin_memory=True)");
+          }
+          host = static_cast<int32_t*>(mapped);
         }
         argmax(tl.data<bf16>(), checked_int(tl.size(0), "rows"), checked_int(tl.size(1), "vocab"),
                checked_int(row_stride, "logits' row stride"), to.data<int32_t>(),

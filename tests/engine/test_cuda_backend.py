@@ -165,3 +165,34 @@ def test_run_greedy_takes_the_argmax_within_the_step(model_pair):
         if step > 0:  # the same decode step through the plain graph: the same logits, bit for bit
             assert torch.equal(runner.run(batch), logits), f"{name} step {step}: greedy and plain graphs differ"
         batch = tables.batch(ids, [len(p) + step for p in prompts], [[t] for t in want.tolist()])
+
+
+def test_host_waits_for_the_graph_to_stage_its_metadata(model_pair):
+    """A decode graph's first kernel reads the step's metadata from pinned memory: the host may refill that buffer
+    (step_views) only once the kernel has run. With the core's stream held behind a sleeping kernel, step_views
+    blocks until the graph has started, and garbage written into the buffer afterwards does not reach the step."""
+    import time
+
+    name, hf, runner = model_pair
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, runner.model_config.vocab_size, (21,), generator=gen).tolist()
+    tables = Tables()
+    logits = runner.run(tables.batch([500], [0], [prompt]))
+    token = int(logits[0].argmax())
+    decode = tables.batch([500], [len(prompt)], [[token]])
+    want = runner.run(decode).float().argmax(-1).tolist()  # the same step, nothing held back
+    torch.cuda.synchronize()
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU clock cycles
+    runner.stream.wait_event(side.record_event())
+    greedy = runner.run_greedy(decode)  # queued behind the sleep: its staging kernel has not run
+    start = time.perf_counter()
+    views = runner.model.step_views(1, 1)
+    waited = time.perf_counter() - start
+    for field in ("positions", "context_lens", "block_tables", "input_ids"):
+        views[field][:] = 0
+    got = greedy.rows([0]).result().token_ids
+    assert waited > 0.05, f"{name}: step_views returned after {waited:.3f} s, before the graph staged its metadata"
+    assert got == want, f"{name}: the step read metadata written after its launch"

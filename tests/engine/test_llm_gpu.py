@@ -55,9 +55,10 @@ def test_graphs_change_nothing(qwen3_folder):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, f"request {i} differs"
 
 
-def generate_counting_core_greedy(folder, prompts, params, core_greedy: bool):
+def generate_counting_core_greedy(folder, prompts, params, core_greedy: bool, enforce_eager: bool = False):
     """Outputs of one generate call, and how many steps the core's in-step argmax (run_greedy) took."""
-    llm = LLM(folder, device="cuda", max_num_seqs=8, max_model_len=512, num_kv_blocks=1024)
+    llm = LLM(folder, device="cuda", max_num_seqs=8, max_model_len=512, num_kv_blocks=1024,
+              enforce_eager=enforce_eager)
     try:
         engine = llm.engine
         engine._core_greedy = core_greedy
@@ -76,11 +77,13 @@ def generate_counting_core_greedy(folder, prompts, params, core_greedy: bool):
         torch.cuda.empty_cache()
 
 
-def test_core_greedy_matches_the_sampler(qwen3_folder):
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_core_greedy_matches_the_sampler(qwen3_folder, enforce_eager):
     """An all-greedy batch's argmax is taken by the core within the step (inside the decode graph): the same tokens
     as the sampler's argmax. Requests end at different lengths and on stop tokens the host reads only after the
     next step is queued (their rows are dropped from it); greedy requests with logprobs and sampled ones send their
-    batches through the sampler instead, and the two kinds of step alternate as they finish."""
+    batches through the sampler instead, and the two kinds of step alternate as they finish. With enforce_eager the
+    argmax follows the eager forward."""
     prompts = random_prompts(11, 2, 200, seed=7)
     gen = torch.Generator().manual_seed(8)
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
@@ -88,14 +91,18 @@ def test_core_greedy_matches_the_sampler(qwen3_folder):
     params += [SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
                SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
-    first, _ = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False)
+    first, _ = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False,
+                                             enforce_eager=enforce_eager)
     for i in (0, 3):  # stop on the token each produced sixth (the first time it appears)
         tokens = first[i].outputs[0].token_ids
         params[i] = SamplingParams(temperature=0, max_tokens=params[i].max_tokens, ignore_eos=True,
                                    stop_token_ids=[tokens[min(5, len(tokens) - 1)]])
-    core, core_calls = generate_counting_core_greedy(qwen3_folder, prompts[:8], params[:8], core_greedy=True)
-    mixed, mixed_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=True)
-    sampler, sampler_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False)
+    core, core_calls = generate_counting_core_greedy(qwen3_folder, prompts[:8], params[:8], core_greedy=True,
+                                                     enforce_eager=enforce_eager)
+    mixed, mixed_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=True,
+                                                       enforce_eager=enforce_eager)
+    sampler, sampler_calls = generate_counting_core_greedy(qwen3_folder, prompts, params, core_greedy=False,
+                                                           enforce_eager=enforce_eager)
     assert core_calls > 20 and mixed_calls > 0 and sampler_calls == 0
     for i in (0, 3):
         assert core[i].outputs[0].finish_reason == "stop" and len(core[i].outputs[0].token_ids) <= 6

@@ -3,7 +3,8 @@
 The core owns the KV cache, the activations, the step metadata buffers and the graphs; this
 runner loads the weights into torch tensors (kept alive here), sizes the KV cache from the memory
 left after a warm-up pass, fills the pinned metadata with numpy, and hands torch a zero-copy view
-of the logits, ordered after the core's stream.
+of the logits, ordered after the core's stream by run() (run_greedy leaves torch's stream alone:
+its tokens come back through pinned memory).
 """
 from __future__ import annotations
 
