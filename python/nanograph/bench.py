@@ -57,16 +57,17 @@ def decode_seconds_per_token(generate, output_len: int, repeats: int = 3) -> flo
 
 
 def graph_step_seconds(runner, context_len: int, steps: int = 200) -> float | None:
-    """GPU time of one batch-1 decode step at context_len: its graph replayed back to back (no KV is stored)."""
+    """GPU time of one batch-1 decode step at context_len: its graph replayed back to back (no KV is stored), the
+    greedy variant that generate runs (the argmax into pinned host memory ends the step)."""
     if not getattr(runner, "use_graphs", False):
         return None
     model = runner.model
     write_decode_metadata(model, context_len)
-    model.step(1, 1, 1, True)
+    model.step(1, 1, 1, True, greedy=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        model.step(1, 1, 1, True)
+        model.step(1, 1, 1, True, greedy=True)
     model.synchronize()
     return (time.perf_counter() - start) / steps
 
