@@ -35,6 +35,12 @@
 // wave is short. (8B gate_up: 8 splits in 3,072 CTAs; in one 1.45-wave launch without splits it
 // moved 3.3 TB/s, with them 4.0.) Grid and splits depend only on (M, N, K), so a captured graph
 // is valid for any data.
+// gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
+// reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
+// torch.argmax's (NaN highest, then larger values, then lower indices), in shared memory and
+// sends one max reduction per row to a global key; a one-warp kernel launched behind it (PDL)
+// decodes and clears the keys. The separate argmax kernel would re-read the 300 KB of logits
+// after the GEMV has completed.
 #include "gemv.h"
 
 #include "launch.h"
@@ -102,17 +108,90 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// An argmax candidate as one 64-bit key: the value's bits made order-preserving as unsigned
+// (NaN above +inf, -0 as +0, which compare equal in torch) above the complemented index, so
+// that the unsigned maximum is torch.argmax's choice and a tie goes to the lower index. 0 is
+// below every key: no candidate yet.
+__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
+  uint32_t bits = __float_as_uint(value);
+  if (value != value) {
+    bits = 0xffffffffu;
+  } else if ((bits << 1) == 0) {
+    bits = 0x80000000u;
+  } else {
+    bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  }
+  return (static_cast<unsigned long long>(bits) << 32) | ~static_cast<uint32_t>(index);
+}
+
+__device__ __forceinline__ int32_t argmax_index(unsigned long long key) {
+  return key == 0 ? 0 : static_cast<int32_t>(~static_cast<uint32_t>(key));
+}
+
+// gemv_kernel's store for gemv_argmax: the warp's sums (nullptr for a warp whose split was
+// summed by another) are stored like gemv's, and each row's best key goes to the CTA's keys, then
+// to the global ones. Every warp of the CTA calls it (it has a barrier).
+__device__ __forceinline__ void argmax_epilogue(const float* sum, const bf16* bias, bf16* out,
+                                                int M, int N, int n0, int g, int c,
+                                                unsigned long long* cta_keys,
+                                                unsigned long long* keys) {
+  unsigned long long best[2] = {0, 0};  // rows g and g + 8
+  if (sum != nullptr) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = g + (i >= 2 ? 8 : 0);
+      const int n = n0 + 2 * c + (i & 1);
+      if (m < M && n < N) {
+        const bf16 value = __float2bfloat16_rn(bias ? sum[i] + __bfloat162float(bias[n]) : sum[i]);
+        out[static_cast<int64_t>(m) * N + n] = value;
+        best[i / 2] = max(best[i / 2], argmax_key(__bfloat162float(value), n));
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // the 4 lanes of a row hold its 8 columns
+    best[h] = max(best[h], __shfl_xor_sync(0xffffffffu, best[h], 1));
+    best[h] = max(best[h], __shfl_xor_sync(0xffffffffu, best[h], 2));
+  }
+  __syncthreads();  // cta_keys are initialised
+  if (c == 0) {
+    if (best[0] != 0) atomicMax(&cta_keys[g], best[0]);
+    if (best[1] != 0) atomicMax(&cta_keys[g + 8], best[1]);
+  }
+  __syncthreads();
+  if (threadIdx.x < M && cta_keys[threadIdx.x] != 0) atomicMax(&keys[threadIdx.x], cta_keys[threadIdx.x]);
+}
+
+// gemv_argmax's second kernel: each row's key to its index, into out and host_out, and the key
+// cleared for the next call.
+__global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out,
+                                   int32_t* host_out) {
+  wait_for_producers();
+  const int m = threadIdx.x;
+  if (m >= M) return;
+  const int32_t index = argmax_index(keys[m]);
+  keys[m] = 0;
+  out[m] = index;
+  if (host_out != nullptr) host_out[m] = index;
+}
+
 // kWideM: M > 8, so x rows g + 8 exist. kWarps: warps per CTA. steps_per_split: warp steps in
 // each split's K range. kSiluMul: the gated MLP's epilogue (gemv_silu_mul): weight holds 2N rows,
 // gate rows [0, N) then up rows [N, 2N), and out[m, j] = silu(gate) * up. A row group then
 // covers 4 output columns, its 8 rows alternating gate and up (row g is the gate of column
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
-template <bool kWideM, int kWarps, bool kSiluMul>
+// kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
+template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
-                int splits, int steps_per_split) {
+                int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
+  static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
+  __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
+  if constexpr (kArgmax) {
+    if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
+  }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
   const int split = warp % splits;
@@ -174,15 +253,20 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[warp][i][lane] = sum[i];
     __syncthreads();
-    if (split != 0) return;
+    if constexpr (!kArgmax) {
+      if (split != 0) return;
+    }
     // The group's splits are warps warp .. warp + splits - 1; summed in that order.
-    for (int s = 1; s < splits; ++s) {
+    for (int s = 1; split == 0 && s < splits; ++s) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) sum[i] += partial[warp + s][i][lane];
     }
   }
 
-  if constexpr (kSiluMul) {
+  if constexpr (kArgmax) {
+    // Every warp takes part (the epilogue has barriers); the group's other splits store nothing.
+    argmax_epilogue(split == 0 ? sum : nullptr, bias, out, M, N, n0, g, c, cta_keys, keys);
+  } else if constexpr (kSiluMul) {
     // Gate and up rounded to bf16, as the unfused gemv stores them, then silu_mul's formula.
     const int n = n0 + c;
 #pragma unroll
@@ -251,9 +335,11 @@ bool gemv_supported(int M, int N, int K) {
 namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
-template <bool kSiluMul>
+// kArgmax: gemv_argmax's epilogue into argmax_keys.
+template <bool kSiluMul, bool kArgmax = false>
 void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                 int K, cudaStream_t stream, const char* op) {
+                 int K, cudaStream_t stream, const char* op,
+                 unsigned long long* argmax_keys = nullptr) {
   require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
@@ -267,12 +353,13 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = warps == kWarpsPerCta ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul>
-                                               : gemv_kernel<false, kWarpsPerCta, kSiluMul>)
-                                      : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul>
-                                               : gemv_kernel<false, kMaxSplits, kSiluMul>);
+  auto kernel = warps == kWarpsPerCta
+                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
+                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
   launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K,
-             splits, steps_per_split);
+             splits, steps_per_split, argmax_keys);
 }
 
 }  // namespace
@@ -285,6 +372,14 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
                    cudaStream_t stream) {
   launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul");
+}
+
+void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
+                 int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream) {
+  require(keys != nullptr && out != nullptr, "gemv_argmax: keys and out are required");
+  auto* key_words = reinterpret_cast<unsigned long long*>(keys);
+  launch_gemv<false, true>(x, weight, bias, logits, M, N, K, stream, "gemv_argmax", key_words);
+  launch_pdl(argmax_keys_kernel, dim3(1), dim3(32), 0, stream, key_words, M, out, host_out);
 }
 
 }  // namespace nanograph

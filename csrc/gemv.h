@@ -28,4 +28,12 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
                    cudaStream_t stream);
 
+// lm_head at a greedy step: gemv into logits [M, N], and out[m] = argmax of logits row m as
+// stored (bf16), in torch.argmax's order (NaN first, then larger values, ties to the lower
+// index), also into host_out when given (the GPU's address of mapped pinned memory). keys:
+// kGemvMaxM zeroed words of device workspace, left zeroed; one call at a time may use them.
+// Two kernels on PDL; bit-equal logits to gemv's. Same limits as gemv.
+void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
+                 int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream);
+
 }  // namespace nanograph

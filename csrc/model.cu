@@ -1,5 +1,6 @@
 // The decoder forward for one step. Per layer, for T new tokens:
-//   hidden = add_rmsnorm(hidden, residual)            (first layer: rmsnorm of the embedding)
+//   hidden = add_rmsnorm(hidden, residual)            (first layer: the embedding and its rmsnorm,
+//                                                     one kernel)
 //   qkv    = hidden . Wqkv^T (+ bias)                 cuBLASLt
 //   qkv    = qk_norm + rope, K/V stored by slot       one kernel; large decode grids do it inside
 //                                                     attention (q rotated there, qkv left as is)
@@ -7,7 +8,8 @@
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
 //   act    = silu(gate) * up of hidden . Wgate_up^T   (<= kGemvMaxM tokens: one kernel)
 //   hidden = act . Wdown^T
-// then the final norm and lm_head on each sequence's last token only.
+// then the final norm and lm_head on each sequence's last token only (a greedy step at small
+// batch takes the argmax in lm_head's GEMV).
 // All per-step values are read from device buffers at fixed addresses, so a captured decode graph
 // replays for any batch contents.
 #include "model.h"
@@ -22,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <thread>
 
 namespace nanograph {
@@ -65,6 +68,26 @@ __global__ void stage_metadata_kernel(const int4* __restrict__ host, int4* __res
   }
   __threadfence_system();
   ticket[1] = number;
+}
+
+// Greedy steps at small batch take the argmax in lm_head's GEMV; NANOGRAPH_LM_HEAD_ARGMAX=0
+// runs the separate argmax kernel instead (the same ids).
+bool lm_head_argmax_fused() {
+  static const bool fused = [] {
+    const char* value = std::getenv("NANOGRAPH_LM_HEAD_ARGMAX");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return fused;
+}
+
+// The embedding and the first layer's norm in one kernel; NANOGRAPH_FIRST_NORM_FUSED=0 runs the
+// two kernels (the same bits).
+bool first_norm_fused() {
+  static const bool fused = [] {
+    const char* value = std::getenv("NANOGRAPH_FIRST_NORM_FUSED");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return fused;
 }
 
 constexpr int kStageThreads = 256;
@@ -146,6 +169,8 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   logits_ = alloc<bf16>(static_cast<size_t>(S) * c.vocab_size);
   sampled_tokens_ = alloc<int32_t>(S);
   CUDA_CHECK(cudaMemset(sampled_tokens_, 0, S * sizeof(int32_t)));
+  argmax_keys_ = alloc<uint64_t>(kGemvMaxM);
+  CUDA_CHECK(cudaMemset(argmax_keys_, 0, kGemvMaxM * sizeof(uint64_t)));
   size_t workspace = 0;
   for (int b = 1; b <= S; ++b) {
     workspace = std::max(workspace, decode_attention_workspace_bytes(b, c.num_q_heads, c.head_dim,
@@ -335,9 +360,15 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
-  embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st,
-            device_meta_ + layout.input_src, sampled_tokens_);
-  rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
+  if (first_norm_fused()) {
+    embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
+                      weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st,
+                      device_meta_ + layout.input_src, sampled_tokens_);
+  } else {
+    embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st,
+              device_meta_ + layout.input_src, sampled_tokens_);
+    rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
+  }
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
     if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
@@ -382,6 +413,11 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     CUDA_CHECK_LAUNCH();
   }
   add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
+  if (argmax_host_out != nullptr && gemv_supported(S, c.vocab_size, H) && lm_head_argmax_fused()) {
+    gemv_argmax(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, argmax_keys_,
+                sampled_tokens_, argmax_host_out, st);
+    return;
+  }
   gemm_.linear(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, st);
   if (argmax_host_out != nullptr) {
     argmax(logits_, S, c.vocab_size, c.vocab_size, sampled_tokens_, st, argmax_host_out);

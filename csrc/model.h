@@ -157,6 +157,7 @@ class Model {
   bf16* last_hidden_ = nullptr;
   bf16* logits_ = nullptr;
   int32_t* sampled_tokens_ = nullptr;
+  uint64_t* argmax_keys_ = nullptr;  // [kGemvMaxM], zero between steps: gemv_argmax's workspace
   float* attn_workspace_ = nullptr;
   int32_t* seq_order_ = nullptr;  // [max_num_seqs]: decode attention's sequences, longest first
   bf16* kv_cache_ = nullptr;

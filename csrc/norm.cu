@@ -9,6 +9,9 @@
 // global memory once. Rows of up to 512 elements get one warp each (four rows per CTA, shuffle
 // reduction only); wider rows get one CTA of at most 256 threads (shuffle + shared-memory
 // reduction). VPT = ceil(vectors / threads) is a template parameter so the row stays in registers.
+// embedding_rmsnorm, the first layer's input, takes each row from the embedding table (the id
+// resolved as embedding() resolves it), stores it as the residual and normalises it: the
+// embedding kernel and rmsnorm's bits in one launch.
 #include "norm.h"
 
 #include "bf16x8.cuh"
@@ -29,12 +32,22 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Where embedding_rmsnorm's rows come from: row t is table row sampled[id_src[t]] when id_src is
+// given and id_src[t] >= 0, else ids[t]; ids outside [0, vocab) give a zero row.
+struct EmbeddingIds {
+  const int32_t* ids = nullptr;
+  const int32_t* id_src = nullptr;
+  const int32_t* sampled = nullptr;
+  int vocab = 0;
+};
+
 // blockDim = (threads per row, rows per CTA); blockDim.y > 1 only when blockDim.x == 32.
-// With kAddResidual, `residual` is updated in place and out may alias x.
-template <int VPT, bool kAddResidual>
+// With kAddResidual, `residual` is updated in place and out may alias x. With kEmbed, x is the
+// embedding table, row `row` of it is chosen by `embed`, and residual receives it.
+template <int VPT, bool kAddResidual, bool kEmbed>
 __global__ void __launch_bounds__(kMaxCtaThreads)
     rmsnorm_kernel(const bf16* x, bf16* residual, const bf16* __restrict__ weight, bf16* out,
-                   int rows, int dim, float eps) {
+                   int rows, int dim, float eps, EmbeddingIds embed) {
   // The weight is no kernel's output: it is in flight before the PDL wait (launch.h).
   const int vecs = dim / 8;
   uint4 w_raw[VPT];
@@ -43,11 +56,26 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
     const int v = threadIdx.x + i * blockDim.x;
     if (v < vecs) w_raw[i] = *reinterpret_cast<const uint4*>(weight + v * 8);
   }
-  allow_dependents();  // before the wait: the next kernel is a GEMV (launch.h)
-  wait_for_producers_after_loads();
+  if constexpr (kEmbed) {
+    // The ids come from the step's metadata staging, which the kernels after this one read
+    // before their own waits: they may launch only once it has completed (launch.h).
+    wait_for_producers_after_loads();
+    allow_dependents();
+  } else {
+    allow_dependents();  // before the wait: the next kernel is a GEMV (launch.h)
+    wait_for_producers_after_loads();
+  }
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   if (row >= rows) return;
   const int64_t row_offset = static_cast<int64_t>(row) * dim;
+  const bf16* src = x + row_offset;
+  bool zero_row = false;
+  if constexpr (kEmbed) {
+    const int from = embed.id_src != nullptr ? embed.id_src[row] : -1;
+    const int id = from >= 0 ? embed.sampled[from] : embed.ids[row];
+    zero_row = id < 0 || id >= embed.vocab;
+    src = x + static_cast<int64_t>(zero_row ? 0 : id) * dim;
+  }
 
   Float8 h[VPT];
   float sum_sq = 0.f;
@@ -56,7 +84,12 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) break;
     const int64_t offset = row_offset + v * 8;
-    h[i] = load_bf16x8(x + offset);
+    if constexpr (kEmbed) {
+      h[i] = zero_row ? Float8{} : load_bf16x8(src + v * 8);
+      store_bf16x8(residual + offset, h[i]);
+    } else {
+      h[i] = load_bf16x8(src + v * 8);
+    }
     if constexpr (kAddResidual) {
       Float8 r = load_bf16x8(residual + offset);
 #pragma unroll
@@ -93,9 +126,10 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
   }
 }
 
-template <bool kAddResidual>
+template <bool kAddResidual, bool kEmbed = false>
 void launch_rmsnorm(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int rows,
-                    int dim, float eps, cudaStream_t stream, const char* name) {
+                    int dim, float eps, cudaStream_t stream, const char* name,
+                    EmbeddingIds embed = {}) {
   require(dim >= 8 && dim <= kMaxDim && dim % 8 == 0,
           std::string(name) + ": hidden size " + std::to_string(dim) +
               " is unsupported; it must be a multiple of 8 between 8 and " +
@@ -119,13 +153,13 @@ void launch_rmsnorm(const bf16* x, bf16* residual, const bf16* weight, bf16* out
     grid = dim3(rows);
   }
   auto launch = [&](auto kernel) {
-    launch_pdl(kernel, grid, block, 0, stream, x, residual, weight, out, rows, dim, eps);
+    launch_pdl(kernel, grid, block, 0, stream, x, residual, weight, out, rows, dim, eps, embed);
   };
   switch (vpt) {
-    case 1: return launch(rmsnorm_kernel<1, kAddResidual>);
-    case 2: return launch(rmsnorm_kernel<2, kAddResidual>);
-    case 3: return launch(rmsnorm_kernel<3, kAddResidual>);
-    default: return launch(rmsnorm_kernel<4, kAddResidual>);
+    case 1: return launch(rmsnorm_kernel<1, kAddResidual, kEmbed>);
+    case 2: return launch(rmsnorm_kernel<2, kAddResidual, kEmbed>);
+    case 3: return launch(rmsnorm_kernel<3, kAddResidual, kEmbed>);
+    default: return launch(rmsnorm_kernel<4, kAddResidual, kEmbed>);
   }
 }
 
@@ -139,6 +173,16 @@ void rmsnorm(const bf16* x, const bf16* weight, bf16* out, int rows, int dim, fl
 void add_rmsnorm(bf16* x, bf16* residual, const bf16* weight, int rows, int dim, float eps,
                  cudaStream_t stream) {
   launch_rmsnorm<true>(x, residual, weight, x, rows, dim, eps, stream, "add_rmsnorm");
+}
+
+void embedding_rmsnorm(const int32_t* ids, const bf16* table, int vocab, bf16* residual,
+                       const bf16* weight, bf16* out, int rows, int dim, float eps,
+                       cudaStream_t stream, const int32_t* id_src, const int32_t* sampled) {
+  require((id_src == nullptr) == (sampled == nullptr),
+          "embedding_rmsnorm: give both id_src and sampled, or neither");
+  require(vocab > 0, "embedding_rmsnorm: vocab must be positive, got " + std::to_string(vocab));
+  launch_rmsnorm<false, true>(table, residual, weight, out, rows, dim, eps, stream,
+                              "embedding_rmsnorm", EmbeddingIds{ids, id_src, sampled, vocab});
 }
 
 }  // namespace nanograph

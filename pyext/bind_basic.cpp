@@ -22,34 +22,43 @@ std::vector<int64_t> with_last(std::vector<int64_t> shape, int64_t last) {
   return shape;
 }
 
+// The token ids and table of an embedding lookup, checked: ids [n] int32, table [vocab, hidden]
+// bf16, and id_src [n] int32 with sampled [m] int32, both or neither.
+struct EmbeddingLookup {
+  Tensor ids, table, id_src, sampled;
+};
+
+EmbeddingLookup embedding_lookup(py::object ids, py::object table, py::object id_src,
+                                 py::object sampled, const std::string& op) {
+  EmbeddingLookup e{cuda_tensor(ids, "ids", "int32"), cuda_tensor(table, "table", "bfloat16"),
+                    optional_cuda_tensor(id_src, "id_src", "int32"),
+                    optional_cuda_tensor(sampled, "sampled", "int32")};
+  if (id_src.is_none() != sampled.is_none()) {
+    throw_invalid_argument(op + ": give both id_src and sampled, or neither");
+  }
+  expect_shape(e.ids, {-1});
+  expect_shape(e.table, {-1, -1});
+  if (!id_src.is_none()) {
+    expect_shape(e.id_src, {e.ids.size(0)});
+    expect_shape(e.sampled, {-1});
+  }
+  return e;
+}
+
 }  // namespace
 
 NANOGRAPH_BINDINGS(bind_basic) {
   m.def(
       "embedding",
       [](py::object ids, py::object table, py::object out, py::object id_src, py::object sampled) {
-        Tensor ti = cuda_tensor(ids, "ids", "int32");
-        Tensor tt = cuda_tensor(table, "table", "bfloat16");
+        EmbeddingLookup e = embedding_lookup(ids, table, id_src, sampled, "embedding");
         Tensor to = cuda_tensor(out, "out", "bfloat16");
-        Tensor ts = optional_cuda_tensor(id_src, "id_src", "int32");
-        Tensor tz = optional_cuda_tensor(sampled, "sampled", "int32");
-        if (id_src.is_none() != sampled.is_none()) {
-          throw_invalid_argument("embedding: give both id_src and sampled, or neither");
-        }
-        expect_shape(ti, {-1});
-        expect_shape(tt, {-1, -1});
-        expect_shape(to, {ti.size(0), tt.size(1)});
-        std::vector<const Tensor*> tensors{&ti, &tt, &to};
-        if (!id_src.is_none()) {
-          expect_shape(ts, {ti.size(0)});
-          expect_shape(tz, {-1});
-          tensors.insert(tensors.end(), {&ts, &tz});
-        }
-        same_device(tensors);
-        embedding(ti.data<int32_t>(), tt.data<bf16>(), to.data<bf16>(),
-                  checked_int(ti.size(0), "number of tokens"), checked_int(tt.size(1), "hidden"),
-                  checked_int(tt.size(0), "vocab"), torch_current_stream(), ts.data<int32_t>(),
-                  tz.data<int32_t>());
+        expect_shape(to, {e.ids.size(0), e.table.size(1)});
+        same_device({&e.ids, &e.table, &e.id_src, &e.sampled, &to});
+        embedding(e.ids.data<int32_t>(), e.table.data<bf16>(), to.data<bf16>(),
+                  checked_int(e.ids.size(0), "number of tokens"),
+                  checked_int(e.table.size(1), "hidden"), checked_int(e.table.size(0), "vocab"),
+                  torch_current_stream(), e.id_src.data<int32_t>(), e.sampled.data<int32_t>());
       },
       py::arg("ids"), py::arg("table"), py::arg("out"), py::arg("id_src") = py::none(),
       py::arg("sampled") = py::none(),
@@ -73,6 +82,29 @@ NANOGRAPH_BINDINGS(bind_basic) {
       py::arg("x"), py::arg("weight"), py::arg("out"), py::arg("eps"),
       "out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight) over the last dimension; "
       "x, out [..., hidden] bf16, weight [hidden] bf16.");
+
+  m.def(
+      "embedding_rmsnorm",
+      [](py::object ids, py::object table, py::object weight, py::object residual, py::object out,
+         float eps, py::object id_src, py::object sampled) {
+        EmbeddingLookup e = embedding_lookup(ids, table, id_src, sampled, "embedding_rmsnorm");
+        Tensor tw = cuda_tensor(weight, "weight", "bfloat16");
+        Tensor tr = cuda_tensor(residual, "residual", "bfloat16");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        expect_shape(tw, {e.table.size(1)});
+        expect_shape(tr, {e.ids.size(0), e.table.size(1)});
+        expect_shape(to, tr.shape);
+        same_device({&e.ids, &e.table, &e.id_src, &e.sampled, &tw, &tr, &to});
+        embedding_rmsnorm(e.ids.data<int32_t>(), e.table.data<bf16>(),
+                          checked_int(e.table.size(0), "vocab"), tr.data<bf16>(), tw.data<bf16>(),
+                          to.data<bf16>(), checked_int(e.ids.size(0), "number of tokens"),
+                          checked_int(e.table.size(1), "hidden"), eps, torch_current_stream(),
+                          e.id_src.data<int32_t>(), e.sampled.data<int32_t>());
+      },
+      py::arg("ids"), py::arg("table"), py::arg("weight"), py::arg("residual"), py::arg("out"),
+      py::arg("eps"), py::arg("id_src") = py::none(), py::arg("sampled") = py::none(),
+      "embedding then rmsnorm in one kernel: residual = embedding(ids, table, id_src, sampled) and "
+      "out = rmsnorm(residual, weight, eps), bit-equal to the two ops; residual, out [n, hidden].");
 
   m.def(
       "add_rmsnorm",
@@ -116,29 +148,7 @@ NANOGRAPH_BINDINGS(bind_basic) {
         Tensor to = cuda_tensor(out, "out", "int32");
         expect_shape(to, {tl.size(0)});
         same_device({&tl, &to});
-        int32_t* host = nullptr;
-        if (!host_out.is_none()) {
-          const bool usable = py::str(host_out.attr("device").attr("type")).cast<std::string>() == "cpu" &&
-                              host_out.attr("is_pinned")().cast<bool>() &&
-                              py::str(host_out.attr("dtype")).cast<std::string>() == "torch.int32" &&
-                              host_out.attr("is_contiguous")().cast<bool>() &&
-                              host_out.attr("numel")().cast<int64_t>() == tl.size(0);
-          if (!usable) {
-            throw_invalid_argument("argmax: host_out must be a contiguous pinned CPU int32 tensor of " +
-                                   std::to_string(tl.size(0)) +
-                                   " elements (torch.empty(rows, dtype=torch.int32, pin_memory=True))");
-          }
-          // The kernel's address of the page-locked memory (the host's own under unified
-          // addressing for cudaHostAlloc, not necessarily for registered memory).
-          void* mapped = nullptr;
-          void* pinned = reinterpret_cast<void*>(host_out.attr("data_ptr")().cast<uintptr_t>());
-          if (cudaHostGetDevicePointer(&mapped, pinned, 0) != cudaSuccess) {
-            cudaGetLastError();  // not sticky: clear it
-            throw_invalid_argument("argmax: host_out's memory is not mapped for the GPU; allocate it "
-                                   "with torch.empty(..., pin_memory=True)");
-          }
-          host = static_cast<int32_t*>(mapped);
-        }
+        int32_t* host = mapped_host_ids(host_out, tl.size(0), "argmax");
         argmax(tl.data<bf16>(), checked_int(tl.size(0), "rows"), checked_int(tl.size(1), "vocab"),
                checked_int(row_stride, "logits' row stride"), to.data<int32_t>(),
                torch_current_stream(), host);

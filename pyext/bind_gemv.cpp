@@ -40,6 +40,27 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       py::arg("x"), py::arg("gate_up_weight"), py::arg("out"),
       "out[M, inter] = silu(gate) * up with gate, up = x[M, K] @ gate_up_weight[2 * inter, K].T "
       "(gate rows first), each rounded to bf16: equal to gemv then silu_mul, in one kernel.");
+  m.def(
+      "gemv_argmax",
+      [](py::object x, py::object weight, py::object bias, py::object out, py::object tokens,
+         py::object keys, py::object host_out) {
+        LinearArgs a = linear_args(x, weight, bias, out, "gemv_argmax");
+        Tensor tt = cuda_tensor(tokens, "tokens", "int32");
+        Tensor tk = cuda_tensor(keys, "keys", "int64");
+        expect_shape(tt, {a.M});
+        expect_shape(tk, {kGemvMaxM});
+        same_device({&a.x, &a.weight, &a.bias, &a.out, &tt, &tk});
+        int32_t* host = mapped_host_ids(host_out, a.M, "gemv_argmax");
+        // gemv_argmax() rejects unsupported sizes and misaligned pointers with the limit it needs.
+        gemv_argmax(a.x.data<bf16>(), a.weight.data<bf16>(), a.bias.data<bf16>(), a.out.data<bf16>(),
+                    a.M, a.N, a.K, tk.data<uint64_t>(), tt.data<int32_t>(), host,
+                    torch_current_stream());
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("tokens"),
+      py::arg("keys"), py::arg("host_out") = py::none(),
+      "gemv into out [M, N], and tokens[m] = argmax(out[m]) as torch.argmax gives it (int32 [M]), "
+      "also into host_out (pinned CPU int32 [M]) when given. keys: int64 [GEMV_MAX_M] of zeros on "
+      "the device, left zeroed (workspace; one call at a time).");
 }
 
 }  // namespace nanograph::py_ext

@@ -81,6 +81,30 @@ int checked_int(int64_t value, const std::string& what) {
   return static_cast<int>(value);
 }
 
+int32_t* mapped_host_ids(py::object host_out, int64_t rows, const char* op) {
+  if (host_out.is_none()) return nullptr;
+  const bool usable = py::str(host_out.attr("device").attr("type")).cast<std::string>() == "cpu" &&
+                      host_out.attr("is_pinned")().cast<bool>() &&
+                      py::str(host_out.attr("dtype")).cast<std::string>() == "torch.int32" &&
+                      host_out.attr("is_contiguous")().cast<bool>() &&
+                      host_out.attr("numel")().cast<int64_t>() == rows;
+  if (!usable) {
+    throw_invalid_argument(std::string(op) + ": host_out must be a contiguous pinned CPU int32 tensor of " +
+                           std::to_string(rows) +
+                           " elements (torch.empty(rows, dtype=torch.int32, pin_memory=True))");
+  }
+  // The kernel's address of the page-locked memory (the host's own under unified addressing for
+  // cudaHostAlloc, not necessarily for registered memory).
+  void* mapped = nullptr;
+  void* pinned = reinterpret_cast<void*>(host_out.attr("data_ptr")().cast<uintptr_t>());
+  if (cudaHostGetDevicePointer(&mapped, pinned, 0) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    throw_invalid_argument(std::string(op) + ": host_out's memory is not mapped for the GPU; allocate it "
+                           "with torch.empty(..., pin_memory=True)");
+  }
+  return static_cast<int32_t*>(mapped);
+}
+
 std::pair<Tensor, int64_t> row_strided_logits(py::object logits, const char* dtype) {
   const auto stride = logits.attr("stride")().cast<std::vector<int64_t>>();
   if (stride.size() != 2) {

@@ -59,6 +59,10 @@ int checked_int(int64_t value, const std::string& what);
 // stride in elements.
 std::pair<Tensor, int64_t> row_strided_logits(py::object logits, const char* dtype = "bfloat16");
 
+// host_out's address for the GPU: None gives nullptr; otherwise it must be a contiguous pinned
+// CPU int32 tensor of `rows` elements whose memory is mapped (torch's pin_memory=True).
+int32_t* mapped_host_ids(py::object host_out, int64_t rows, const char* op);
+
 // The stream torch is using on the current device, so results are ordered with torch's work.
 cudaStream_t torch_current_stream();
 

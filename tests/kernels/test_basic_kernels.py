@@ -78,6 +78,46 @@ def test_embedding_no_tokens():
                   torch.empty(0, 64, dtype=BF16, device=DEVICE))
 
 
+# ---- embedding_rmsnorm: the first layer's input in one kernel --------------------------------
+
+@pytest.mark.parametrize("hidden", [64, 576, 1024, 2056, 4096])
+@pytest.mark.parametrize("tokens", [1, 5, 130])
+def test_embedding_rmsnorm_equals_embedding_then_rmsnorm(tokens, hidden):
+    """Bit-equal to the two kernels, on both row layouts (one warp per row up to 512 elements, one CTA
+    above), with out-of-range ids (zero rows) and ids sampled on the device (id_src/sampled)."""
+    vocab, eps = 3000, 1e-6
+    table = (torch.randn(vocab, hidden, device=DEVICE) * 2 + 0.3).to(BF16)
+    weight = torch.randn(hidden, device=DEVICE).to(BF16)
+    ids = torch.randint(0, vocab, (tokens,), dtype=torch.int32, device=DEVICE)
+    ids[0] = -1 if tokens > 1 else ids[0]
+    id_src = torch.randint(-1, 4, (tokens,), dtype=torch.int32, device=DEVICE)
+    sampled = torch.tensor([17, vocab - 1, vocab + 3, 5], dtype=torch.int32, device=DEVICE)
+    for extra in ({}, {"id_src": id_src, "sampled": sampled}):
+        want_residual, want_out = poisoned(tokens, hidden), poisoned(tokens, hidden)
+        ops.embedding(ids, table, want_residual, **extra)
+        ops.rmsnorm(want_residual, weight, want_out, eps)
+        residual, out = poisoned(tokens, hidden), poisoned(tokens, hidden)
+        ops.embedding_rmsnorm(ids, table, weight, residual, out, eps, **extra)
+        assert torch.equal(residual, want_residual)
+        assert torch.equal(out, want_out)
+        assert_matches_hf(out, hf_rmsnorm(want_residual, weight, eps))
+
+
+def test_embedding_rmsnorm_rejects_bad_arguments():
+    table = torch.randn(100, 128, device=DEVICE).to(BF16)
+    weight = torch.randn(128, device=DEVICE).to(BF16)
+    ids = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    residual, out = poisoned(2, 128), poisoned(2, 128)
+    with pytest.raises(ValueError, match="both"):
+        ops.embedding_rmsnorm(ids, table, weight, residual, out, 1e-6, id_src=ids)
+    with pytest.raises(ValueError, match="weight"):
+        ops.embedding_rmsnorm(ids, table, weight[:64], residual, out, 1e-6)
+    with pytest.raises(ValueError, match="out"):
+        ops.embedding_rmsnorm(ids, table, weight, residual, poisoned(3, 128), 1e-6)
+    with pytest.raises(TypeError, match="ids"):
+        ops.embedding_rmsnorm(ids.long(), table, weight, residual, out, 1e-6)
+
+
 # ---- rmsnorm / add_rmsnorm -------------------------------------------------------------------
 
 NORM_DIMS = [8, 64, 128, 200, 512, 520, 1024, 2048, 2056, 3584, 4096, 5120, 8192]

@@ -233,3 +233,110 @@ def test_gemv_silu_mul_rejects_bad_shapes():
     with pytest.raises(ValueError, match="M <= 16"):
         big = torch.randn(MAX_M + 1, K, device="cuda").to(torch.bfloat16)
         ops.gemv_silu_mul(big, w, poisoned_out(MAX_M + 1, inter))
+
+
+# ---- gemv_argmax: lm_head with the greedy choice in its epilogue ------------------------------
+
+def run_gemv_argmax(x, w, b=None, host_out=None, keys=None):
+    M, N = x.shape[0], w.shape[0]
+    keys = torch.zeros(MAX_M, dtype=torch.int64, device="cuda") if keys is None else keys
+    logits = poisoned_out(M, N)
+    tokens = torch.full((M,), -7, dtype=torch.int32, device="cuda")
+    ops.gemv_argmax(x, w, b, logits, tokens, keys, host_out)
+    return logits, tokens, keys
+
+
+# lm_head (streaming, 2 splits), ragged tails (streaming with 4 splits; one wave), 16-warp CTAs
+# (16 splits), a single row group.
+ARGMAX_SHAPES = [(151936, 1024), (9001, 2056), (1001, 200), (256, 8192), (3, 8)]
+
+
+@pytest.mark.parametrize("M", [1, 2, 9, MAX_M])
+@pytest.mark.parametrize("N,K", ARGMAX_SHAPES)
+def test_gemv_argmax_matches_gemv_and_torch_argmax(N, K, M):
+    """The logits are gemv's bits, and each row's token is torch.argmax over them as stored; the keys
+    are left zeroed for the next call."""
+    w = weight(N, K)
+    x, b = make_inputs(M, N, K, with_bias=N < 100_000, seed=5)
+    want = poisoned_out(M, N)
+    ops.gemv(x, w, b, want)
+    logits, tokens, keys = run_gemv_argmax(x, w, b)
+    assert torch.equal(logits, want)
+    assert torch.equal(tokens.long(), torch.argmax(want, dim=-1))
+    assert not keys.any()
+
+
+def test_gemv_argmax_ties_go_to_the_lowest_index_and_nan_wins():
+    """Equal maxima in different CTAs give the lower index, as torch.argmax does; a NaN logit beats
+    every number, and of two NaNs the lower index wins."""
+    N, K = 151936, 1024
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(2, K, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
+    strong = (x[0].float() / x[0].float().norm() * 8).to(torch.bfloat16)  # far above any random row
+    for row in (140_000, 77_777, 90_001):
+        w[row] = strong
+    w[120_000, 5] = float("nan")
+    w[150_000, 9] = float("nan")
+    logits, tokens, _ = run_gemv_argmax(x, w)
+    assert logits[0, 77_777].item() == logits[0, 140_000].item()
+    assert tokens[0].item() == 120_000  # row 0 has NaN logits at 120,000 and 150,000
+    w[120_000, 5] = w[150_000, 9] = 0.5
+    logits, tokens, _ = run_gemv_argmax(x, w)
+    assert tokens[0].item() == 77_777 == torch.argmax(logits[0]).item()
+    assert tokens[1].item() == torch.argmax(logits[1]).item()
+
+
+def test_gemv_argmax_writes_host_out():
+    w = weight(151936, 1024)
+    x, _ = make_inputs(4, 151936, 1024, False, seed=8)
+    host = torch.full((4,), -1, dtype=torch.int32, pin_memory=True)
+    logits, tokens, _ = run_gemv_argmax(x, w, host_out=host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, tokens.cpu())
+    assert torch.equal(host.long(), torch.argmax(logits, dim=-1).cpu())
+
+
+def test_gemv_argmax_replays_in_a_graph():
+    """Captured once, replayed on new inputs: the keys are cleared inside the graph every time."""
+    N, K, M = 9001, 2056, 3
+    w = weight(N, K)
+    x = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
+    logits = poisoned_out(M, N)
+    tokens = torch.empty(M, dtype=torch.int32, device="cuda")
+    keys = torch.zeros(MAX_M, dtype=torch.int64, device="cuda")
+    x.copy_(make_inputs(M, N, K, False, seed=0)[0])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.gemv_argmax(x, w, None, logits, tokens, keys)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            ops.gemv_argmax(x, w, None, logits, tokens, keys)
+    for seed in (1, 2, 3):
+        x.copy_(make_inputs(M, N, K, False, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        want = poisoned_out(M, N)
+        ops.gemv(x, w, None, want)
+        assert torch.equal(tokens.long(), torch.argmax(want, dim=-1))
+    assert not keys.any()
+
+
+def test_gemv_argmax_rejects_bad_arguments():
+    N, K = 1001, 200
+    w = weight(N, K)
+    x, _ = make_inputs(2, N, K, False)
+    logits, tokens = poisoned_out(2, N), torch.empty(2, dtype=torch.int32, device="cuda")
+    keys = torch.zeros(MAX_M, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="keys"):
+        ops.gemv_argmax(x, w, None, logits, tokens, keys[:4])
+    with pytest.raises(TypeError, match="keys"):
+        ops.gemv_argmax(x, w, None, logits, tokens, keys.int())
+    with pytest.raises(ValueError, match="tokens"):
+        ops.gemv_argmax(x, w, None, logits, tokens[:1], keys)
+    with pytest.raises(ValueError, match="host_out"):
+        ops.gemv_argmax(x, w, None, logits, tokens, keys, torch.empty(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="M <= 16"):
+        big = torch.randn(MAX_M + 1, K, device="cuda").to(torch.bfloat16)
+        ops.gemv_argmax(big, w, None, poisoned_out(MAX_M + 1, N),
+                        torch.empty(MAX_M + 1, dtype=torch.int32, device="cuda"), keys)
