@@ -12,13 +12,13 @@
 //     before it exits (so that completion stays transitive down the chain);
 //   - before the wait it reads only data no kernel it can overlap writes: weights, tables, and
 //     the step's metadata. A decode graph writes the metadata in its first kernel; the embedding
-//     after it calls allow_dependents() only after its wait, so every later kernel launches after
+//     after it (embedding_rmsnorm) calls allow_dependents() only after its wait, so every later kernel launches after
 //     the metadata is in place. Decode attention on small grids also reads the KV cache before
 //     the wait, under the contract stated in attention.h (paged_decode_attention).
 // Where a kernel calls allow_dependents() decides how early the next one is launched. The small
-// kernels that come right before a GEMV (the norms, RoPE, attention's combine) call it before
-// their wait, so the GEMV's CTAs are resident and its first weight batch in flight while they
-// wait; the GEMVs and attention's split call it after their wait (earlier, their dependents took
+// kernels that come right before a GEMV (the norms but the first, RoPE, attention's combine) call
+// it before their wait, so the GEMV's CTAs are resident and its first weight batch in flight while
+// they wait; the GEMVs and attention's split call it after their wait (earlier, their dependents took
 // SM room from their own CTAs: a slower decode step, measured).
 // On older GPUs, or with NANOGRAPH_PDL=0 in the environment, launches are ordinary and the
 // device functions compile to nothing.

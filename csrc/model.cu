@@ -15,7 +15,6 @@
 #include "model.h"
 
 #include "activation.h"
-#include "embedding.h"
 #include "gemv.h"
 #include "launch.h"
 #include "norm.h"
@@ -24,7 +23,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <thread>
 
 namespace nanograph {
@@ -54,7 +52,7 @@ __global__ void gather_last_tokens_kernel(const bf16* a, const bf16* b, const in
 // host may then refill the buffer for the next step.
 __global__ void stage_metadata_kernel(const int4* __restrict__ host, int4* __restrict__ device,
                                       int vecs, volatile uint32_t* ticket, unsigned* ctas_done) {
-  allow_dependents();  // the next kernel (the embedding) gets resident; it waits for this one
+  allow_dependents();  // the next kernel (embedding_rmsnorm) gets resident; it waits for this one
   const uint32_t number = threadIdx.x == 0 ? ticket[0] : 0u;  // in flight with the copy's loads
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < vecs; i += gridDim.x * blockDim.x) {
     device[i] = host[i];
@@ -68,26 +66,6 @@ __global__ void stage_metadata_kernel(const int4* __restrict__ host, int4* __res
   }
   __threadfence_system();
   ticket[1] = number;
-}
-
-// Greedy steps at small batch take the argmax in lm_head's GEMV; NANOGRAPH_LM_HEAD_ARGMAX=0
-// runs the separate argmax kernel instead (the same ids).
-bool lm_head_argmax_fused() {
-  static const bool fused = [] {
-    const char* value = std::getenv("NANOGRAPH_LM_HEAD_ARGMAX");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return fused;
-}
-
-// The embedding and the first layer's norm in one kernel; NANOGRAPH_FIRST_NORM_FUSED=0 runs the
-// two kernels (the same bits).
-bool first_norm_fused() {
-  static const bool fused = [] {
-    const char* value = std::getenv("NANOGRAPH_FIRST_NORM_FUSED");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return fused;
 }
 
 constexpr int kStageThreads = 256;
@@ -360,15 +338,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
-  if (first_norm_fused()) {
-    embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
-                      weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st,
-                      device_meta_ + layout.input_src, sampled_tokens_);
-  } else {
-    embedding(input_ids, weights_.embed, residual_, T, H, c.vocab_size, st,
-              device_meta_ + layout.input_src, sampled_tokens_);
-    rmsnorm(residual_, weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st);
-  }
+  embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
+                    weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st,
+                    device_meta_ + layout.input_src, sampled_tokens_);
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
     if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
@@ -413,7 +385,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     CUDA_CHECK_LAUNCH();
   }
   add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
-  if (argmax_host_out != nullptr && gemv_supported(S, c.vocab_size, H) && lm_head_argmax_fused()) {
+  if (argmax_host_out != nullptr && gemv_supported(S, c.vocab_size, H)) {
     gemv_argmax(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, argmax_keys_,
                 sampled_tokens_, argmax_host_out, st);
     return;
