@@ -22,7 +22,8 @@
 //
 // Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges; a CTA
 // of kWarps warps holds kWarps / splits row groups with all of their splits, and sums the splits
-// in shared memory in a fixed order (deterministic, no atomics, no workspace). The host doubles
+// in shared memory in a fixed order (deterministic; no atomics and no workspace but
+// gemv_argmax's keys, below). The host doubles
 // splits (up to kMaxSplits) while the launch stays within kTargetWarps warps (one wave) and
 // every split keeps more than one load batch, so that small-N matrices (o_proj, down: 128 row
 // groups) still spread over the SMs with a whole matrix in flight. CTAs have 8 warps (2 per SM),

@@ -12,8 +12,8 @@
 //     before it exits (so that completion stays transitive down the chain);
 //   - before the wait it reads only data no kernel it can overlap writes: weights, tables, and
 //     the step's metadata. A decode graph writes the metadata in its first kernel; the embedding
-//     after it (embedding_rmsnorm) calls allow_dependents() only after its wait, so every later kernel launches after
-//     the metadata is in place. Decode attention on small grids also reads the KV cache before
+//     after it (embedding_rmsnorm) calls allow_dependents() only after its wait, so every later
+//     kernel launches after the metadata is in place. Decode attention on small grids also reads the KV cache before
 //     the wait, under the contract stated in attention.h (paged_decode_attention).
 // Where a kernel calls allow_dependents() decides how early the next one is launched. The small
 // kernels that come right before a GEMV (the norms but the first, RoPE, attention's combine) call

@@ -85,8 +85,11 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
     if (v >= vecs) break;
     const int64_t offset = row_offset + v * 8;
     if constexpr (kEmbed) {
-      h[i] = zero_row ? Float8{} : load_bf16x8(src + v * 8);
-      store_bf16x8(residual + offset, h[i]);
+      // The row's bits as embedding() copies them (a NaN's payload included).
+      const uint4 raw = zero_row ? make_uint4(0, 0, 0, 0)
+                                 : *reinterpret_cast<const uint4*>(src + v * 8);
+      *reinterpret_cast<uint4*>(residual + offset) = raw;
+      h[i] = bf16x8_to_float8(raw);
     } else {
       h[i] = load_bf16x8(src + v * 8);
     }

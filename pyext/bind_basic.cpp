@@ -94,6 +94,10 @@ NANOGRAPH_BINDINGS(bind_basic) {
         expect_shape(tw, {e.table.size(1)});
         expect_shape(tr, {e.ids.size(0), e.table.size(1)});
         expect_shape(to, tr.shape);
+        if (tr.ptr == to.ptr) {
+          throw_invalid_argument("embedding_rmsnorm: residual and out must be different tensors "
+                                 "(both are written)");
+        }
         same_device({&e.ids, &e.table, &e.id_src, &e.sampled, &tw, &tr, &to});
         embedding_rmsnorm(e.ids.data<int32_t>(), e.table.data<bf16>(),
                           checked_int(e.table.size(0), "vocab"), tr.data<bf16>(), tw.data<bf16>(),

@@ -80,7 +80,7 @@ def test_embedding_no_tokens():
 
 # ---- embedding_rmsnorm: the first layer's input in one kernel --------------------------------
 
-@pytest.mark.parametrize("hidden", [64, 576, 1024, 2056, 4096])
+@pytest.mark.parametrize("hidden", [64, 576, 1024, 2056, 4096, 5120, 8192])
 @pytest.mark.parametrize("tokens", [1, 5, 130])
 def test_embedding_rmsnorm_equals_embedding_then_rmsnorm(tokens, hidden):
     """Bit-equal to the two kernels, on both row layouts (one warp per row up to 512 elements, one CTA
@@ -103,6 +103,25 @@ def test_embedding_rmsnorm_equals_embedding_then_rmsnorm(tokens, hidden):
         assert_matches_hf(out, hf_rmsnorm(want_residual, weight, eps))
 
 
+def test_embedding_rmsnorm_keeps_the_table_bits_of_nans():
+    """The residual is the table row as embedding() copies it, NaN payloads included; out matches too."""
+    vocab, hidden = 50, 1024
+    table = torch.randn(vocab, hidden, device=DEVICE).to(BF16)
+    bits = table.view(torch.int16)
+    for k, payload in enumerate((0x7F81, -0x003F, 0x7FC0, -1)):  # 0x7f81, 0xffc1, 0x7fc0, 0xffff
+        bits[7, 3 + 100 * k] = payload
+    weight = torch.randn(hidden, device=DEVICE).to(BF16)
+    ids = torch.tensor([7, 8, 7], dtype=torch.int32, device=DEVICE)
+    want_residual, want_out = poisoned(3, hidden), poisoned(3, hidden)
+    ops.embedding(ids, table, want_residual)
+    ops.rmsnorm(want_residual, weight, want_out, 1e-6)
+    residual, out = poisoned(3, hidden), poisoned(3, hidden)
+    ops.embedding_rmsnorm(ids, table, weight, residual, out, 1e-6)
+    assert torch.equal(residual.view(torch.int16), want_residual.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16))
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
 def test_embedding_rmsnorm_rejects_bad_arguments():
     table = torch.randn(100, 128, device=DEVICE).to(BF16)
     weight = torch.randn(128, device=DEVICE).to(BF16)
@@ -116,6 +135,8 @@ def test_embedding_rmsnorm_rejects_bad_arguments():
         ops.embedding_rmsnorm(ids, table, weight, residual, poisoned(3, 128), 1e-6)
     with pytest.raises(TypeError, match="ids"):
         ops.embedding_rmsnorm(ids.long(), table, weight, residual, out, 1e-6)
+    with pytest.raises(ValueError, match="different tensors"):
+        ops.embedding_rmsnorm(ids, table, weight, residual, residual, 1e-6)
 
 
 # ---- rmsnorm / add_rmsnorm -------------------------------------------------------------------

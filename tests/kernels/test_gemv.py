@@ -280,11 +280,35 @@ def test_gemv_argmax_ties_go_to_the_lowest_index_and_nan_wins():
     w[150_000, 9] = float("nan")
     logits, tokens, _ = run_gemv_argmax(x, w)
     assert logits[0, 77_777].item() == logits[0, 140_000].item()
-    assert tokens[0].item() == 120_000  # row 0 has NaN logits at 120,000 and 150,000
+    # Both rows have NaN logits at 120,000 and 150,000.
+    assert tokens.tolist() == [120_000, 120_000] == torch.argmax(logits, dim=-1).tolist()
     w[120_000, 5] = w[150_000, 9] = 0.5
     logits, tokens, _ = run_gemv_argmax(x, w)
     assert tokens[0].item() == 77_777 == torch.argmax(logits[0]).item()
     assert tokens[1].item() == torch.argmax(logits[1]).item()
+
+
+def test_gemv_argmax_negative_infinite_and_in_warp_ties():
+    """Through the bias: all-negative rows, all -inf rows (torch answers 0), two +inf columns (the lower
+    wins); and equal maxima in one row group (one warp) and in one CTA."""
+    N, K, M = 9001, 2056, 3
+    x, _ = make_inputs(M, N, K, False, seed=9)
+    w = weight(N, K).clone()
+    strong = (x[0].float() / x[0].float().norm() * 8).to(torch.bfloat16)
+    for row in (4003, 4001, 4009):  # 4001 and 4003 share a row group; 4009 is the next group
+        w[row] = strong
+    for bias_fill, special, want0 in ((-64.0, {}, 4001), (float("-inf"), {}, 0),
+                                      (float("-inf"), {7000: float("inf"), 20: float("inf")}, 20)):
+        b = torch.full((N,), bias_fill, device="cuda", dtype=torch.bfloat16)
+        for col, value in special.items():
+            b[col] = value
+        logits, tokens, keys = run_gemv_argmax(x, w, b)
+        assert tokens[0].item() == want0
+        assert torch.equal(tokens.long(), torch.argmax(logits, dim=-1))
+        assert not keys.any()
+        if bias_fill == -64.0:
+            assert (logits[0, [4003, 4009]] == logits[0, 4001]).all()  # the ties are real
+            assert (logits[1:] < 0).all()  # rows 1 and 2: negative maxima
 
 
 def test_gemv_argmax_writes_host_out():

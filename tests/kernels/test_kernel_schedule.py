@@ -116,3 +116,28 @@ def test_small_kernels_load_before_the_pdl_wait(sm90_functions, kernel, what):
         assert waits, f"{name}: no griddepcontrol.wait (ACQBULK)"
         early = sum(1 for i, x in enumerate(ins[:waits[0]]) if re.search(r"\bLDG", x))
         assert early >= 1, f"{name}: {what} should be loaded before the PDL wait (instruction {waits[0]})"
+
+
+@pytest.mark.parametrize("kernel", [r"embedding_kernel", r"rmsnorm_kernelILi\dELb0ELb1E"])
+def test_step_entry_kernels_allow_dependents_only_after_their_wait(sm90_functions, kernel):
+    """The kernel after a decode graph's metadata staging lets the next one launch (PREEXIT,
+    griddepcontrol.launch_dependents) only after its own wait (ACQBULK): later kernels read the step's
+    metadata before their waits (launch.h). The embedding with the first norm is that kernel in the
+    model; the plain embedding keeps the same order for eager use."""
+    found = {name: ins for name, ins in sm90_functions.items() if re.search(kernel, name)}
+    assert found, f"no {kernel} in the core"
+    for name, ins in found.items():
+        waits = _waits(ins)
+        triggers = [i for i, x in enumerate(ins) if x.split()[0] == "PREEXIT" or " PREEXIT" in x]
+        assert waits and triggers, f"{name}: expected a wait and a trigger"
+        assert waits[0] < triggers[0], f"{name}: PREEXIT at {triggers[0]} before the wait at {waits[0]}"
+
+
+def test_norms_before_a_gemv_allow_dependents_before_their_wait(sm90_functions):
+    """The in-layer norms let the next GEMV launch (and load its weights) while they wait."""
+    found = {name: ins for name, ins in sm90_functions.items()
+             if re.search(r"rmsnorm_kernelILi\dELb1ELb0E", name)}
+    assert found, "no add_rmsnorm kernel in the core"
+    for name, ins in found.items():
+        triggers = [i for i, x in enumerate(ins) if x.split()[0] == "PREEXIT" or " PREEXIT" in x]
+        assert triggers and triggers[0] < _waits(ins)[0], f"{name}: PREEXIT should come before the wait"
