@@ -48,6 +48,10 @@ struct DecodeAttentionArgs {
   // graph's bucket, so that a step run eagerly with fewer sequences divides every sequence's keys
   // as the graph would, and gives the same bits.
   int plan_num_seqs = 0;
+  // Small grids (batch 1 to 4 of Qwen3 at a short max_model_len) of 2 to 8 splits per sequence
+  // merge the splits inside a thread block cluster on sm_90 (no combine kernel); false keeps
+  // the combine kernel. Both give the same bits.
+  bool cluster_merge = true;
 };
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,

@@ -59,20 +59,39 @@ bool pdl_enabled();
 // True when the current device launches thread block clusters (compute capability 9.0+).
 bool clusters_supported();
 
+// launch_pdl with the grid's CTAs grouped into thread block clusters of cluster_x along x (grid.x
+// a multiple of it; 1: no clusters, which any GPU launches; more needs clusters_supported()).
 template <class... Params, class... Args>
-void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+void launch_pdl_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                        cudaStream_t stream, int cluster_x, Args&&... args) {
+  cudaLaunchAttribute attributes[2]{};
+  unsigned count = 0;
+  if (pdl_enabled()) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_x > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = cluster_x;
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count].val.clusterDim.z = 1;
+    ++count;
+  }
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  config.attrs = &attribute;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  config.attrs = attributes;
+  config.numAttrs = count;
   CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+template <class... Params, class... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                cudaStream_t stream, Args&&... args) {
+  launch_pdl_cluster(kernel, grid, block, smem_bytes, stream, 1, std::forward<Args>(args)...);
 }
 
 }  // namespace nanograph

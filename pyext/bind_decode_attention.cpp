@@ -19,7 +19,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
          py::object context_lens, py::object out, int num_q_heads, float scale,
          int max_context_len, py::object workspace, py::object seq_order,
          py::object q_norm_weight, py::object k_norm_weight, py::object cos_sin,
-         py::object positions, py::object slot_mapping, float eps) {
+         py::object positions, py::object slot_mapping, float eps, bool cluster_merge) {
         Tensor t_q = cuda_tensor(q, "q", "bfloat16");
         Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
         Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
@@ -93,6 +93,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.workspace = t_ws.data<float>();
         args.seq_order = t_order.data<int32_t>();
         args.rope = rope;
+        args.cluster_merge = cluster_merge;
         paged_decode_attention(args, torch_current_stream());
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -101,7 +102,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       py::arg("seq_order") = py::none(), py::arg("q_norm_weight") = py::none(),
       py::arg("k_norm_weight") = py::none(), py::arg("cos_sin") = py::none(),
       py::arg("positions") = py::none(), py::arg("slot_mapping") = py::none(),
-      py::arg("eps") = 1e-6f,
+      py::arg("eps") = 1e-6f, py::arg("cluster_merge") = true,
       "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
       "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
@@ -117,6 +118,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "stored at slot_mapping (-1 skips; length-0 sequences store nothing). positions must be "
       "below cos_sin's rows and slots below num_blocks * block_size (not checked: the values live "
       "on the GPU). "
+      "cluster_merge: small grids of 2 to 8 splits per sequence merge them in a thread block "
+      "cluster on sm_90 (False: in a combine kernel; the same bits either way). "
       "Block ids, lengths and the order live on the GPU and are not checked.");
 
   m.def("decode_attention_reads_order", &decode_attention_reads_order, py::arg("num_seqs"),

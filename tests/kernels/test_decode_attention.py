@@ -334,6 +334,67 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
     assert (out[context_lens == 0] == 0).all()
 
 
+# (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, lengths replayed from the graph): small
+# grids of 2 to 8 splits per sequence, whose splits are merged in a thread block cluster on sm_90: 7 and 8 splits,
+# a sequence whose keys all fall in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need more
+# than 48 KB of shared memory), and batch 4.
+CLUSTER_CASES = [
+    ("batch1_7_splits", [383], 16, 8, 128, 16, 400, [65]),
+    ("batch1_keys_in_split_0", [40], 16, 8, 128, 16, 400, [400]),
+    ("batch4_with_zero", [0, 17, 200, 400], 16, 8, 128, 16, 400, [399, 0, 1, 64]),
+    ("hd64_8_splits", [100, 64, 0, 65], 32, 8, 64, 16, 512, [512, 511, 3, 0]),
+    ("group16_hd64", [300, 0], 32, 2, 64, 16, 400, [0, 333]),
+    ("group16_hd128_8_splits", [511], 16, 1, 128, 16, 512, [129]),
+    ("all_empty", [0], 16, 8, 128, 16, 400, [0]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,bs,max_len,replay_lens", [c[1:] for c in CLUSTER_CASES],
+                         ids=[c[0] for c in CLUSTER_CASES])
+def test_cluster_merge_equals_the_combine_kernel(lens, nq, nkv, hd, bs, max_len, replay_lens):
+    """Merged in a cluster (the default), the output equals bit for bit that of the split kernel followed by the
+    combine kernel (cluster_merge=False), eagerly and replayed from a CUDA graph with other lengths; and on sm_90
+    the cluster leaves the workspace, which only the combine path uses, untouched."""
+    from nanograph import ops
+
+    torch.manual_seed(sum(lens) + nq + hd)
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len,
+                                                                       full_tables=True)
+    assert not ops.decode_attention_reads_order(len(lens), nkv, max_len)
+    words = ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4
+    assert words > 0, "the case must split its keys"
+    workspace = torch.full((words,), float("nan"), device="cuda")
+
+    def run(cluster_merge, into):
+        into.fill_(float("nan"))
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, into, nq, hd**-0.5, max_len,
+                                   workspace, cluster_merge=cluster_merge)
+
+    run(True, out)
+    torch.cuda.synchronize()
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert workspace.isnan().all(), "the cluster merge wrote the workspace: it took the combine path"
+    expected = torch.empty_like(out)
+    run(False, expected)
+    torch.cuda.synchronize()
+    if any(lens):  # splits without keys write no partials
+        assert not workspace.isnan().all(), "the combine path left its workspace unwritten"
+    assert torch.equal(bits(out), bits(expected)), "the cluster merge differs from the combine kernel"
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+    assert (out[context_lens == 0] == 0).all()
+
+    graph = captured(lambda: run(True, out))
+    context_lens.copy_(torch.tensor(replay_lens, dtype=torch.int32))
+    for cache in (k_cache, v_cache):  # the new lengths reach keys that held NaN
+        cache.copy_(torch.where(cache.isnan(), torch.randn_like(cache), cache))
+    graph.replay()
+    run(False, expected)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(expected)), "the replayed cluster merge differs from the combine kernel"
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+
+
 @pytest.mark.gpu
 def test_rejects_bad_arguments():
     from nanograph import ops
