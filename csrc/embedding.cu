@@ -9,6 +9,7 @@
 // lets the next kernel launch.
 #include "embedding.h"
 
+#include "embedding.cuh"
 #include "launch.h"
 
 namespace nanograph {
@@ -18,18 +19,16 @@ namespace {
 constexpr int kThreads = 128;
 
 __global__ void __launch_bounds__(kThreads)
-    embedding_kernel(const int32_t* __restrict__ ids, const uint4* __restrict__ table,
-                     uint4* __restrict__ out, int vecs_per_row, int vocab,
-                     const int32_t* __restrict__ id_src, const int32_t* __restrict__ sampled) {
+    embedding_kernel(EmbeddingIds embed, const uint4* __restrict__ table, uint4* __restrict__ out,
+                     int vecs_per_row) {
   wait_for_producers();  // ids and id_src come from the step's metadata staging
   // After the wait: the kernels of the step read the metadata before their own waits, so none may
   // launch before the staging kernel has completed (launch.h).
   allow_dependents();
   const int token = blockIdx.x;
-  const int from = id_src != nullptr ? id_src[token] : -1;
-  const int id = from >= 0 ? sampled[from] : ids[token];
+  const int id = embedding_row(embed, token);
   uint4* dst = out + static_cast<int64_t>(token) * vecs_per_row;
-  if (id < 0 || id >= vocab) {
+  if (id < 0) {
     for (int v = threadIdx.x; v < vecs_per_row; v += kThreads) dst[v] = make_uint4(0, 0, 0, 0);
     return;
   }
@@ -49,9 +48,9 @@ void embedding(const int32_t* ids, const bf16* table, bf16* out, int num_tokens,
   require(reinterpret_cast<uintptr_t>(table) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0,
           "embedding: table and out must be 16-byte aligned (allocate them with torch/cudaMalloc)");
   if (num_tokens == 0) return;
-  launch_pdl(embedding_kernel, dim3(num_tokens), dim3(kThreads), 0, stream, ids,
-             reinterpret_cast<const uint4*>(table), reinterpret_cast<uint4*>(out), hidden / 8, vocab,
-             id_src, sampled);
+  launch_pdl(embedding_kernel, dim3(num_tokens), dim3(kThreads), 0, stream,
+             EmbeddingIds{ids, id_src, sampled, vocab}, reinterpret_cast<const uint4*>(table),
+             reinterpret_cast<uint4*>(out), hidden / 8);
 }
 
 }  // namespace nanograph

@@ -15,6 +15,7 @@
 #include "norm.h"
 
 #include "bf16x8.cuh"
+#include "embedding.cuh"
 #include "launch.h"
 
 namespace nanograph {
@@ -31,15 +32,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
-
-// Where embedding_rmsnorm's rows come from: row t is table row sampled[id_src[t]] when id_src is
-// given and id_src[t] >= 0, else ids[t]; ids outside [0, vocab) give a zero row.
-struct EmbeddingIds {
-  const int32_t* ids = nullptr;
-  const int32_t* id_src = nullptr;
-  const int32_t* sampled = nullptr;
-  int vocab = 0;
-};
 
 // blockDim = (threads per row, rows per CTA); blockDim.y > 1 only when blockDim.x == 32.
 // With kAddResidual, `residual` is updated in place and out may alias x. With kEmbed, x is the
@@ -71,9 +63,8 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
   const bf16* src = x + row_offset;
   bool zero_row = false;
   if constexpr (kEmbed) {
-    const int from = embed.id_src != nullptr ? embed.id_src[row] : -1;
-    const int id = from >= 0 ? embed.sampled[from] : embed.ids[row];
-    zero_row = id < 0 || id >= embed.vocab;
+    const int id = embedding_row(embed, row);
+    zero_row = id < 0;
     src = x + static_cast<int64_t>(zero_row ? 0 : id) * dim;
   }
 
