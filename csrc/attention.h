@@ -48,9 +48,9 @@ struct DecodeAttentionArgs {
   // graph's bucket, so that a step run eagerly with fewer sequences divides every sequence's keys
   // as the graph would, and gives the same bits.
   int plan_num_seqs = 0;
-  // Small grids (batch 1 to 4 of Qwen3 at a short max_model_len) of 2 to 8 splits per sequence
-  // merge the splits inside a thread block cluster on sm_90 (no combine kernel); false keeps
-  // the combine kernel. Both give the same bits.
+  // Small grids (batch 1 to 4 of Qwen3 at a max_context_len of up to 8192) of 2 to 8 splits
+  // per sequence merge them inside a thread block cluster on sm_90 (no combine kernel); false
+  // keeps the combine kernel. Both give the same bits.
   bool cluster_merge = true;
 };
 

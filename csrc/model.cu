@@ -332,9 +332,9 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
       is_decode && decode_attention_reads_order(plan_seqs, c.num_kv_heads, limits_.max_model_len);
   const bool ordered = large_grid && S > 1 && S <= kOrderMaxSeqs;
   // Large decode grids rotate the step's token and store its key and value inside attention (one
-  // kernel fewer per layer); small ones (at most 264 CTAs: batch 1 to 4 of Qwen3 at a short
-  // max_model_len), whose attention loads its keys before the PDL wait, measured faster with the
-  // separate kernel.
+  // kernel fewer per layer); small ones (at most 264 CTAs: batch 1 to 4 of Qwen3 at a
+  // max_model_len of up to 8192), whose attention loads its keys before the PDL wait, measured
+  // faster with the separate kernel.
   const bool rope_in_attention = large_grid;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).

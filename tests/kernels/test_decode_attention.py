@@ -208,8 +208,9 @@ def test_graph_replay_with_new_lengths():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,nkv,max_len", [([383], 8, 400), ([1, 16, 17, 400], 8, 400), ([3000], 2, 16384),
-                                              ([3070], 2, 16384), (random_lens(64, 1024, 6), 8, 1024)],
-                         ids=["batch1", "batch4", "first_step", "second_step", "batch64"])
+                                              ([3070], 2, 16384), (random_lens(64, 1024, 6), 8, 1024),
+                                              ([3001], 8, 4096)],
+                         ids=["batch1", "batch4", "first_step", "second_step", "batch64", "interleaved"])
 def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
     """Each sequence's newest key and value are written by the RoPE/KV-store kernel just before attention,
     into slots that held NaN, both replayed from one CUDA graph as in a decode step: attention must see them,
@@ -255,7 +256,7 @@ def bits(t):
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, QK-norm). Small grids (at most 264 CTAs,
 # which load keys before the PDL wait): batch 1 and 4 split, a group of 16 q heads at head_dim 64, and a newest key
-# in a warp's second step; large grids (longest first, as the engine runs them): a split batch of 64, an unsplit
+# in a warp's second step, interleaved splits; large grids (longest first, as the engine runs them): a split batch of 64, an unsplit
 # batch of 256, and a group of 16.
 ROPE_CASES = [
     ("batch1_split", [383], 16, 8, 128, 16, 400, True),
@@ -265,6 +266,7 @@ ROPE_CASES = [
     ("group16_large_grid", [3000, 3070, 1, 0], 16, 1, 128, 16, 16384, True),
     ("hd64_group16_small_grid", [300, 0], 32, 2, 64, 16, 400, True),
     ("second_step_small_grid", [15990], 16, 2, 128, 16, 16384, True),
+    ("interleaved_small_grid", [2999, 1], 16, 8, 128, 16, 4096, True),
 ]
 
 
@@ -337,7 +339,8 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, lengths replayed from the graph): small
 # grids of 2 to 8 splits per sequence, whose splits are merged in a thread block cluster on sm_90: 7 and 8 splits,
 # a sequence whose keys all fall in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need more
-# than 48 KB of shared memory), and batch 4.
+# than 48 KB of shared memory), and batch 4; and small grids of 8 interleaved splits (a max_context_len of up to
+# 8192 at batch 1 to 4 of 8 kv heads), with lengths far below and at max_context_len.
 CLUSTER_CASES = [
     ("batch1_7_splits", [383], 16, 8, 128, 16, 400, [65]),
     ("batch1_keys_in_split_0", [40], 16, 8, 128, 16, 400, [400]),
@@ -346,6 +349,11 @@ CLUSTER_CASES = [
     ("group16_hd64", [300, 0], 32, 2, 64, 16, 400, [0, 333]),
     ("group16_hd128_8_splits", [511], 16, 1, 128, 16, 512, [129]),
     ("all_empty", [0], 16, 8, 128, 16, 400, [0]),
+    # Interleaved splits: small grids whose max_context_len would take more than 8 contiguous splits.
+    ("interleaved_batch1_short", [300], 16, 8, 128, 16, 4096, [4096]),
+    ("interleaved_batch4", [4000, 0, 65, 129], 16, 8, 128, 16, 4096, [1, 4096, 513, 0]),
+    ("interleaved_hd64_8192", [8192, 3], 32, 8, 64, 16, 8192, [100, 7000]),
+    ("interleaved_group16", [2000], 16, 1, 128, 16, 4096, [17]),
 ]
 
 
