@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   const int len = kv.context_lens[seq];
   // Interleaved (SplitPlan): split_keys is one block, and the warps' steps stride over the splits'.
   const int start = split * split_keys;
-  const int end = interleaved ? len : min(len, start + split_keys);
+  // (A length above max_context_len breaks the contract; the bound keeps its reads in the tables.)
+  const int end = interleaved ? min(len, args.max_context_len) : min(len, start + split_keys);
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
   float* inbox_lse = s_inbox + group * num_splits * HD;
   // kCluster: after this CTA's rows are in rank 0's inbox (or it has none), rank 0 merges.
@@ -773,8 +774,12 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
       cudaFuncAttributes attributes{};
       CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
       if (attributes.sharedSizeBytes + inbox_bytes > kDefaultSmemBytes) {
+        // The largest inbox any launch of the kernel takes, so that the limit never drops below
+        // what an earlier launch (or a captured graph) needs.
+        constexpr size_t kMaxInboxBytes =
+            static_cast<size_t>(kMaxGroup) * kMaxClusterSplits * (HD + 1) * sizeof(float);
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(inbox_bytes)));
+                                        static_cast<int>(kMaxInboxBytes)));
       }
     }
     const int split_keys = plan.interleaved ? cta_step_keys(HD) : plan.split_keys;
