@@ -14,10 +14,11 @@ from collections import defaultdict
 
 
 def run(model, batch=1, context=131, max_model_len=None):
+    import numpy as np
     import torch
 
     from nanograph import LLM, SamplingParams
-    from nanograph.bench import write_decode_metadata
+    from nanograph.engine.batch import storeless_batch
 
     max_model_len = max_model_len or max(512, context + 1)
     block_size = 16
@@ -26,12 +27,14 @@ def run(model, batch=1, context=131, max_model_len=None):
               max_num_batched_tokens=max(4096, batch), block_size=block_size, num_kv_blocks=batch * width)
     llm.generate([list(range(100, 228))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warms cuBLASLt
-    model = llm.engine.runner.model
-    write_decode_metadata(model, context, batch)
+    runner = llm.engine.runner
+    blocks = -(-context // block_size)  # sequence s in its own blocks s * width, s * width + 1, ...
+    block_tables = np.arange(batch)[:, None] * width + np.arange(blocks)[None]
+    step = storeless_batch(np.zeros(batch), np.ones(batch), np.full(batch, context), block_tables)
     torch.cuda.synchronize()
     torch.cuda.nvtx.range_push("decode_step")
-    model.step(batch, batch, 1, False)
-    model.synchronize()
+    runner.queue_step(step, greedy=False)
+    runner.model.synchronize()
     torch.cuda.nvtx.range_pop()
 
 

@@ -12,6 +12,7 @@ from collections import defaultdict
 import torch
 
 from nanograph import LLM, SamplingParams
+from nanograph.backends.base import Runner
 from nanograph.bench import copy_bandwidth_gbs, kv_bytes_per_token, nano_vllm_workload, weight_bytes
 
 BANDS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 30)]
@@ -24,41 +25,46 @@ def group(num_seqs: int, num_tokens: int) -> str:
     return f"decode {low}-{high}"
 
 
+class TimedRunner(Runner):
+    """A runner's steps with CUDA events on torch's stream (which the runner orders after its forward, for the
+    sampler): before the forward, after it, and after the sampling."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.device, self.block_size, self.num_kv_blocks = runner.device, runner.block_size, runner.num_kv_blocks
+        self.steps = []  # (group, tokens, context tokens, start, after forward, after sampler)
+
+    def forward(self, batch, seqs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.runner.forward(batch, seqs)
+        end.record()
+        self.steps.append([group(batch.num_seqs, batch.num_tokens), batch.num_tokens, int(batch.context_lens.sum()),
+                           start, end, end])
+
+    def sample(self, rows, seqs):
+        pending = self.runner.sample(rows, seqs)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        self.steps[-1][5] = done
+        return pending
+
+
 def main(model: str, num_seqs: int = 256):
     llm = LLM(model, max_model_len=2048, device="cuda")
     prompts, params = nano_vllm_workload(num_seqs, 1024, 1024, llm.engine.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)
     engine = llm.engine
-    runner, sampler = engine.runner, engine.sampler
-    run, sample = runner.run, sampler.sample
-    steps = []  # (group, tokens, context tokens, start, after forward, after sampler)
-
-    def timed_run(batch):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = run(batch)
-        end.record()
-        steps.append([group(batch.num_seqs, batch.num_tokens), batch.num_tokens, int(batch.context_lens.sum()),
-                      start, end, None])
-        return logits
-
-    def timed_sample(logits, seqs):
-        pending = sample(logits, seqs)
-        done = torch.cuda.Event(enable_timing=True)
-        done.record()
-        steps[-1][5] = done
-        return pending
-
-    runner.run, sampler.sample = timed_run, timed_sample
+    weights, kv_per_token = weight_bytes(llm), kv_bytes_per_token(llm)
+    runner = engine.runner = TimedRunner(engine.runner)
     torch.cuda.synchronize()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    del runner.run, sampler.sample
+    steps = runner.steps
 
     bandwidth = copy_bandwidth_gbs(runner.device) * 1e9
-    weights, kv_per_token = weight_bytes(llm), kv_bytes_per_token(llm)
     totals = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0])  # steps, tokens, forward s, sampler s, roofline s
     for name, tokens, context, s0, s1, s2 in steps:
         t = totals[name]

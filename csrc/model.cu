@@ -91,6 +91,18 @@ StepLayout::StepLayout(int num_tokens, int num_seqs, int block_table_width) {
   total = block_tables + num_seqs * block_table_width;
 }
 
+void write_inert_rows(int32_t* meta, const StepLayout& layout, int first_token, int first_seq,
+                      int num_tokens, int num_seqs) {
+  std::fill(meta + layout.input_ids + first_token, meta + layout.input_ids + num_tokens, 0);
+  std::fill(meta + layout.input_src + first_token, meta + layout.input_src + num_tokens, -1);
+  std::fill(meta + layout.positions + first_token, meta + layout.positions + num_tokens, 0);
+  std::fill(meta + layout.slot_mapping + first_token, meta + layout.slot_mapping + num_tokens, -1);
+  for (int s = first_seq; s < num_seqs; ++s) {
+    meta[layout.cu_seqlens_q + s + 1] = first_token + (s + 1 - first_seq);
+  }
+  std::fill(meta + layout.context_lens + first_seq, meta + layout.context_lens + num_seqs, 0);
+}
+
 template <class T>
 T* Model::alloc(size_t count) {
   void* p = nullptr;
@@ -210,6 +222,12 @@ void Model::wait_staged() {
   }
 }
 
+int Model::step_rows(int num_tokens, int num_seqs, bool use_graph) const {
+  if (!use_graph || num_tokens != num_seqs || !graphs_) return num_seqs;
+  const int bucket = graphs_->bucket_for(num_seqs);
+  return bucket > 0 && graphs_->captured(bucket) ? bucket : num_seqs;
+}
+
 int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, bool greedy) {
   require(kv_cache_ != nullptr, "allocate the KV cache before running the model");
   require(num_tokens >= 1 && num_tokens <= limits_.max_num_tokens,
@@ -220,13 +238,16 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
               std::to_string(limits_.max_num_seqs));
   const int slot = greedy ? next_token_slot_ : -1;
   const bool is_decode = num_tokens == num_seqs;
-  if (use_graph && is_decode && graphs_ && graphs_->captured(num_seqs)) {
+  const int bucket = step_rows(num_tokens, num_seqs, use_graph);
+  if (use_graph && is_decode && graphs_ && graphs_->captured(bucket)) {
     // The graph stages the metadata itself and reports the ticket once it has (the ticket may be
     // renumbered only once the previous graph has read it).
     // Committed once the launch is queued: a launch that throws leaves nothing to wait for.
     wait_staged();
+    write_inert_rows(host_meta_, StepLayout(bucket, bucket, block_table_width_), num_tokens,
+                     num_seqs, bucket, bucket);
     stage_ticket_[0] = stage_issued_ + 1;
-    graphs_->replay(num_seqs, stream_, greedy ? greedy_graph(slot) : kPlainGraph);
+    graphs_->replay(bucket, stream_, greedy ? greedy_graph(slot) : kPlainGraph);
     ++stage_issued_;
   } else {
     const StepLayout layout(num_tokens, num_seqs, block_table_width_);
@@ -264,9 +285,7 @@ void Model::write_inert_decode_metadata(int num_seqs) {
   const StepLayout layout(num_seqs, num_seqs, block_table_width_);
   int32_t* meta = host_metadata();
   std::fill(meta, meta + layout.total, 0);
-  std::fill(meta + layout.slot_mapping, meta + layout.slot_mapping + num_seqs, -1);
-  std::fill(meta + layout.input_src, meta + layout.input_src + num_seqs, -1);
-  for (int s = 0; s <= num_seqs; ++s) meta[layout.cu_seqlens_q + s] = s;
+  write_inert_rows(meta, layout, 0, 0, num_seqs, num_seqs);
   CUDA_CHECK(cudaMemcpyAsync(device_meta_, meta, layout.total * sizeof(int32_t),
                              cudaMemcpyHostToDevice, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));

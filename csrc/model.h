@@ -66,6 +66,13 @@ struct StepLayout {
   StepLayout(int num_tokens, int num_seqs, int block_table_width);
 };
 
+// The one writer of inert rows: tokens [first_token, num_tokens) and sequences
+// [first_seq, num_seqs) of `meta` (laid out by `layout`, made for num_tokens and num_seqs) store
+// nothing (slot -1), read no pending token (input_src -1), feed token 0 at position 0, and have one
+// query token and no context each. Their block-table rows are left as they are (never read).
+void write_inert_rows(int32_t* meta, const StepLayout& layout, int first_token, int first_seq,
+                      int num_tokens, int num_seqs);
+
 class Model {
  public:
   Model(const ModelConfig& config, ModelWeights weights, const EngineLimits& limits);
@@ -84,11 +91,16 @@ class Model {
 
   // Pinned; StepLayout gives the fields. Waits until the previous step has read it.
   int32_t* host_metadata();
+  // The rows the metadata of a step of (num_tokens, num_seqs) is laid out for: its graph bucket
+  // when the step will replay a decode graph, else num_seqs (and num_tokens tokens).
+  int step_rows(int num_tokens, int num_seqs, bool use_graph) const;
   // One step: moves the step's metadata to the device, then runs the forward (the decode graph
   // when captured and all sequences have one new token). Logits of each sequence's last new
   // token land in logits()[0 : num_seqs]. Asynchronous on stream().
   // A decode graph's first kernel reads the metadata from the pinned buffer itself (no copy on
   // the copy engine between graphs); eager steps copy it.
+  // The caller writes the metadata of its num_tokens and num_seqs, laid out for step_rows(); a
+  // graph step makes the bucket's other rows inert itself (write_inert_rows).
   // greedy: the step also takes each sequence's argmax (inside the graph, for a graph step) into
   // sampled_tokens() and into a pinned host slot; returns that slot (read it with
   // greedy_tokens), else -1.

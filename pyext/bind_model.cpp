@@ -66,13 +66,15 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
   return std::make_unique<Model>(c, std::move(w), limits);
 }
 
-// numpy int32 views over the pinned metadata for a step of (num_tokens, num_seqs).
-py::dict step_views(Model& m, int num_tokens, int num_seqs, py::handle owner) {
+// numpy int32 views over the pinned metadata of a step's num_tokens and num_seqs, laid out for
+// the rows the step will run (Model::step_rows: a decode graph's bucket).
+py::dict step_views(Model& m, int num_tokens, int num_seqs, bool use_graph, py::handle owner) {
   require(num_tokens >= 1 && num_tokens <= m.limits().max_num_tokens,
           "num_tokens must be in [1, " + std::to_string(m.limits().max_num_tokens) + "]");
   require(num_seqs >= 1 && num_seqs <= m.limits().max_num_seqs,
           "num_seqs must be in [1, " + std::to_string(m.limits().max_num_seqs) + "]");
-  const StepLayout layout(num_tokens, num_seqs, m.block_table_width());
+  const int rows = m.step_rows(num_tokens, num_seqs, use_graph);
+  const StepLayout layout(rows == num_seqs ? num_tokens : rows, rows, m.block_table_width());
   int32_t* base = m.host_metadata();
   auto view = [&](int offset, std::vector<py::ssize_t> shape) {
     return py::array_t<int32_t>(shape, base + offset, owner);
@@ -113,9 +115,11 @@ NANOGRAPH_BINDINGS(bind_model) {
         return self.graphs() ? self.graphs()->buckets() : std::vector<int>{};
       })
       .def("allocate_kv_cache", &Model::allocate_kv_cache, py::arg("num_blocks"))
-      .def("step_views", [](py::object self, int num_tokens, int num_seqs) {
-        return step_views(self.cast<Model&>(), num_tokens, num_seqs, self);
-      }, py::arg("num_tokens"), py::arg("num_seqs"))
+      .def("step_views", [](py::object self, int num_tokens, int num_seqs, bool use_graph) {
+        return step_views(self.cast<Model&>(), num_tokens, num_seqs, use_graph, self);
+      }, py::arg("num_tokens"), py::arg("num_seqs"), py::arg("use_graph") = false,
+      "numpy views of the pinned step metadata of num_tokens and num_seqs, laid out for the "
+      "graph bucket a decode step replays when use_graph (the core makes its other rows inert).")
       .def("step", &Model::step, py::arg("num_tokens"), py::arg("num_seqs"), py::arg("max_q_len"),
            py::arg("use_graph"), py::arg("greedy") = false, py::call_guard<py::gil_scoped_release>(),
            "Queues one step; with greedy, also each sequence's argmax (into sampled_tokens and a "

@@ -13,13 +13,13 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from random import randint, seed
 
 import numpy as np
 import torch
 
+from .engine.batch import storeless_batch
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -61,29 +61,15 @@ def graph_step_seconds(runner, context_len: int, steps: int = 200) -> float | No
     greedy variant that generate runs (the argmax into pinned host memory ends the step)."""
     if not getattr(runner, "use_graphs", False):
         return None
-    model = runner.model
-    write_decode_metadata(model, context_len)
-    model.step(1, 1, 1, True, greedy=True)
+    blocks = -(-context_len // runner.block_size)
+    batch = storeless_batch([0], [1], [context_len], np.arange(blocks, dtype=np.int32)[None] % runner.num_kv_blocks)
+    runner.queue_step(batch, greedy=True)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        model.step(1, 1, 1, True, greedy=True)
-    model.synchronize()
+        runner.queue_step(batch, greedy=True)
+    runner.model.synchronize()
     return (time.perf_counter() - start) / steps
-
-
-def write_decode_metadata(model, context_len: int, num_seqs: int = 1):
-    """A decode step of num_seqs sequences that each attend context_len cached tokens (sequence s in its own blocks
-    s * W, s * W + 1, ..., W the block-table width) and store nothing."""
-    v = model.step_views(num_seqs, num_seqs)
-    width = v["block_tables"].shape[1]
-    v["input_ids"][:] = 0
-    v["input_src"][:] = -1
-    v["positions"][:] = context_len - 1
-    v["slot_mapping"][:] = -1
-    v["cu_seqlens_q"][:] = np.arange(num_seqs + 1)
-    v["context_lens"][:] = context_len
-    v["block_tables"][:] = np.arange(num_seqs * width).reshape(num_seqs, width)
 
 
 def step_bytes(llm: LLM, context_len: float) -> float:
@@ -187,44 +173,22 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
 @dataclass
 class StepStats:
     """What the engine's steps did during one generate call."""
-    steps: int = 0
-    context_tokens: int = 0  # summed over steps: the tokens each scheduled sequence attends, whose K and V it reads
-    device_wait_seconds: float = 0.0  # the host waiting for sampled tokens: the device was the bottleneck
-    preemptions: int = 0
-
-
-@contextmanager
-def recorded_steps(llm: LLM):
-    """Counts steps, context tokens and preemptions, and the time the host spent waiting for the device (the host
-    queues step N + 1 before it waits for step N's tokens, so the rest is host work the device did not hide)."""
-    engine, runner, scheduler, stats = llm.engine, llm.engine.runner, llm.engine.scheduler, StepStats()
-    names = [name for name in ("run", "run_greedy") if hasattr(runner, name)]  # every way a step is queued
-
-    def recorded(method):
-        def recorded_run(batch):
-            stats.steps += 1
-            stats.context_tokens += int(batch.context_lens.sum())
-            return method(batch)
-        return recorded_run
-
-    preemptions, waited = scheduler.num_preemptions, engine.device_wait_seconds
-    for name in names:
-        setattr(runner, name, recorded(getattr(runner, name)))
-    try:
-        yield stats
-    finally:
-        for name in names:
-            delattr(runner, name)
-        stats.preemptions = scheduler.num_preemptions - preemptions
-        stats.device_wait_seconds = engine.device_wait_seconds - waited
+    steps: int
+    context_tokens: int  # summed over steps: the tokens each scheduled sequence attends, whose K and V it reads
+    device_wait_seconds: float  # the host waiting for sampled tokens: the device was the bottleneck
+    preemptions: int
 
 
 def _timed_generate(llm: LLM, prompts, params) -> tuple[float, StepStats]:
-    with recorded_steps(llm) as stats:
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-    return seconds, stats
+    engine = llm.engine
+    before, preemptions = replace(engine.stats), engine.scheduler.num_preemptions
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = engine.stats
+    return seconds, StepStats(after.steps - before.steps, after.context_tokens - before.context_tokens,
+                              after.device_wait_seconds - before.device_wait_seconds,
+                              engine.scheduler.num_preemptions - preemptions)
 
 
 def hf_batched_generate_seconds(model_path: str, prompts: list[list[int]], params: list[SamplingParams],

@@ -38,6 +38,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, summed over completions
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when a failure inside a step ended the request (its finish_reason is "abort")
 
 
 @dataclass
@@ -50,3 +51,5 @@ class CompletionDelta:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # of token_ids, when the request asked for logprobs
+    error: str | None = None  # on the last delta of a request that a failure inside a step ended

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 
 MIN_TEMPERATURE = 1e-2  # lower positive temperatures are raised to this (vLLM's _MAX_TEMP): logits / T overflows
+# A penalised logit is divided or multiplied by the penalty, then by the temperature, in float32: within these bounds
+# it stays finite (|logit| / 1e-6 / 1e-2 is far below float32's 3e38), and a token's chance stays well defined.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_N = 128  # completions per request (OpenAI's limit for n)
 
 
 @dataclass
@@ -30,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
+        _check_float("temperature", self.temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if self.seed == -1:
@@ -38,8 +43,14 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or ()))
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
         self.verify()
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.temperature == 0:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -51,20 +62,35 @@ class SamplingParams:
                          -2 if self.logprobs is None else self.logprobs], np.float64)
 
     def verify(self):
-        """Raise ValueError on an invalid field; also called by the engine, as fields may change after construction."""
-        if not isinstance(self.n, int):
+        """Raise ValueError on an invalid field (a wrong type too, as vLLM does); also called by the engine, as
+        fields may change after construction."""
+        if isinstance(self.n, bool) or not isinstance(self.n, (int, np.integer)):
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
+            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        _check_int("min_tokens", self.min_tokens)
+        for name in ("max_tokens", "logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name))
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
+            _check_float(name, getattr(self, name))
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
-        if not math.isfinite(self.repetition_penalty):
-            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1: none), got {self.repetition_penalty}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
         if self.temperature > 2.0:
@@ -73,8 +99,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < -1:  # -1 is accepted for disabled, as vLLM does
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -86,17 +110,26 @@ class SamplingParams:
                              f"got {self.min_tokens}.")
         if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
             raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
-        if not all(isinstance(token_id, int) for token_id in self.stop_token_ids or ()):
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
-        if not all(isinstance(stop_str, str) for stop_str in self.stop or ()):
+        if not isinstance(self.stop, list) or not all(isinstance(stop_str, str) for stop_str in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
-        if any(not stop_str for stop_str in self.stop or ()):
+        if any(not stop_str for stop_str in self.stop):
             raise ValueError("stop cannot contain an empty string.")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
+
+def _check_int(name: str, value):
+    """An int field takes ints (numpy's too), never bools or floats: 2.5 tokens is a mistake, not a request."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+
+
+def _check_float(name: str, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}.")

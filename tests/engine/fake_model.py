@@ -5,7 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from nanograph.backends.base import PendingTokens, Runner
 from nanograph.config import Config
+from nanograph.sampler import Sampler
 from nanograph.engine.llm_engine import LLMEngine
 
 VOCAB_SIZE = 50
@@ -24,19 +26,26 @@ def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
-class FakeRunner:
+class FakeRunner(Runner):
     device = torch.device("cpu")
 
-    def __init__(self, num_kv_blocks: int, block_size: int, peak: float = 10.0):
+    def __init__(self, num_kv_blocks: int, block_size: int, peak: float = 10.0, eos_token_ids=(EOS,), seed: int = 0):
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size
         self.peak = peak  # the next token's logit, the others' being -peak: 10 is as good as greedy, 1 is random
         self.kv_tokens = np.full(num_kv_blocks * block_size, -1)
         self.kv_positions = np.full(num_kv_blocks * block_size, -1)
         self.batches = []
         self.sampled = None
+        self.sampler = Sampler(self.device, eos_token_ids, seed)
+        self.logits = None
 
-    def publish_sampled(self, token_ids: torch.Tensor):
-        self.sampled = token_ids.numpy().copy()
+    def forward(self, batch, seqs):
+        self.logits = self.run(batch)
+
+    def sample(self, rows, seqs) -> PendingTokens:
+        pending = self.sampler.sample(self.logits[rows], seqs)
+        self.sampled = pending.token_ids.numpy().copy()
+        return PendingTokens(pending, range(len(rows)))
 
     def run(self, batch) -> torch.Tensor:
         self.batches.append(batch)
@@ -68,5 +77,5 @@ def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS
                 peak: float = 10.0, **config) -> LLMEngine:
     model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids),
                                    max_context=max(max_model_len, 256))
-    runner = FakeRunner(num_kv_blocks, block_size, peak)
+    runner = FakeRunner(num_kv_blocks, block_size, peak, eos_token_ids, config.get("seed", 0))
     return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner, FakeTokenizer())

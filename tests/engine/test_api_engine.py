@@ -83,7 +83,7 @@ def test_n_completions_are_distinct_and_share_the_prompt_blocks():
     assert shared.ref_count == 4
     finished = []
     while engine.has_unfinished():
-        finished += engine.step()[0]
+        finished += engine.step()
     [out] = finished
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4
@@ -165,20 +165,24 @@ def test_closing_a_stream_early_aborts_its_requests():
     assert engine.scheduler.block_manager.num_free_blocks == 64
 
 
-def test_a_stream_yields_what_another_call_generated_for_its_request():
-    """Another generate() on the engine while a stream is open runs the streamed request too; the stream still
-    yields the rest of its completion and its finished delta."""
+def test_another_generate_ends_an_open_stream_with_abort():
+    """A generate() while a stream is open ends the stream's requests (an abandoned stream must not hold the
+    engine's KV blocks, nor run ahead of the new call): the stream yields what it had, then a last delta finished
+    with "abort"; generate's own output is what it would be alone."""
     engine = fake_engine()
     greedy = SamplingParams(temperature=0, max_tokens=8)
-    deltas = []
+    deltas, generated = [], None
     for delta in engine.stream([PROMPT], [greedy]):
         deltas.append(delta)
         if len(deltas) == 2:
-            engine.generate([[9, 9]], [greedy], use_tqdm=False)
+            [generated] = engine.generate([[9, 9]], [greedy], use_tqdm=False)
+            assert not engine.has_unfinished() and engine.scheduler.block_manager.num_free_blocks == 64
+    assert generated.outputs[0].token_ids == reference_completion([9, 9], 8)
     texts, token_ids, finishes = collect(deltas)
-    assert token_ids[("0", 0)] == reference_completion(PROMPT, 8)
-    assert texts[("0", 0)] == text_of(reference_completion(PROMPT, 8))
-    assert finishes[("0", 0)] == 1 and deltas[-1].finish_reason == "length"
+    tokens = token_ids[("0", 0)]
+    assert 0 < len(tokens) < 8 and tokens == reference_completion(PROMPT, 8)[:len(tokens)]
+    assert texts[("0", 0)] == text_of(tokens)
+    assert finishes[("0", 0)] == 1 and deltas[-1].finished and deltas[-1].finish_reason == "abort"
 
 
 def test_aborting_a_streamed_request_ends_it_with_an_abort_delta():

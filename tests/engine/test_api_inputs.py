@@ -70,7 +70,7 @@ def test_the_tokenizers_end_of_text_token_ends_a_completion(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_word_tokenizer(tmp_path, eos_token="<end>")
     llm = LLM(str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=8, block_size=16)
-    assert llm.engine.eos_token_ids == {1, 2}
+    assert llm.engine.stop_checker.eos_token_ids == {1, 2}
 
 
 @pytest.mark.slow

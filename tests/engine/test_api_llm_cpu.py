@@ -6,6 +6,8 @@ from transformers import AutoTokenizer
 from nanograph import LLM, SamplingParams
 from nanograph.default_model import default_model_path
 from nanograph.engine.detokenizer import IncrementalDetokenizer
+from nanograph.engine.sequence import Sequence
+from nanograph.engine.stop_checker import StopChecker
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +26,17 @@ def llm():
 
 def feed(tokenizer, token_ids, params, prompt=(1, 2)):
     """Deltas of each token, the stop string that ended the text (or None), and the final text."""
-    detokenizer = IncrementalDetokenizer(tokenizer, list(prompt), params)
-    deltas, stop = [], None
+    seq = Sequence("0", None, list(prompt), params, max_num_tokens=1 << 30)
+    seq.detokenizer = detokenizer = IncrementalDetokenizer(tokenizer, list(prompt), params)
+    deltas, stop, checker = [], None, StopChecker(set())
     for token_id in token_ids:
-        stop = detokenizer.update(token_id, stopped_by_token=False)
-        deltas.append(detokenizer.take_new_text(finished=stop is not None))
-        if stop:
+        seq.token_ids.append(token_id)
+        finished = checker.check(seq)
+        deltas.append(detokenizer.take_new_text(finished=finished))
+        if finished:
+            stop = seq.stop_reason
             break
-    return deltas, stop, detokenizer.output_text
+    return deltas, stop, detokenizer.text
 
 
 def test_multi_byte_characters_are_released_whole(tokenizer):

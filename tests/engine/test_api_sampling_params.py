@@ -8,6 +8,10 @@ from .fake_model import fake_engine, reference_completion
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"n": 0}, "n must be at least 1, got 0."),
+    ({"n": 129}, "n must be at most 128, got 129."),
+    ({"max_tokens": 2.5}, "max_tokens must be an int, got 2.5 (float)."),
+    ({"repetition_penalty": 1e-39}, "repetition_penalty must be in [1e-06, 1e+06] (1: none), got 1e-39."),
+    ({"stop_token_ids": 5}, "stop_token_ids must be a list of integers, got 5."),
     ({"n": 2.0}, "n must be an int, but is of type <class 'float'>"),
     ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
     ({"presence_penalty": -2.5}, "presence_penalty must be in [-2, 2], got -2.5."),
@@ -88,5 +92,5 @@ def test_a_bad_request_is_rejected_alone(field, value, message):
         engine.generate([[8, 9], [1, 2]], [good, bad], use_tqdm=False)
     finished = []
     while engine.has_unfinished():
-        finished += engine.step()[0]
+        finished += engine.step()
     assert [out.outputs[0].token_ids for out in finished] == [reference_completion([5, 6, 7], 5)]

@@ -79,10 +79,14 @@ def test_a_request_that_fails_while_queued_takes_back_the_ones_before_it():
     engine = fake_engine()
     blocks = free_blocks(engine)
 
-    def failing_generator(seed):
-        raise RuntimeError("no generator")
+    make_request = engine.intake.request
 
-    engine.sampler.new_generator = failing_generator
+    def failing_request(request_id, valid, owner=None):
+        if valid.params.seed is not None:
+            raise RuntimeError("no generator")
+        return make_request(request_id, valid, owner)
+
+    engine.intake.request = failing_request
     seeded = SamplingParams(max_tokens=4, seed=5)
     with pytest.raises(RuntimeError, match="no generator"):
         engine.generate([[1, 2], [3, 4], [5]], [GREEDY, GREEDY, seeded], use_tqdm=False)

@@ -4,6 +4,7 @@ from nanograph.engine.batch import build_forward_batch
 from nanograph.engine.block_manager import BlockManager
 from nanograph.engine.scheduler import Scheduler
 from nanograph.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanograph.engine.stop_checker import StopChecker
 
 from .fake_model import EOS, fake_engine, reference_completion
 
@@ -11,7 +12,7 @@ BLOCK_SIZE = 4
 
 
 def make_scheduler(num_blocks=64, **config) -> Scheduler:
-    return Scheduler(Config(**config), BlockManager(num_blocks, BLOCK_SIZE), {EOS})
+    return Scheduler(Config(**config), BlockManager(num_blocks, BLOCK_SIZE))
 
 
 def add_requests(scheduler, count, prompt_len, max_tokens=16) -> list[Sequence]:
@@ -35,7 +36,10 @@ def finish_step(scheduler, batch):
     sampled = [seq for seq, samples in zip(batch.seqs, batch.samples) if samples]
     for seq in sampled:
         seq.token_ids.append(PENDING_TOKEN)
-    scheduler.postprocess(sampled, [7] * len(sampled))
+    for seq in sampled:  # the engine's part: each pending token becomes a 7, and the stop checker rules
+        seq.token_ids[-1] = 7
+        if StopChecker({EOS}).check(seq):
+            scheduler.finish(seq)
 
 
 def test_max_num_seqs_caps_the_running_set():

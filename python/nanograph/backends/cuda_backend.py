@@ -1,10 +1,10 @@
-"""CudaRunner: the model forward on the C++/CUDA core, with decode steps replayed from CUDA graphs.
+"""CudaRunner: the model forward on the C++/CUDA core, with decode steps replayed from CUDA graphs, and its sampling.
 
 The core owns the KV cache, the activations, the step metadata buffers and the graphs; this
 runner loads the weights into torch tensors (kept alive here), sizes the KV cache from the memory
-left after a warm-up pass, fills the pinned metadata with numpy, and hands torch a zero-copy view
-of the logits, ordered after the core's stream by run() (run_greedy leaves torch's stream alone:
-its tokens come back through pinned memory).
+left after a warm-up pass, fills the pinned metadata with numpy, and either lets the core take an
+all-greedy step's argmax inside the step (its tokens come back through pinned memory) or hands the
+sampler a zero-copy view of the logits, with torch's stream ordered after the core's.
 """
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from .._core import require_core
+from ..engine.batch import storeless_batch
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
-from ..sampler import PendingSample, SamplerOutput
+from ..sampler import Sampler, SamplerOutput
+from .base import PendingTokens, Runner
 
 
 def warm_up_lengths(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> np.ndarray:
@@ -39,7 +41,7 @@ class _DeviceArray:
                                          "strides": None, "version": 3}
 
 
-class CudaRunner:
+class CudaRunner(Runner):
     def __init__(self, config, model_config):
         core = require_core()
         if config.dtype not in ("auto", "bfloat16", "bf16"):
@@ -66,8 +68,11 @@ class CudaRunner:
             device=self.device).view(torch.bfloat16)
         self.sampled_tokens = torch.as_tensor(
             _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
-        self.num_kv_blocks = self._size_kv_cache()
+        self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed)
+        self._greedy, self._num_seqs, self._slot = False, 0, -1  # the last forward's
         self._torch_stream_used = True  # since the last step: whether torch's stream may have written its inputs
+        self.use_graphs = False  # until they are captured
+        self.num_kv_blocks = self._size_kv_cache()
         self.use_graphs = not config.enforce_eager
         if self.use_graphs:
             self._capture_graphs()
@@ -98,16 +103,11 @@ class CudaRunner:
     def _warm_up(self):
         cfg = self.config
         lens = warm_up_lengths(cfg.max_model_len, cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        num_tokens, num_seqs = int(lens.sum()), len(lens)
-        v = self.model.step_views(num_tokens, num_seqs)
-        v["input_ids"][:] = np.random.default_rng(0).integers(0, self.model_config.vocab_size, num_tokens)
-        v["input_src"][:] = -1
-        v["positions"][:] = np.concatenate([np.arange(n) for n in lens])
-        v["slot_mapping"][:] = -1  # nothing is stored: the warm-up must not need cache blocks
-        v["cu_seqlens_q"][:] = np.concatenate([[0], np.cumsum(lens)])
-        v["context_lens"][:] = lens
-        v["block_tables"][:] = 0
-        self.model.step(num_tokens, num_seqs, int(lens.max()), False)
+        input_ids = np.random.default_rng(0).integers(0, self.model_config.vocab_size, int(lens.sum()))
+        # Nothing is stored: the warm-up must not need cache blocks (it reads block 0 only).
+        block_tables = np.zeros((len(lens), -(-int(lens.max()) // self.block_size)), np.int32)
+        batch = storeless_batch(input_ids, lens, lens, block_tables)
+        self.queue_step(batch, greedy=False)
         with torch.cuda.stream(self.stream):
             logits = torch.randn(cfg.max_num_seqs, self.model_config.vocab_size, device=self.device)
             torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
@@ -120,85 +120,56 @@ class CudaRunner:
         print(f"nanograph: captured {len(buckets)} decode graphs (batch {buckets[0]}..{buckets[-1]}) in "
               f"{time.perf_counter() - start:.2f} s, using {graph_bytes / 2**20:.1f} MiB", flush=True)
 
-    def publish_sampled(self, token_ids: torch.Tensor):
-        """The tokens just sampled, one per sampling row, copied on torch's stream into the core's buffer, where a
-        later batch's input_src points (StepLayout in csrc/model.h); nothing to copy when the sampler wrote them
-        there itself."""
-        if token_ids.data_ptr() != self.sampled_tokens.data_ptr():
-            self.sampled_tokens[:len(token_ids)].copy_(token_ids)
+    def forward(self, batch, seqs: list):
+        """Queues the step on the core's stream. An all-greedy batch without penalties, masks or logprobs takes its
+        argmax inside the step (inside the decode graph): the ids land where the next step reads them
+        (sampled_tokens[i] for sequence i of the batch) and in pinned host memory, and torch's stream is left
+        alone. Otherwise torch's stream is ordered after the step, for the sampler to read the logits."""
+        self._greedy = self.sampler.plain_greedy(seqs, self.model_config.vocab_size)
+        self._num_seqs = batch.num_seqs
+        self._slot = self.queue_step(batch, self._greedy)
+        if not self._greedy:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._torch_stream_used = True  # the sampler runs there; the next step waits for it
 
-    def run(self, batch) -> torch.Tensor:
-        """The batch's logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid until the next step
-        is queued (the sampler reads it first, on torch's stream)."""
-        self._step(batch, greedy=False)
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self._torch_stream_used = True  # the caller samples there; the next step waits for it
-        return self.logits[:batch.num_seqs]
+    def sample(self, rows: list[int], seqs: list) -> PendingTokens:
+        if self._greedy:  # taken within the step: sequence i's token is at sampled_tokens[i]
+            return PendingTokens(_InStepArgmax(self.model, self._slot, self._num_seqs, rows), rows)
+        logits = self.logits[:self._num_seqs]
+        pending = self.sampler.sample(logits if len(rows) == self._num_seqs else logits[rows], seqs)
+        self.sampled_tokens[:len(rows)].copy_(pending.token_ids)  # where the next step's input_src points
+        return PendingTokens(pending, range(len(rows)))
 
-    def run_greedy(self, batch) -> GreedyTokens:
-        """run() for an all-greedy batch: the core takes the argmax of every sequence's logits within the step (inside
-        the decode graph). The ids land where the next step reads them (sampled_tokens[i] for sequence i of the
-        batch) and in pinned host memory, which the returned pending tokens read once the step has run. Nothing is
-        left for torch's stream, so it is not ordered after the step (the logits stay in self.logits, on the core's
-        stream)."""
-        return GreedyTokens(self.model, self._step(batch, greedy=True), batch.num_seqs)
-
-    def _step(self, batch, greedy: bool) -> int:
-        """Queues the batch's step on the core's stream; the host token slot of a greedy step, else -1."""
-        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
-        rows, tokens = num_seqs, num_tokens
-        use_graph = False
-        if batch.is_decode and self.use_graphs:
-            bucket = self.model.decode_bucket(num_seqs)
-            if bucket > 0:
-                rows = tokens = bucket
-                use_graph = True
-        v = self.model.step_views(tokens, rows)
-        v["input_ids"][:num_tokens] = batch.input_ids
-        v["input_src"][:num_tokens] = batch.input_src
-        v["positions"][:num_tokens] = batch.positions
-        v["slot_mapping"][:num_tokens] = batch.slot_mapping
-        v["cu_seqlens_q"][:num_seqs + 1] = batch.cu_seqlens_q
-        v["context_lens"][:num_seqs] = batch.context_lens
-        width = batch.block_tables.shape[1]
-        v["block_tables"][:num_seqs, :width] = batch.block_tables
-        if rows > num_seqs:  # inert padding rows of a graph bucket
-            v["input_ids"][num_tokens:] = 0
-            v["input_src"][num_tokens:] = -1
-            v["positions"][num_tokens:] = 0
-            v["slot_mapping"][num_tokens:] = -1
-            v["cu_seqlens_q"][num_seqs + 1:] = np.arange(num_tokens + 1, tokens + 1)
-            v["context_lens"][num_seqs:] = 0
-        q_lens = np.diff(batch.cu_seqlens_q)
+    def queue_step(self, batch, greedy: bool) -> int:
+        """Queues the batch's step on the core's stream (a decode graph when one is captured for it); the host
+        token slot of a greedy step, else -1. The logits stay in self.logits, on the core's stream."""
+        use_graph = batch.is_decode and self.use_graphs
+        write_step_metadata(self.model.step_views(batch.num_tokens, batch.num_seqs, use_graph), batch)
         if self._torch_stream_used:
             # The previous step's sampler (on torch's stream) wrote the tokens this step may read.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             self._torch_stream_used = False
-        return self.model.step(tokens, rows, int(q_lens.max()), use_graph, greedy)
+        max_q_len = int(np.diff(batch.cu_seqlens_q).max())
+        return self.model.step(batch.num_tokens, batch.num_seqs, max_q_len, use_graph, greedy)
 
 
-class GreedyTokens:
-    """The pending result of CudaRunner.run_greedy: the argmax of each of the batch's rows, read from the core's
-    pinned host slot once the step has run. rows(...) gives the PendingSample of a subset of the rows."""
-
-    def __init__(self, model, slot: int, num_rows: int):
-        self._model, self._slot, self._num_rows = model, slot, num_rows
-
-    def rows(self, rows: list[int]) -> PendingSample:
-        """The pending sample of the batch rows `rows` (their tokens, in that order)."""
-        return _GreedyRows(self, rows)
-
-    def read(self) -> list[int]:
-        return self._model.greedy_tokens(self._slot, self._num_rows)
+def write_step_metadata(views: dict[str, np.ndarray], batch):
+    """The one writer of a step's metadata: batch's fields into the core's pinned buffer (views from
+    Model.step_views, as StepLayout in csrc/model.h lays them out). A graph bucket's other rows are the core's."""
+    for name in ("input_ids", "input_src", "positions", "slot_mapping", "cu_seqlens_q", "context_lens"):
+        views[name][:] = getattr(batch, name)
+    views["block_tables"][:, :batch.block_tables.shape[1]] = batch.block_tables
 
 
-class _GreedyRows(PendingSample):
-    def __init__(self, tokens: GreedyTokens, rows: list[int]):  # not PendingSample.__init__: nothing to copy
-        self._tokens, self._rows = tokens, rows
+class _InStepArgmax:
+    """The tokens of a step that took the argmax itself: read from the core's pinned host slot once it has run."""
+
+    def __init__(self, model, slot: int, num_rows: int, rows: list[int]):
+        self._model, self._slot, self._num_rows, self._rows = model, slot, num_rows, rows
         self._output: SamplerOutput | None = None
 
     def result(self) -> SamplerOutput:
         if self._output is None:
-            ids = self._tokens.read()
+            ids = self._model.greedy_tokens(self._slot, self._num_rows)
             self._output = SamplerOutput([ids[row] for row in self._rows], [None] * len(self._rows))
         return self._output

@@ -14,14 +14,16 @@ import torch.nn.functional as F
 
 from ..model_config import ModelConfig
 from ..models import load_weights, rope_cos_sin
+from ..sampler import Sampler
+from .base import PendingTokens, Runner
 
 KV_CACHE_BUDGET_BYTES = 1 << 30
 
 
-class TorchRunner:
+class TorchRunner(Runner):
     def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 1):
+                 max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0):
         self.model_config = mc = model_config
         self.device = torch.device(device)
         self.block_size = block_size
@@ -40,6 +42,18 @@ class TorchRunner:
         shape = (self.num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.sampler = Sampler(self.device, mc.eos_token_ids, seed)
+        self._logits: torch.Tensor | None = None  # the last forward's
+        self._sampled: torch.Tensor | None = None  # the last sampled tokens, where input_src points
+
+    def forward(self, batch, seqs: list):
+        self._logits = self.run(batch)
+
+    def sample(self, rows: list[int], seqs: list) -> PendingTokens:
+        logits = self._logits if len(rows) == len(self._logits) else self._logits[rows]
+        pending = self.sampler.sample(logits, seqs)
+        self._sampled = pending.token_ids.to(self.device, torch.long)
+        return PendingTokens(pending, range(len(rows)))
 
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
@@ -55,10 +69,6 @@ class TorchRunner:
             h = h + self._mlp(i, _rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
         last = _rms_norm(h[meta.last_token_rows], w["norm"], mc.rms_norm_eps)
         return F.linear(last, w["lm_head"]).float()
-
-    def publish_sampled(self, token_ids: torch.Tensor):
-        """The tokens just sampled, one per sampling row: a later batch's input_src points into them."""
-        self._sampled = token_ids.to(self.device, torch.long)
 
     def _input_ids(self, batch) -> torch.Tensor:
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)

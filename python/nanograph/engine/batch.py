@@ -66,3 +66,22 @@ def build_forward_batch(batch: ScheduledBatch, block_manager: BlockManager) -> F
     return ForwardBatch(input_ids=input_ids, input_src=input_src, positions=positions, slot_mapping=slot_mapping,
                         cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, block_tables=block_tables,
                         is_decode=num_tokens == num_seqs)
+
+
+def storeless_batch(input_ids: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray,
+                    block_tables: np.ndarray) -> ForwardBatch:
+    """A step that stores nothing in the KV cache (slot -1), for warm-ups and benchmarks: sequence i feeds
+    query_lens[i] of input_ids, its last ones, at the end of a context of context_lens[i] tokens whose blocks
+    block_tables[i] names."""
+    query_lens = np.asarray(query_lens, np.int32)
+    context_lens = np.asarray(context_lens, np.int32)
+    cu_seqlens_q = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=cu_seqlens_q[1:])
+    num_tokens = int(cu_seqlens_q[-1])
+    seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    positions = (np.arange(num_tokens) - cu_seqlens_q[:-1][seq_of_token]
+                 + (context_lens - query_lens)[seq_of_token]).astype(np.int32)
+    return ForwardBatch(input_ids=np.asarray(input_ids, np.int32), input_src=np.full(num_tokens, -1, np.int32),
+                        positions=positions, slot_mapping=np.full(num_tokens, -1, np.int32),
+                        cu_seqlens_q=cu_seqlens_q, context_lens=context_lens,
+                        block_tables=np.asarray(block_tables, np.int32), is_decode=num_tokens == len(query_lens))

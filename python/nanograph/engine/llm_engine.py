@@ -1,12 +1,18 @@
-"""LLMEngine: request intake and validation, the step loop, results and streamed deltas.
+"""LLMEngine: the step loop, requests in and results out.
 
-The loop keeps the device busy while the host works: a step queues its batch on the device first, then waits for
-the tokens the previous step sampled and applies them (stop checks, text, outputs), then queues its own sampling.
-The tokens a batch feeds that the host has not read yet stay on the device (PENDING_TOKEN, ForwardBatch.input_src).
-A sequence that stops on a token the host had not read yet was fed in one step too many; that step's row is
-dropped."""
+A step reads like the algorithm: schedule a batch → queue its forward → apply the tokens the previous step sampled
+(stop checks, text, outputs) → queue this step's sampling. The device runs step N + 1's forward while the host
+applies step N's tokens; a token the host has not read yet stays on the device (PENDING_TOKEN), where the next
+forward reads it (ForwardBatch.input_src). A sequence that stops on such a token was fed one step too many; that
+step's row is dropped.
+
+Calls from several threads are serialised on the engine. generate() and stream() own the requests they queue; a
+new generate() or stream() ends the requests of streams still open (they finish with "abort"), so that an
+abandoned stream holds no KV blocks. Requests queued with add_request() are returned by step(), whichever call ran
+the step that finished them."""
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -14,48 +20,53 @@ from dataclasses import replace
 from itertools import count
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..backends import make_runner
+from ..backends.base import PendingTokens, Runner
 from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..sampler import PendingSample, Sampler, TokenLogprobs
+from ..sampler import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
+from .intake import Intake, Prompt
 from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from .stats import EngineStats
+from .stop_checker import StopChecker
 
-Prompt = str | list[int]
+
+class _Stream:
+    """The owner of one stream() call's requests."""
 
 
 class LLMEngine:
-    def __init__(self, config: Config, model_config: ModelConfig, runner, tokenizer):
+    def __init__(self, config: Config, model_config: ModelConfig, runner: Runner, tokenizer):
         kv_tokens = runner.num_kv_blocks * runner.block_size
         if kv_tokens < config.max_model_len:
             raise ValueError(f"KV cache holds {kv_tokens} tokens, fewer than max_model_len={config.max_model_len}; "
                              "raise gpu_memory_utilization (or num_kv_blocks) or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
-        self.max_context = model_config.max_context
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(model_config.eos_token_ids)
-        block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, block_manager, self.eos_token_ids)
-        self.sampler = Sampler(runner.device, sorted(self.eos_token_ids), config.seed)
-        # The core takes an all-greedy batch's argmax within its step (CudaRunner.run_greedy).
-        self._core_greedy = hasattr(runner, "run_greedy")
+        self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer)
+        self.stop_checker = StopChecker(set(model_config.eos_token_ids))
+        self.scheduler = Scheduler(config, BlockManager(runner.num_kv_blocks, runner.block_size,
+                                                        config.enable_prefix_caching))
+        self.stats = EngineStats()
         self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
-        self._in_flight: tuple[list[Sequence], PendingSample] | None = None  # sampled, not read yet
-        self.device_wait_seconds = 0.0  # host time spent waiting for sampled tokens (the device was behind)
+        self._in_flight: tuple[list[Sequence], PendingTokens] | None = None  # sampled, not read yet
+        self._unclaimed: list[RequestOutput] = []  # step()'s, finished while generate() or stream() ran the steps
+        self._open_streams: set[_Stream] = set()
+        self._streamed: dict[str, Request] = {}  # add_request(stream=True)'s, until their last delta is taken
+        self._lock = threading.RLock()
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -75,66 +86,196 @@ class LLMEngine:
             model_config = replace(model_config, eos_token_ids=[*model_config.eos_token_ids, eos])
         return cls(config, model_config, make_runner(config, model_config), tokenizer)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams) -> str:
-        """Queue one request and return its id; an invalid request raises ValueError and changes nothing."""
-        return self._queue(prompt, *self._validated(prompt, params))
+    # Requests in and out.
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    stream: bool = False) -> str:
+        """Queue one request and return its id (request_id, or a new one); step() returns its output once it has
+        finished. stream: take_deltas() also reports what each step adds to it. An invalid request raises
+        (ValueError, TypeError) and changes nothing."""
+        with self._lock:
+            if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
+                                           or request_id in self._streamed):
+                raise ValueError(f"request_id must be a string that no unfinished request has; got {request_id!r}")
+            request_id = self._queue(self.intake.validate(prompt, params), None, request_id)
+            if stream:
+                self._streamed[request_id] = self.requests[request_id]
+            return request_id
 
     def abort_request(self, request_id: str):
-        """End an unfinished request wherever its sequences are; they finish with reason "abort". Ids of finished
-        or unknown requests are ignored, as a request may finish while its abort is on its way."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        for seq in request.seqs:
-            if seq.is_finished:
-                continue
-            if seq.has_pending_token:  # its token, still on its way from the device, is not part of the output
-                seq.token_ids.pop()
-            if seq in request.held_back:
-                seq.status = SequenceStatus.FINISHED
-            else:
-                self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-        request.held_back = []
+        """End an unfinished request wherever its sequences are; they finish with reason "abort" and their blocks
+        are free at once. Ids of finished or unknown requests are ignored, as a request may finish while its abort
+        is on its way."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._end(request)
 
     def has_unfinished(self) -> bool:
-        # A sequence stays running or waiting until the token that ends it has been read.
-        return self.scheduler.has_unfinished()
+        with self._lock:
+            # A sequence stays running or waiting until the token that ends it has been read.
+            return self.scheduler.has_unfinished()
 
-    def step(self) -> tuple[list[RequestOutput], ScheduledBatch]:
-        """Queue one batch, and apply the tokens of the one before; return the requests that finished, and the batch
-        (for throughput accounting; empty when only the previous step's tokens were left to apply)."""
+    def step(self) -> list[RequestOutput]:
+        """Run one step: queue a batch, and apply the tokens of the one before. Returns the requests queued with
+        add_request that have finished since the last call."""
+        with self._lock:
+            outputs, self._unclaimed = self._unclaimed, []
+            for owner, output in self._step()[0]:
+                if owner is None:
+                    outputs.append(output)
+            return outputs
+
+    def take_deltas(self) -> list[CompletionDelta]:
+        """What the steps since the last call added to each request queued with add_request(stream=True); a
+        finished (or aborted) request reports once more, finished, and is then forgotten here."""
+        with self._lock:
+            deltas = []
+            for request_id, request in list(self._streamed.items()):
+                deltas += request.take_deltas()
+                if request.finished:
+                    del self._streamed[request_id]
+            return deltas
+
+    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
+                 ) -> list[RequestOutput]:
+        """Run every request to completion; outputs in input order. All are validated before any is queued."""
+        with self._lock:
+            self._end_open_streams()
+            owner = object()
+            index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params, owner))}
+            outputs: list[RequestOutput | None] = [None] * len(prompts)
+            throughput = {"prefill": 0.0, "decode": 0.0}
+            try:
+                with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+                    remaining = len(prompts)
+                    while remaining:
+                        start = time.perf_counter()
+                        finished, batch = self._step()
+                        if batch.seqs:
+                            throughput["prefill" if batch.is_prefill else "decode"] = \
+                                batch.num_tokens / (time.perf_counter() - start)
+                        bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()},
+                                        refresh=False)
+                        for request_owner, output in finished:
+                            if request_owner is owner:
+                                if output.error is not None:
+                                    raise RuntimeError(f"request {index[output.request_id]} failed: {output.error}")
+                                outputs[index[output.request_id]] = output
+                                remaining -= 1
+                                bar.update(1)
+                            elif request_owner is None:
+                                self._unclaimed.append(output)
+            except BaseException:
+                # An error (or an interrupt) ends this call's requests, so that the next call does not run them.
+                for request_id in index:
+                    self.abort_request(request_id)
+                raise
+            return outputs
+
+    def stream(self, prompts: list[Prompt], params: list[SamplingParams]) -> Iterator[CompletionDelta]:
+        """Run the requests to completion, yielding after each step what it added to each of their completions.
+        All are validated before any is queued; closing the iterator early (or dropping it) aborts the unfinished
+        ones, and so does a later generate() or stream() call on the engine."""
+        owner = _Stream()
+        with self._lock:
+            self._end_open_streams()
+            request_ids = self._queue_all(prompts, params, owner)
+            requests = [self.requests[request_id] for request_id in request_ids]
+            self._open_streams.add(owner)
+        try:
+            while True:
+                with self._lock:
+                    # The check comes before the take, so that a last take follows every end.
+                    done = all(request.finished for request in requests)
+                    deltas = [delta for request in requests for delta in request.take_deltas()]
+                yield from deltas
+                if done:
+                    break
+                with self._lock:
+                    if not all(request.finished for request in requests):
+                        self._unclaimed += [output for request_owner, output in self._step()[0]
+                                            if request_owner is None]
+        finally:
+            with self._lock:
+                self._open_streams.discard(owner)
+                for request_id in request_ids:
+                    self.abort_request(request_id)
+
+    # The step.
+
+    def _step(self) -> tuple[list[tuple[object, RequestOutput]], ScheduledBatch]:
+        """One step; the requests it finished, each with its owner, and the batch it queued (empty when only the
+        previous step's tokens were left to apply)."""
         batch = self.scheduler.schedule()
-        logits = greedy = None
+        failure = None
         if batch.seqs:
             forward_batch = build_forward_batch(batch, self.scheduler.block_manager)
-            if self._core_greedy and self.sampler.plain_greedy(batch.seqs, self.vocab_size):
-                greedy = self.runner.run_greedy(forward_batch)  # the argmax comes with the step
-            else:
-                logits = self.runner.run(forward_batch)
+            self.stats.record_step(batch.num_tokens, batch.is_prefill, int(forward_batch.context_lens.sum()))
+            try:
+                self.runner.forward(forward_batch, batch.seqs)
+            except Exception as exc:  # the forward of these requests failed: they end, the others go on
+                failure = exc
         finished = self._apply_sampled()
-        if not batch.seqs:
-            return finished, batch
-        self.scheduler.advance(batch)
-        # Prompts cut short by the token budget sample nothing yet, nor do sequences that ended meanwhile.
-        rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
-        if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            if greedy is not None:  # the core left sequence i's token at sampled_tokens[i]
-                pending, sample_rows = greedy.rows(rows), rows
+        if batch.seqs:
+            if failure is not None:
+                finished += self._fail({seq.request_id for seq in batch.seqs}, failure)
             else:
-                buffer = getattr(self.runner, "sampled_tokens", None)  # the core's: an all-greedy argmax writes there
-                pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs,
-                                              token_out=None if buffer is None else buffer[:len(rows)])
-                self.runner.publish_sampled(pending.token_ids)
-                sample_rows = range(len(rows))
-            for row, seq in zip(sample_rows, seqs):
-                seq.token_ids.append(PENDING_TOKEN)
-                seq.sample_row = row
-            self._in_flight = (seqs, pending)
+                finished += self._queue_sampling(batch)
+                self.scheduler.advance(batch)
         return finished, batch
 
-    def _apply_sampled(self) -> list[RequestOutput]:
+    def _queue_sampling(self, batch: ScheduledBatch) -> list[tuple[object, RequestOutput]]:
+        """Queue the sampling of the batch's rows that reach their sequence's end (prompts cut short by the token
+        budget sample nothing yet, nor do sequences that ended meanwhile); the requests that failed in it."""
+        rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
+        if not rows:
+            return []
+        seqs = [batch.seqs[i] for i in rows]
+        states = [seq.generator.getstate() if seq.generator is not None else None for seq in seqs]
+        failed = []
+        try:
+            pending = self.runner.sample(rows, seqs)
+        except Exception as exc:
+            failed = self._fail(self._failing_requests(rows, seqs, states), exc)
+            survivors = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            if not survivors:
+                return failed
+            rows, seqs = [rows[i] for i in survivors], [seqs[i] for i in survivors]
+            _restore(seqs, [states[i] for i in survivors])
+            pending = self.runner.sample(rows, seqs)
+        for row, seq in zip(pending.rows, seqs):
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.sample_row = row
+        self._in_flight = (seqs, pending)
+        return failed
+
+    def _failing_requests(self, rows: list[int], seqs: list[Sequence], states: list) -> set[str]:
+        """The requests whose rows fail to sample on their own (the whole batch's when none does): each is tried
+        alone, its random streams put back after the try."""
+        by_request: dict[str, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_request.setdefault(seq.request_id, []).append(i)
+        failing = set()
+        for request_id, members in by_request.items():
+            try:
+                _restore([seqs[i] for i in members], [states[i] for i in members])
+                self.runner.sample([rows[i] for i in members], [seqs[i] for i in members])
+            except Exception:
+                failing.add(request_id)
+        return failing or set(by_request)
+
+    def _fail(self, request_ids: set[str], exc: Exception) -> list[tuple[object, RequestOutput]]:
+        """End these requests (finish reason "abort", the error on their output)."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._end(request, f"{type(exc).__name__}: {exc}")
+                ended.append((request.owner, request.output()))
+        return ended
+
+    def _apply_sampled(self) -> list[tuple[object, RequestOutput]]:
         """Read the tokens the last step sampled and apply them; return the requests this finished."""
         if self._in_flight is None:
             return []
@@ -142,161 +283,103 @@ class LLMEngine:
         self._in_flight = None
         start = time.perf_counter()
         sampled = pending.result()
-        self.device_wait_seconds += time.perf_counter() - start
-        self.scheduler.postprocess(seqs, sampled.token_ids)
+        self.stats.device_wait_seconds += time.perf_counter() - start
         now = time.time()
-        requests = {}
-        for seq, logprobs in zip(seqs, sampled.logprobs):
-            request = self.requests.get(seq.request_id)
-            if request is None:  # aborted
+        requests, invalid = {}, set()
+        for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+            if seq.is_finished:  # aborted while its token was on its way: the token is dropped
                 continue
-            self._postprocess(seq, logprobs)
-            requests[seq.request_id] = request
-        finished = []
+            if not 0 <= token_id < self.vocab_size:
+                invalid.add(seq.request_id)
+                continue
+            seq.token_ids[-1] = token_id
+            self.stats.generated_tokens += 1
+            if logprobs is not None:
+                self._record_logprobs(seq, logprobs)
+            if self.stop_checker.check(seq):
+                self.scheduler.finish(seq)
+            requests[seq.request_id] = self.requests[seq.request_id]
+        finished = self._fail(invalid, RuntimeError(f"a token id outside the vocabulary [0, {self.vocab_size}) "
+                                                    "was sampled")) if invalid else []
         for request in requests.values():
+            if request.request_id in invalid:
+                continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
-            for sibling in request.held_back:  # the prompt's blocks are cached now
+            for sibling in request.held_siblings():  # the prompt's blocks are cached now
                 self.scheduler.add(sibling)
-            request.held_back = []
             if request.finished:
                 request.metrics.finished_time = now
-                finished.append(self.requests.pop(request.request_id).output())
+                del self.requests[request.request_id]
+                finished.append((request.owner, request.output()))
         return finished
 
-    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
-                 ) -> list[RequestOutput]:
-        """Run every request to completion; outputs in input order. All are validated before any is queued."""
-        index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params))}
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
-        throughput = {"prefill": 0.0, "decode": 0.0}
-        try:
-            with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
-                while self.has_unfinished():
-                    start = time.perf_counter()
-                    finished, batch = self.step()
-                    if batch.seqs:
-                        throughput["prefill" if batch.is_prefill else "decode"] = \
-                            batch.num_tokens / (time.perf_counter() - start)
-                    bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()},
-                                    refresh=False)
-                    for output in finished:
-                        if output.request_id in index:  # requests queued with add_request before are not ours
-                            outputs[index[output.request_id]] = output
-                            bar.update(1)
-        except BaseException:
-            # An error (or an interrupt) ends this call's requests, so that the next call does not run them.
-            for request_id in index:
-                self.abort_request(request_id)
-            raise
-        return outputs
+    @staticmethod
+    def _record_logprobs(seq: Sequence, logprobs: TokenLogprobs):
+        decoded = seq.detokenizer.decode_each(logprobs.token_ids) if seq.detokenizer else \
+            [None] * len(logprobs.token_ids)
+        seq.logprobs.append({t: Logprob(lp, rank, text) for t, lp, rank, text in
+                             zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, decoded)})
+        seq.cumulative_logprob += logprobs.logprobs[0]
 
-    def stream(self, prompts: list[Prompt], params: list[SamplingParams]) -> Iterator[CompletionDelta]:
-        """Run the requests to completion, yielding after each step what it added to each of their completions.
-        All are validated before any is queued; closing the iterator early aborts the unfinished ones."""
-        requests = [self.requests[request_id] for request_id in self._queue_all(prompts, params)]
-        try:
-            while True:
-                # While the caller holds a delta, another caller's steps (or an abort) may advance or end the
-                # requests: the check comes before the take, so a last take follows every end.
-                done = all(request.finished for request in requests)
-                for request in requests:
-                    yield from request.take_deltas()
-                if done:
-                    break
-                if not all(request.finished for request in requests):
-                    self.step()
-        finally:
-            for request in requests:
-                if not request.finished:
-                    self.abort_request(request.request_id)
+    # Queueing and ending.
 
-    def _queue_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _queue_all(self, prompts: list[Prompt], params: list[SamplingParams], owner: object) -> list[str]:
+        """All or nothing: every request is validated before any is queued."""
         validated = []
         for i, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
-                validated.append(self._validated(prompt, request_params))
-            except ValueError as exc:
-                raise ValueError(f"request {i}: {exc}") from None
+                validated.append(self.intake.validate(prompt, request_params))
+            except (ValueError, TypeError) as exc:
+                raise type(exc)(f"request {i}: {exc}") from None
         request_ids = []
         try:
-            for prompt, request in zip(prompts, validated):
-                request_ids.append(self._queue(prompt, *request))
-        except BaseException:  # all or nothing: what was queued before the failure is taken back
+            for valid in validated:
+                request_ids.append(self._queue(valid, owner))
+        except BaseException:  # what was queued before the failure is taken back
             for request_id in request_ids:
                 self.abort_request(request_id)
             raise
         return request_ids
 
-    def _validated(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids, and the request's own copy of params (validated again: fields may have changed
-        since construction), with max_tokens resolved."""
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompts as token-id lists")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt or not token_ids:
-            raise ValueError("prompt is empty; give at least one token")
-        ids = np.asarray(token_ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise ValueError("prompt token ids must be a flat list of integers")
-        outside = (ids < 0) | (ids >= self.vocab_size)
-        if outside.any():
-            position = int(outside.argmax())
-            raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
-        if len(token_ids) > self.config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len}: "
-                             f"shorten the prompt, or raise max_model_len (the model takes up to "
-                             f"{self.max_context} positions)")
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
-        for token_id in params.stop_token_ids or ():
-            if isinstance(token_id, int) and not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
-        room = max(1, self.config.max_model_len - len(token_ids))
-        if params.max_tokens is None and params.min_tokens > room:
-            raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "
-                             f"leaves {room} of max_model_len={self.config.max_model_len}; lower min_tokens or "
-                             f"raise max_model_len")
-        return token_ids, replace(params, max_tokens=params.max_tokens or room)
-
-    def _queue(self, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> str:
-        request_id = str(next(self._request_ids))
-        seqs = []
-        for index in range(params.n):
-            seq_params = params if params.n == 1 else \
-                replace(params, n=1, seed=None if params.seed is None else params.seed + index)
-            seq = Sequence(request_id, prompt if isinstance(prompt, str) else None, token_ids, seq_params, index)
-            if seq_params.seed is not None:
-                seq.generator = self.sampler.new_generator(seq_params.seed)
-            if self.tokenizer is not None:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
-            seqs.append(seq)
-        self.requests[request_id] = Request(request_id, seqs)
-        self.scheduler.add(seqs[0])
+    def _queue(self, valid, owner: object | None, request_id: str | None = None) -> str:
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self.requests:
+                request_id = str(next(self._request_ids))
+        request = self.intake.request(request_id, valid, owner)
+        self.requests[request_id] = request
+        self.scheduler.add(request.seqs[0])
         return request_id
 
-    def _postprocess(self, seq: Sequence, logprobs: TokenLogprobs | None):
-        """Record the token the scheduler appended: its logprobs, its text, and why it ended the sequence."""
-        token_id = seq.token_ids[-1]
-        if logprobs is not None:
-            decoded = seq.detokenizer.decode_each(logprobs.token_ids) if seq.detokenizer else [None] * len(
-                logprobs.token_ids)
-            seq.logprobs.append({t: Logprob(lp, rank, text)
-                                 for t, lp, rank, text in zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks,
-                                                              decoded)})
-            seq.cumulative_logprob += logprobs.logprobs[0]
-        stopped_by_token = seq.finish_reason == "stop"
-        if stopped_by_token and (token_id not in self.eos_token_ids or seq.params.ignore_eos):
-            seq.stop_reason = token_id
-        if seq.detokenizer is None:
-            return
-        stop_string = seq.detokenizer.update(token_id, stopped_by_token)
-        if stop_string is not None:
-            if not seq.is_finished:
+    def _end(self, request: Request, error: str | None = None):
+        """End an unfinished request with reason "abort": its sequences leave the queues and free their blocks."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            if seq.is_finished:
+                continue
+            if seq.has_pending_token:  # its token, still on its way from the device, is not part of the output
+                seq.token_ids.pop()
+            if seq.status is SequenceStatus.HELD:
+                seq.status = SequenceStatus.FINISHED
+            else:
                 self.scheduler.finish(seq)
-            seq.finish_reason, seq.stop_reason = "stop", stop_string
-        elif seq.is_finished:
-            seq.detokenizer.flush()
+            seq.finish_reason = "abort"
+        request.error = error
+        request.metrics.finished_time = time.time()
+
+    def _end_open_streams(self):
+        """A new call needs the engine: the requests of streams still open end."""
+        if not self._open_streams:
+            return
+        for request in [request for request in self.requests.values() if request.owner in self._open_streams]:
+            self._end(request)
+        self._open_streams.clear()
+
+
+def _restore(seqs, states):
+    for seq, state in zip(seqs, states):
+        if state is not None:
+            seq.generator.setstate(state)
 
 
 def _load_tokenizer(model: str):

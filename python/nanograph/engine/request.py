@@ -4,34 +4,45 @@ from __future__ import annotations
 import time
 
 from ..outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 
 class Request:
-    def __init__(self, request_id: str, seqs: list[Sequence]):
+    def __init__(self, request_id: str, seqs: list[Sequence], owner: object | None = None):
         self.request_id = request_id
         self.seqs = seqs  # by completion index
-        # Queued once seqs[0] has computed the prompt, so that they find its KV blocks in the prefix cache.
-        self.held_back = seqs[1:]
+        # The call that collects the request's output (a generate or stream call); None: whoever calls step().
+        self.owner = owner
+        # The siblings stay HELD until seqs[0] has computed the prompt, so that they find its KV blocks in the
+        # prefix cache.
+        for seq in seqs[1:]:
+            seq.status = SequenceStatus.HELD
+        self.error: str | None = None  # why the engine ended it, when a step failed on it
         self.metrics = RequestMetrics(arrival_time=time.time())
         self.num_streamed_tokens = [0] * len(seqs)
+        self.num_streamed_logprobs = [0] * len(seqs)
         self.finish_streamed = [False] * len(seqs)
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
 
+    def held_siblings(self) -> list[Sequence]:
+        """The siblings still held back (all of them, or none)."""
+        return [seq for seq in self.seqs[1:] if seq.status is SequenceStatus.HELD]
+
     def output(self) -> RequestOutput:
         first = self.seqs[0]
         cached = [seq.num_cached_tokens for seq in self.seqs if seq.num_cached_tokens is not None]
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
-            outputs=[CompletionOutput(index=seq.index, text=seq.detokenizer.output_text if seq.detokenizer else "",
+            outputs=[CompletionOutput(index=seq.index, text=seq.detokenizer.text if seq.detokenizer else "",
                                       token_ids=seq.completion_token_ids, cumulative_logprob=seq.cumulative_logprob,
                                       logprobs=seq.logprobs, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason)
                      for seq in self.seqs],
-            finished=self.finished, num_cached_tokens=sum(cached) if cached else None, metrics=self.metrics)
+            finished=self.finished, num_cached_tokens=sum(cached) if cached else None, metrics=self.metrics,
+            error=self.error)
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What each sequence produced since the last call; a finished sequence reports once more, finished."""
@@ -43,8 +54,12 @@ class Request:
             text = seq.detokenizer.take_new_text(seq.is_finished) if seq.detokenizer else ""
             if not token_ids and not text and (self.finish_streamed[i] or not seq.is_finished):
                 continue
+            logprobs = None
+            if seq.logprobs is not None:
+                logprobs = seq.logprobs[self.num_streamed_logprobs[i]:]
+                self.num_streamed_logprobs[i] = len(seq.logprobs)
             self.num_streamed_tokens[i] += len(token_ids)
             self.finish_streamed[i] = seq.is_finished
             deltas.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished, seq.finish_reason,
-                                          seq.stop_reason))
+                                          seq.stop_reason, logprobs, self.error if seq.is_finished else None))
         return deltas

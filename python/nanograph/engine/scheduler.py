@@ -1,4 +1,5 @@
-"""Continuous batching: which sequences run in the next step, how many of their tokens, and what happens after."""
+"""Continuous batching: which sequences run in the next step and how many of their tokens; KV blocks for them,
+preemption when blocks run out, and the blocks back when a sequence ends."""
 from __future__ import annotations
 
 from collections import deque
@@ -31,22 +32,32 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager, eos_token_ids: set[int]):
+    def __init__(self, config: Config, block_manager: BlockManager):
         # Every running sequence gets at least one token of each step's budget, so the budget caps the running set.
         self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
         self.block_manager = block_manager
-        self.eos_token_ids = eos_token_ids
+        # Both may still hold sequences finished since the last step (finish() is O(1)); schedule() drops them.
         self.waiting: deque[Sequence] = deque()  # hold no KV blocks
         self.running: deque[Sequence] = deque()  # hold KV blocks, in admission order
+        self.num_unfinished = 0
         self.num_preemptions = 0
 
     def add(self, seq: Sequence):
+        seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.num_unfinished += 1
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return sum(not seq.is_finished for seq in self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.num_unfinished - self.num_running
 
     def schedule(self) -> ScheduledBatch:
         """Chunked prefill mixed with decodes: every running sequence continues, in admission order (a decode
@@ -58,7 +69,9 @@ class Scheduler:
         unscheduled, self.running = self.running, deque()
         while unscheduled:
             seq = unscheduled.popleft()
-            if seq.has_pending_token and self._reached_length(seq):
+            if seq.is_finished:
+                continue
+            if seq.has_pending_token and seq.reached_length:
                 self.running.append(seq)  # it ends when its pending token is read: feeding it would be wasted
                 continue
             num_new = min(seq.num_pending_tokens, budget)
@@ -73,6 +86,9 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int):
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.is_finished:
+                self.waiting.popleft()
+                continue
             self.block_manager.allocate_prefix(seq)
             num_new = min(seq.num_pending_tokens, budget)
             if not self.block_manager.append_slots(seq, num_new):
@@ -89,6 +105,8 @@ class Scheduler:
         """Find KV room for seq, preempting the latest admitted of victims (running, not yet scheduled in this
         step); when none is left, preempt seq itself and return False."""
         while not self.block_manager.append_slots(seq, num_new_tokens):
+            while victims and victims[-1].is_finished:
+                victims.pop()
             if not victims:
                 self._preempt(seq)
                 return False
@@ -110,30 +128,9 @@ class Scheduler:
                 seq.num_computed_tokens += num_new
                 self.block_manager.cache_full_blocks(seq, num_new)
 
-    def postprocess(self, seqs: list[Sequence], sampled_token_ids: list[int]) -> list[Sequence]:
-        """Put each sequence's sampled token in place of its pending one; return the sequences that ended."""
-        finished = []
-        for seq, token_id in zip(seqs, sampled_token_ids):
-            if seq.is_finished:  # aborted while its token was on its way: the token is dropped
-                continue
-            seq.token_ids[-1] = token_id
-            seq.finish_reason = self._finish_reason(seq)
-            if seq.finish_reason:
-                self.finish(seq)
-                finished.append(seq)
-        return finished
-
     def finish(self, seq: Sequence):
-        """End seq, running or waiting: its blocks go back to the pool."""
+        """End seq, running or waiting: its blocks go back to the pool now; the queues let it go at the next
+        schedule()."""
         seq.status = SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
-        (self.running if seq in self.running else self.waiting).remove(seq)
-
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        token_id, params = seq.token_ids[-1], seq.params
-        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in (params.stop_token_ids or ()):
-            return "stop"
-        return "length" if self._reached_length(seq) else None
-
-    def _reached_length(self, seq: Sequence) -> bool:
-        return seq.num_completion_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        self.num_unfinished -= 1

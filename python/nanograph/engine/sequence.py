@@ -15,6 +15,7 @@ PENDING_TOKEN = -1
 
 
 class SequenceStatus(Enum):
+    HELD = auto()  # not given to the scheduler yet: a sibling waiting for the first completion's prompt blocks
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
@@ -22,21 +23,24 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                 index: int = 0):
+                 index: int = 0, max_num_tokens: int | None = None):
         self.request_id = request_id
         self.index = index  # which of the request's n completions
         self.prompt = prompt
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
+        # The length rule: prompt + max_tokens, within max_model_len (Intake sets it; None: prompt + max_tokens).
+        self.max_num_tokens = max_num_tokens if max_num_tokens is not None else \
+            len(token_ids) + (params.max_tokens if params.max_tokens is not None else 1 << 62)
         self.params = params
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; the rest are fed in the next step(s)
         self.num_cached_tokens: int | None = None  # prefix-cache hit tokens at first scheduling
-        self.sample_row = -1  # while token_ids[-1] is PENDING_TOKEN: its row in the last step's sampled tokens
+        self.sample_row = -1  # while token_ids[-1] is PENDING_TOKEN: its row in the runner's sampled tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.generator: random.Random | None = None  # the request's seeded random stream (Sampler.new_generator)
+        self.generator: random.Random | None = None  # the request's own random stream, from its seed
         self.detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
@@ -69,6 +73,10 @@ class Sequence:
     @property
     def has_pending_token(self) -> bool:
         return self.token_ids[-1] == PENDING_TOKEN
+
+    @property
+    def reached_length(self) -> bool:
+        return self.num_tokens >= self.max_num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,45 @@
+"""Runner: what the engine asks of a backend. A step is two calls, because a penalised or masked row may only be
+sampled once the host knows the tokens before it: forward() queues the step's forward pass as soon as the batch is
+scheduled; the engine then applies the previous step's tokens; sample() queues the sampling of the rows that reach
+their sequence's end. The tokens stay where the runner keeps them, where the next step's forward reads them
+(ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+from ..sampler import SamplerOutput
+
+
+class Pending(Protocol):
+    def result(self) -> SamplerOutput: ...
+
+
+class PendingTokens:
+    """One step's sampled tokens, on their way from the device: sampled row j's token lies at rows[j] of the
+    runner's token buffer."""
+
+    def __init__(self, pending: Pending, rows: list[int] | range):
+        self._pending = pending
+        self.rows = rows
+
+    def result(self) -> SamplerOutput:
+        """Waits for the device (the first time); the token ids and logprobs as host lists."""
+        return self._pending.result()
+
+
+class Runner(ABC):
+    device: torch.device
+    block_size: int
+    num_kv_blocks: int
+
+    @abstractmethod
+    def forward(self, batch, seqs: list) -> None:
+        """Queue the forward pass of batch (a ForwardBatch; seqs: its sequences, in its order). A runner that can
+        take every row's token inside the step (an all-greedy batch) decides so here, from their parameters."""
+
+    @abstractmethod
+    def sample(self, rows: list[int], seqs: list) -> PendingTokens:
+        """Queue the sampling of the last forward's rows `rows` (ascending), whose sequences are seqs."""

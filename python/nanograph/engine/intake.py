@@ -1,0 +1,126 @@
+"""Request intake: a prompt and its SamplingParams checked at the boundary, then made into a Request's sequences.
+
+Every error names the field, what was given and what to do; an invalid request raises before anything is queued."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..config import Config
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .request import Request
+from .sequence import Sequence
+
+Prompt = str | list[int] | dict
+PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+
+@dataclass
+class ValidRequest:
+    prompt: str | None  # the text, when given as text
+    token_ids: list[int]
+    params: SamplingParams  # the request's own copy, max_tokens resolved
+
+
+def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """(text, None) or (None, token ids) for one prompt in any of its forms; TypeError for anything else."""
+    if isinstance(prompt, dict):
+        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+        if set(prompt) == {"prompt_token_ids"}:
+            return None, token_id_list(prompt["prompt_token_ids"])
+        raise ValueError(f"a prompt dict takes exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of "
+                         f"ids); got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt, None
+    return None, token_id_list(prompt)
+
+
+def token_id_list(token_ids) -> list[int]:
+    """A list (or tuple, or 1-D integer numpy array) of ints as a list of Python ints."""
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1 and token_ids.dtype.kind in "iu":
+        return token_ids.tolist()
+    if not isinstance(token_ids, (list, tuple)):
+        raise TypeError(f"a prompt is {PROMPT_FORMS}; got {type(token_ids).__name__}")
+    for position, token_id in enumerate(token_ids):
+        if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)):
+            raise TypeError(f"prompt token ids must be ints; the one at position {position} is {token_id!r} "
+                            f"({type(token_id).__name__})")
+    return [int(token_id) for token_id in token_ids]
+
+
+class Intake:
+    def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.tokenizer = tokenizer
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = prompt_parts(prompt)
+        if text is not None:
+            token_ids = self._encode(text)
+        if not token_ids:
+            raise ValueError("prompt is empty; give at least one token")
+        ids = np.asarray(token_ids, dtype=np.int64)
+        outside = (ids < 0) | (ids >= self.vocab_size)
+        if outside.any():
+            position = int(outside.argmax())
+            raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        max_model_len = self.config.max_model_len
+        if len(token_ids) > max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}: shorten the "
+                             f"prompt, or raise max_model_len (the model takes up to {self.max_context} positions)")
+        # Its own copy, validated again (its fields may have changed since construction).
+        params = replace(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
+        for token_id in params.stop_token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
+        max_logprobs = self.config.max_logprobs
+        if params.logprobs is not None and max_logprobs != -1 and not 0 <= params.logprobs <= max_logprobs:
+            asked = "all (-1)" if params.logprobs == -1 else params.logprobs
+            raise ValueError(f"logprobs={asked} is more than max_logprobs={max_logprobs}; ask for at most "
+                             f"{max_logprobs}, or raise the engine's max_logprobs (-1: no limit)")
+        room = max(1, max_model_len - len(token_ids))
+        if params.max_tokens is None and params.min_tokens > room:
+            raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "
+                             f"leaves {room} of max_model_len={max_model_len}; lower min_tokens or raise "
+                             f"max_model_len")
+        if params.max_tokens is None:
+            params.max_tokens = room
+        return ValidRequest(text, token_ids, params)
+
+    def request(self, request_id: str, valid: ValidRequest, owner: object | None = None) -> Request:
+        """The request's n sequences: sibling i has seed + i, so that the completions differ yet each repeats."""
+        params, token_ids = valid.params, valid.token_ids
+        # At least one token, even for a prompt of max_model_len tokens.
+        max_num_tokens = min(len(token_ids) + params.max_tokens, max(self.config.max_model_len, len(token_ids) + 1))
+        seqs = []
+        for index in range(params.n):
+            seq_params = params if params.n == 1 else \
+                replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            seq = Sequence(request_id, valid.prompt, token_ids, seq_params, index, max_num_tokens)
+            if seq_params.seed is not None:
+                seq.generator = random.Random(seq_params.seed)
+            if self.tokenizer is not None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
+            seqs.append(seq)
+        return Request(request_id, seqs, owner)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer; pass prompts as token-id lists")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"prompt is not valid UTF-8 text: {exc.reason} at position {exc.start} "
+                             f"({text[exc.start:exc.end]!r}); remove or replace the lone surrogate") from None
+        return self.tokenizer.encode(text)

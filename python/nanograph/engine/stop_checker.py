@@ -1,0 +1,55 @@
+"""StopChecker: the one place that decides whether, and why, a sequence has finished."""
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+class StopChecker:
+    """Applied to each sequence once its newest token is known, in vLLM's order: a stop token (EOS unless
+    ignore_eos, or one of stop_token_ids), then a stop string in the new text (once min_tokens are out), then the
+    length (max_tokens, or max_model_len). Sets seq.finish_reason and seq.stop_reason; the text of a stop token is
+    left out and the text after a stop string cut, unless include_stop_str_in_output. Aborts are the engine's."""
+
+    def __init__(self, eos_token_ids: set[int]):
+        self.eos_token_ids = eos_token_ids
+
+    def check(self, seq: Sequence) -> bool:
+        """Whether seq's newest token (token_ids[-1]) ends it."""
+        token_id, params, detokenizer = seq.token_ids[-1], seq.params, seq.detokenizer
+        is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+        if is_eos or token_id in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", None if is_eos else token_id
+            if detokenizer is not None:
+                if params.include_stop_str_in_output:
+                    detokenizer.append(token_id)
+                detokenizer.flush()
+            return True
+        if detokenizer is not None:
+            detokenizer.append(token_id)
+            if params.stop and seq.num_completion_tokens > params.min_tokens:
+                stop_string = self._stop_string(detokenizer, params.stop, params.include_stop_str_in_output)
+                if stop_string is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_string
+                    return True
+        if seq.reached_length:
+            seq.finish_reason = "length"
+            if detokenizer is not None:
+                detokenizer.flush()
+            return True
+        return False
+
+    @staticmethod
+    def _stop_string(detokenizer, stops: list[str], include: bool) -> str | None:
+        """The stop string that ends within the newly released text, if any; the text is cut before it (after it,
+        if included)."""
+        num_new_chars = detokenizer.release()
+        if not num_new_chars:
+            return None
+        text = detokenizer.text
+        for stop in stops:
+            # The match must end within the new characters; it may start in the text before.
+            index = text.find(stop, max(0, len(text) - num_new_chars - len(stop) + 1))
+            if index != -1:
+                detokenizer.truncate(index + (len(stop) if include else 0))
+                return stop
+        return None
