@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from .config import Config
-from .engine.llm_engine import LLMEngine, Prompt
+from .engine.intake import Prompt
+from .engine.llm_engine import LLMEngine
 from .outputs import CompletionDelta, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -47,14 +50,13 @@ class LLM:
 def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
               ) -> tuple[list[Prompt], list[SamplingParams]]:
     """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length. A
-    prompt is a string, a list of token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                            and isinstance(prompts[0], int)):
+    prompt is a string, a list of token ids (numpy integers too), or vLLM's {"prompt": str} /
+    {"prompt_token_ids": [...]}; the engine checks each."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
         prompts = [prompts]
     if not isinstance(prompts, (list, tuple)):
         raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
                         f"or a list of those; got {type(prompts).__name__}")
-    prompts = [_prompt(prompt) for prompt in prompts]
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
@@ -68,16 +70,12 @@ def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | 
     return list(prompts), list(sampling_params)
 
 
-def _prompt(prompt):
-    """vLLM's prompt dicts as the engine's prompt forms; strings and token-id lists as they are."""
-    if not isinstance(prompt, dict):
-        return prompt
-    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-        return prompt["prompt"]
-    if set(prompt) == {"prompt_token_ids"}:
-        return list(prompt["prompt_token_ids"])
-    raise ValueError(f"a prompt dict takes exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of ids); "
-                     f"got keys {sorted(prompt)}")
+def _is_token_ids(prompts) -> bool:
+    """Whether prompts is one prompt of token ids rather than a list of prompts."""
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim == 1
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and \
+        isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool)
 
 
 def _text_message(message: dict) -> dict:

@@ -179,3 +179,40 @@ def test_chunking_preemption_and_prefix_caching_together_keep_outputs_exact():
         assert out.outputs[0].token_ids == reference_completion(prompt, p.max_tokens)
     assert any(out.num_cached_tokens for out in outputs)
     assert engine.scheduler.block_manager.num_free_blocks == 12
+
+
+def test_a_failure_in_sampling_ends_only_the_request_it_belongs_to():
+    """The sampler raises whenever one request's rows are among those it samples: that request ends ("abort", its
+    error on the output), and the requests sampled beside it, greedy and seeded, give exactly their tokens of a run
+    without it; no block is lost."""
+    def run(with_failure: bool):
+        engine = fake_engine(peak=1.0)
+        blocks = free_blocks(engine)
+        greedy = engine.add_request([3, 1, 4], SamplingParams(temperature=0, max_tokens=10))
+        seeded = engine.add_request([2, 7], SamplingParams(temperature=1.0, seed=11, max_tokens=10))
+        engine.step()
+        doomed = None
+        if with_failure:
+            doomed = engine.add_request([5, 5, 5], SamplingParams(temperature=1.0, max_tokens=10))
+            sample = engine.runner.sample
+
+            def failing_sample(rows, seqs):
+                if any(seq.request_id == doomed for seq in seqs):
+                    raise RuntimeError("sampler fault")
+                return sample(rows, seqs)
+
+            engine.runner.sample = failing_sample
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update((out.request_id, out) for out in engine.step())
+        assert free_blocks(engine) == blocks
+        return outputs, greedy, seeded, doomed
+
+    clean, greedy, seeded, _ = run(False)
+    faulty, greedy_f, seeded_f, doomed = run(True)
+    for ours, theirs in ((greedy, greedy_f), (seeded, seeded_f)):
+        assert faulty[theirs].outputs[0].token_ids == clean[ours].outputs[0].token_ids
+        assert faulty[theirs].error is None and faulty[theirs].outputs[0].finish_reason == "length"
+    failed = faulty[doomed]
+    assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
+    assert failed.error == "RuntimeError: sampler fault"

@@ -25,30 +25,50 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                 raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
 
-        def get(*names: str) -> torch.Tensor:
-            missing = [n for n in names if n not in file_of]
+        def get(*parts: tuple[str, tuple[int, ...]]) -> torch.Tensor:
+            """The named tensors, each checked against the shape config.json gives it, concatenated."""
+            missing = [name for name, _ in parts if name not in file_of]
             if missing:
                 raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
-            parts = [file_of[n].get_tensor(n) for n in names]
-            return torch.cat(parts).to(device=device, dtype=dtype)
+            tensors = []
+            for name, shape in parts:
+                tensor = file_of[name].get_tensor(name)
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"tensor {name} in {str(path)!r} has shape {list(tensor.shape)}, but config.json "
+                                     f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
+                                     f"config.json disagree; fix config.json or use the weights it was saved with")
+                tensors.append(tensor)
+            return torch.cat(tensors).to(device=device, dtype=dtype)
 
-        weights = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
-        weights["lm_head"] = weights["embed_tokens"] if model_config.tie_word_embeddings else get("lm_head.weight")
-        for i in range(model_config.num_layers):
+        mc = model_config
+        hidden, head_dim, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
+        q_rows, kv_rows = mc.num_heads * head_dim, mc.num_kv_heads * head_dim
+        weights = {"embed_tokens": get(("model.embed_tokens.weight", (mc.vocab_size, hidden))),
+                   "norm": get(("model.norm.weight", (hidden,)))}
+        weights["lm_head"] = weights["embed_tokens"] if mc.tie_word_embeddings else \
+            get(("lm_head.weight", (mc.vocab_size, hidden)))
+        for i in range(mc.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             attn = hf + "self_attn."
-            weights[ours + "input_layernorm"] = get(hf + "input_layernorm.weight")
-            weights[ours + "qkv_proj"] = get(*(attn + p + "_proj.weight" for p in "qkv"))
-            if model_config.qkv_bias:
-                weights[ours + "qkv_bias"] = get(*(attn + p + "_proj.bias" for p in "qkv"))
-            if model_config.qk_norm:
-                weights[ours + "q_norm"] = get(attn + "q_norm.weight")
-                weights[ours + "k_norm"] = get(attn + "k_norm.weight")
-            weights[ours + "o_proj"] = get(attn + "o_proj.weight")
-            weights[ours + "post_attention_layernorm"] = get(hf + "post_attention_layernorm.weight")
-            weights[ours + "gate_up_proj"] = get(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
-            weights[ours + "down_proj"] = get(hf + "mlp.down_proj.weight")
+            rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
+            weights[ours + "input_layernorm"] = get((hf + "input_layernorm.weight", (hidden,)))
+            weights[ours + "qkv_proj"] = get(*((attn + p + "_proj.weight", (rows[p], hidden)) for p in "qkv"))
+            if mc.qkv_bias:
+                weights[ours + "qkv_bias"] = get(*((attn + p + "_proj.bias", (rows[p],)) for p in "qkv"))
+            if mc.qk_norm:
+                weights[ours + "q_norm"] = get((attn + "q_norm.weight", (head_dim,)))
+                weights[ours + "k_norm"] = get((attn + "k_norm.weight", (head_dim,)))
+            weights[ours + "o_proj"] = get((attn + "o_proj.weight", (hidden, q_rows)))
+            weights[ours + "post_attention_layernorm"] = get((hf + "post_attention_layernorm.weight", (hidden,)))
+            weights[ours + "gate_up_proj"] = get((hf + "mlp.gate_proj.weight", (inter, hidden)),
+                                                 (hf + "mlp.up_proj.weight", (inter, hidden)))
+            weights[ours + "down_proj"] = get((hf + "mlp.down_proj.weight", (hidden, inter)))
     return weights
+
+
+def _shape_fields(mc: ModelConfig) -> str:
+    return (f"vocab_size {mc.vocab_size}, hidden_size {mc.hidden_size}, num_attention_heads {mc.num_heads}, "
+            f"num_key_value_heads {mc.num_kv_heads}, head_dim {mc.head_dim}, intermediate_size {mc.intermediate_size}")
 
 
 def weight_files(path: Path) -> list[Path]:

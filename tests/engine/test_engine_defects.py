@@ -1,0 +1,430 @@
+"""Regression tests for engine defects, on a tiny random Qwen3 model (CPU): a bad request must not corrupt the
+others, concurrent generate() calls, repetition_penalty's range, results of requests queued with add_request,
+field types of SamplingParams, prompt types, limits on n and logprobs, streams left open, and errors raised at the
+boundary (construction or the generate call) naming what is wrong."""
+import gc
+import json
+import math
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from nanograph import LLM, SamplingParams
+
+from .test_api_inputs import save_word_tokenizer
+from .tiny_models import make_tiny_model
+
+VOCAB_SIZE = 256  # tiny_models' vocabulary
+PROMPT = [5, 17, 33, 2, 5, 17]
+OTHER_PROMPTS = ([7, 7, 1], [100, 3, 4, 5, 6], [9], [44, 45, 46, 47])
+
+
+def free_kv_blocks(llm) -> tuple[int, int]:
+    """(free, total) KV blocks of llm's engine. A block whose contents stay in the prefix cache but that no sequence
+    references is free: the block manager keeps it in its free list until it is handed out again."""
+    block_manager = llm.engine.scheduler.block_manager
+    return block_manager.num_free_blocks, len(block_manager.blocks)
+
+
+def step_outputs(engine) -> list:
+    """The RequestOutputs that one engine.step() finished, whether step() returns them alone or with its batch."""
+    result = engine.step()
+    if isinstance(result, tuple):
+        result = result[0]
+    return list(result)
+
+
+def step_until(engine, request_ids, max_steps: int = 300) -> dict:
+    """Step the engine until every one of request_ids has come back finished (or max_steps): {request_id: output}."""
+    found = {}
+    for _ in range(max_steps):
+        for output in step_outputs(engine):
+            found[output.request_id] = output
+        if all(request_id in found for request_id in request_ids):
+            break
+    return found
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def problem(errors, pattern: str, fn) -> str | None:
+    """None when fn() raises one of errors with a message matching pattern; else what it did instead."""
+    try:
+        fn()
+    except errors as exc:
+        if re.search(pattern, str(exc)):
+            return None
+        return f"{type(exc).__name__}({str(exc)[:160]!r}) does not match {pattern!r}"
+    except Exception as exc:  # noqa: BLE001 - reported, with its type
+        return f"{type(exc).__name__}({str(exc)[:160]!r}) instead of {errors}"
+    return "no error"
+
+
+def assert_no_problems(problems: dict):
+    """problems: {case: what went wrong, or None}; fails listing every case that went wrong."""
+    wrong = {case: found for case, found in problems.items() if found}
+    assert not wrong, "\n".join(f"{case}: {found}" for case, found in wrong.items())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-tied-defects")
+    make_tiny_model(path, "qwen3-tied")
+    return path
+
+
+def new_llm(folder, **kwargs) -> LLM:
+    return LLM(str(folder), **{"device": "cpu", "max_model_len": 64, "num_kv_blocks": 32, "block_size": 16, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    """Shared by the tests that only check validation (nothing is left running)."""
+    return new_llm(folder)
+
+
+def edited_model(tmp_path, **config_changes):
+    """A tiny model folder whose config.json was edited after saving."""
+    make_tiny_model(tmp_path, "qwen3-tied")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(config_changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+# 1. A sampling error must not corrupt the other running requests.
+
+def _survivor_after_a_refused_request(folder, refuse):
+    """Queue a greedy request, step once, let refuse(llm) raise, then run the survivor and another request to the
+    end: both must equal clean runs on a fresh LLM."""
+    clean = new_llm(folder)
+    expected = token_ids(clean.generate([PROMPT], greedy(24), use_tqdm=False))[0]
+    expected_other = token_ids(new_llm(folder).generate([OTHER_PROMPTS[0]], greedy(6), use_tqdm=False))[0]
+    llm = new_llm(folder)
+    engine = llm.engine
+    survivor = engine.add_request(PROMPT, greedy(24))
+    engine.step()
+    refuse(llm)
+    other = engine.add_request(OTHER_PROMPTS[0], greedy(6))
+    outputs = step_until(engine, [survivor, other])
+    assert survivor in outputs, "the surviving request never finished"
+    assert outputs[survivor].finished and outputs[survivor].outputs[0].token_ids == expected
+    assert other in outputs and outputs[other].outputs[0].token_ids == expected_other
+    assert not engine.has_unfinished() and free_kv_blocks(llm)[0] == free_kv_blocks(llm)[1]
+
+
+def test_a_sampling_error_leaves_other_running_requests_intact(folder):
+    def refuse(llm):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            llm.generate([[1, 2, 3]], SamplingParams(top_k=5, repetition_penalty=1e-300), use_tqdm=False)
+
+    _survivor_after_a_refused_request(folder, refuse)
+
+
+def test_params_made_invalid_after_construction_are_refused_and_leave_other_requests_intact(folder):
+    def refuse(llm):
+        params = SamplingParams(top_k=5)
+        params.repetition_penalty = 1e-300
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            llm.generate([[1, 2, 3]], params, use_tqdm=False)
+
+    _survivor_after_a_refused_request(folder, refuse)
+
+
+# 2. generate() from two threads on one LLM.
+
+def test_concurrent_generate_calls_from_two_threads_match_sequential_runs(folder):
+    prompts = [PROMPT, *OTHER_PROMPTS]
+    calls = {k: [prompts[(k + i) % 5:(k + i) % 5 + 3] for i in range(3)] for k in range(2)}
+    reference = new_llm(folder)
+    expected = {k: [token_ids(reference.generate(p, greedy(8), use_tqdm=False)) for p in calls[k]] for k in calls}
+
+    llm = new_llm(folder)
+    results = {k: [] for k in calls}
+    errors = []
+    start = threading.Barrier(2, timeout=30)
+
+    def work(k):
+        try:
+            start.wait()
+            for p in calls[k]:
+                results[k].append(token_ids(llm.generate(p, greedy(8), use_tqdm=False)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in calls]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if any(thread.is_alive() for thread in threads):
+        llm.engine.has_unfinished = lambda: False  # let a runaway generate() loop end
+        pytest.fail("a generate() thread did not finish within 60 s")
+    if errors:
+        raise errors[0]
+    assert results == expected
+
+
+# 3. repetition_penalty's range is [1e-6, 1e6].
+
+def test_repetition_penalty_outside_its_range_is_refused():
+    problems = {value: problem(ValueError, "repetition_penalty", lambda: SamplingParams(repetition_penalty=value))
+                for value in (1e-39, 1e-300, 0.0, -1, math.inf, math.nan, 1e-7, 1e7)}
+    assert_no_problems(problems)
+    SamplingParams(repetition_penalty=1e-6)
+    SamplingParams(repetition_penalty=1e6)
+
+
+def test_extreme_accepted_repetition_penalties_emit_in_vocabulary_tokens(folder):
+    llm = new_llm(folder)
+    prompt = [5, 5, 17, 5, 33, 17, 2, 5]
+    for penalty in (1e-6, 1e6):
+        params = [SamplingParams(temperature=0, repetition_penalty=penalty, max_tokens=8, ignore_eos=True)]
+        params += [SamplingParams(temperature=1.0, repetition_penalty=penalty, max_tokens=8, ignore_eos=True,
+                                  seed=seed) for seed in range(4)]
+        outputs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+        for ids in token_ids(outputs):
+            assert len(ids) == 8 and all(0 <= t < VOCAB_SIZE for t in ids), (penalty, ids)
+
+
+# 4. generate() must not swallow the results of requests queued before with add_request.
+
+def test_generate_keeps_the_results_of_requests_queued_with_add_request(folder):
+    expected = token_ids(new_llm(folder).generate([PROMPT], greedy(24), use_tqdm=False))[0]
+    expected_own = token_ids(new_llm(folder).generate([OTHER_PROMPTS[0]], greedy(6), use_tqdm=False))[0]
+    llm = new_llm(folder)
+    engine = llm.engine
+    queued = engine.add_request(PROMPT, greedy(24))
+    outputs = llm.generate([OTHER_PROMPTS[0]], greedy(6), use_tqdm=False)
+    assert len(outputs) == 1 and outputs[0].request_id != queued
+    assert outputs[0].outputs[0].token_ids == expected_own
+    found = step_until(engine, [queued], max_steps=100)
+    assert queued in found, "step() never returned the request queued before generate()"
+    output = found[queued]
+    assert output.finished and output.outputs[0].token_ids == expected and len(expected) == 24
+
+
+# 5. max_tokens and the numeric fields' types.
+
+def test_max_tokens_zero_set_after_construction_is_refused(folder):
+    llm = new_llm(folder)
+    params = SamplingParams(max_tokens=4)
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[5, 7]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+INT_FIELD_CASES = [("max_tokens", 2.5), ("max_tokens", math.nan), ("max_tokens", True), ("n", 2.0), ("top_k", 1.5),
+                   ("min_tokens", 1.0), ("logprobs", 1.5), ("seed", 1.5)]
+FLOAT_FIELDS = {"temperature": 1, "top_p": 1, "min_p": 1, "presence_penalty": 1, "frequency_penalty": 1,
+                "repetition_penalty": 2}  # each with an int value it accepts
+
+
+def test_integer_fields_refuse_floats_bools_and_nan():
+    problems = {f"{name}={value!r}": problem((TypeError, ValueError), rf"\b{name}\b",
+                                             lambda: SamplingParams(**{name: value}))
+                for name, value in INT_FIELD_CASES}
+    assert_no_problems(problems)
+
+
+def test_float_fields_take_ints_but_refuse_bools_and_nan():
+    for name, value in FLOAT_FIELDS.items():
+        SamplingParams(**{name: value})
+    problems = {f"{name}={value!r}": problem((TypeError, ValueError), rf"\b{name}\b",
+                                             lambda: SamplingParams(**{name: value}))
+                for name in FLOAT_FIELDS for value in (True, math.nan)}
+    assert_no_problems(problems)
+
+
+def test_fields_set_after_construction_are_checked_by_generate(folder):
+    cases = [*INT_FIELD_CASES, *((name, value) for name in FLOAT_FIELDS for value in (True, math.nan))]
+    problems = {}
+    for name, value in cases:
+        llm = new_llm(folder)  # a case that slips through may leave the engine in any state
+        params = SamplingParams(max_tokens=4)
+        setattr(params, name, value)
+        found = problem((TypeError, ValueError), rf"\b{name}\b",
+                        lambda: llm.generate([[5, 7]], params, use_tqdm=False))
+        problems[f"{name}={value!r}"] = found
+    assert_no_problems(problems)
+
+
+# 6. Prompts of the wrong type.
+
+def test_non_prompt_types_are_refused_naming_their_type(llm):
+    cases = [([b"hello"], r"\bbytes\b"), (bytearray(b"hi"), r"\bbytearray\b"), (range(5), r"\brange\b"),
+             (b"hi", r"\bbytes\b"), ([[1.5, 2.0]], r"\bfloat"), ([None], r"None"), (None, r"None"),
+             (3.5, r"\bfloat")]
+    problems = {repr(prompts): problem(TypeError, pattern, lambda: llm.generate(prompts, greedy(4), use_tqdm=False))
+                for prompts, pattern in cases}
+    assert_no_problems(problems)
+    assert not llm.engine.has_unfinished()
+
+
+def test_numpy_integer_token_ids_are_accepted(llm):
+    [expected] = token_ids(llm.generate([[5, 7]], greedy(4), use_tqdm=False))
+    cases = {"[[np.int64, np.int64]]": [[np.int64(5), np.int64(7)]],
+             "[np.int64, np.int64]": [np.int64(5), np.int64(7)],
+             "1-D np.int32 array": np.array([5, 7], dtype=np.int32),
+             "[1-D np.int32 array]": [np.array([5, 7], dtype=np.int32)]}
+    results = {}
+    for name, prompts in cases.items():
+        try:
+            results[name] = token_ids(llm.generate(prompts, greedy(4), use_tqdm=False))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results[name] = f"{type(exc).__name__}: {exc}"
+    assert results == {name: [expected] for name in cases}
+
+
+# 7. Limits on n and logprobs; aborting many completions.
+
+def test_n_is_capped_at_128():
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as exc_info:
+        SamplingParams(n=10 ** 6)
+    assert time.perf_counter() - start < 1.0
+    assert re.search(r"\bn\b", str(exc_info.value)) and "128" in str(exc_info.value)
+    with pytest.raises(ValueError, match="128"):
+        SamplingParams(n=129)
+    SamplingParams(n=128)
+
+
+def test_logprobs_are_capped_by_max_logprobs(folder, llm):
+    with pytest.raises(ValueError) as exc_info:
+        llm.generate([[5, 7]], SamplingParams(logprobs=21, max_tokens=2), use_tqdm=False)
+    assert "max_logprobs" in str(exc_info.value) and re.search(r"\b20\b", str(exc_info.value))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        llm.generate([[5, 7]], SamplingParams(logprobs=-1, max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+    [out] = llm.generate([[5, 7]], SamplingParams(logprobs=20, max_tokens=2, seed=0), use_tqdm=False)
+    assert all(len(logprobs) in (20, 21) for logprobs in out.outputs[0].logprobs)
+
+    wider = new_llm(folder, max_logprobs=30)
+    [out] = wider.generate([[5, 7]], SamplingParams(logprobs=21, max_tokens=3, seed=0), use_tqdm=False)
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 3
+    assert all(token in logprobs and len(logprobs) in (21, 22)
+               for token, logprobs in zip(completion.token_ids, completion.logprobs))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        wider.generate([[5, 7]], SamplingParams(logprobs=-1, max_tokens=2), use_tqdm=False)
+
+    unlimited = new_llm(folder, max_logprobs=-1)
+    [out] = unlimited.generate([[5, 7]], SamplingParams(logprobs=-1, max_tokens=2, seed=0), use_tqdm=False)
+    assert [len(logprobs) for logprobs in out.outputs[0].logprobs] == [VOCAB_SIZE] * 2
+
+
+def test_aborting_many_n128_requests_is_fast_and_frees_every_block(folder):
+    llm = new_llm(folder, num_kv_blocks=512)
+    engine = llm.engine
+    params = SamplingParams(n=128, temperature=1.0, max_tokens=4)
+    request_ids = [engine.add_request([5, 7, 1 + i], params) for i in range(21)]
+    for _ in range(3):  # prefill; the first tokens are read and the siblings queued; the siblings run
+        engine.step()
+    start = time.perf_counter()
+    for request_id in reversed(request_ids):
+        engine.abort_request(request_id)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"aborting 21 x 128 completions took {elapsed:.2f} s"
+    assert not engine.has_unfinished()
+    free, total = free_kv_blocks(llm)
+    assert free == total
+
+
+# 8. A stream left open, or dropped.
+
+def test_generate_aborts_an_open_stream_that_holds_the_engine(folder):
+    params = greedy(32)
+    p1, p2, p3 = [5, 7, 9], [11, 13, 200, 3, 4], [17, 19]
+    expected = token_ids(new_llm(folder).generate([p3], params, use_tqdm=False))
+    llm = new_llm(folder)
+    stream = llm.stream([p1, p2], params)
+    deltas = [next(stream)]
+    out = llm.generate([p3], params, use_tqdm=False)
+    assert token_ids(out) == expected
+    assert not llm.engine.has_unfinished()
+    free, total = free_kv_blocks(llm)
+    assert free == total
+    deltas += list(stream)  # still referenced: iterating it to its end raises nothing
+    last = {}
+    for delta in deltas:
+        last[delta.request_id, delta.index] = delta
+    assert len(last) == 2
+    assert {key: (delta.finished, delta.finish_reason) for key, delta in last.items()} == \
+        {key: (True, "abort") for key in last}
+
+
+def test_a_dropped_stream_leaves_no_request_and_frees_its_blocks(folder):
+    llm = new_llm(folder)
+    stream = llm.stream([[5, 7, 9], [11, 13]], greedy(32))
+    next(stream)
+    del stream
+    gc.collect()
+    assert not llm.engine.has_unfinished()
+    free, total = free_kv_blocks(llm)
+    assert free == total
+
+
+# 9. Errors at the boundary, naming the field or value.
+
+def test_float_and_none_token_prompts_raise_type_errors_naming_the_prompt(llm):
+    problems = {repr(prompts): problem(TypeError, rf"(?i)prompt(.|\n)*{pattern}|{pattern}(.|\n)*prompt",
+                                       lambda: llm.generate(prompts, greedy(4), use_tqdm=False))
+                for prompts, pattern in (([[1.0, 2.0]], r"float|1\.0"), ([None], r"None"))}
+    assert_no_problems(problems)
+
+
+def test_a_surrogate_string_prompt_raises_a_value_error(tmp_path):
+    make_tiny_model(tmp_path, "qwen3-tied")
+    save_word_tokenizer(tmp_path, eos_token="<end>")
+    llm = new_llm(tmp_path)
+    with pytest.raises(ValueError, match=r"(?i)utf-?8|surrogate"):
+        llm.generate("\ud800abc", greedy(4), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_stop_and_stop_token_ids_of_the_wrong_type_are_named():
+    problems = {"stop=123": problem((TypeError, ValueError), r"\bstop\b", lambda: SamplingParams(stop=123)),
+                "stop_token_ids=5": problem((TypeError, ValueError), r"\bstop_token_ids\b",
+                                            lambda: SamplingParams(stop_token_ids=5))}
+    assert_no_problems(problems)
+
+
+def test_a_float_max_model_len_is_refused_by_name(folder):
+    with pytest.raises((TypeError, ValueError), match="max_model_len"):
+        LLM(str(folder), max_model_len=4.5, device="cpu")
+
+
+def test_an_empty_model_name_is_refused(monkeypatch, tmp_path):
+    from nanograph import default_model
+
+    def no_default_model():
+        raise RuntimeError("model='' went on to load the default model")
+
+    monkeypatch.setenv("NANOGRAPH_CACHE", str(tmp_path))  # no converted default model there
+    monkeypatch.setattr(default_model, "smollm2_gguf_path", no_default_model)
+    with pytest.raises(ValueError):
+        LLM(model="", device="cpu", max_model_len=64, num_kv_blocks=4)
+
+
+def test_a_head_count_that_disagrees_with_the_weights_fails_at_construction(tmp_path):
+    folder = edited_model(tmp_path, num_attention_heads=8)  # the saved q_proj has 4 heads of 32: [128, 64]
+    with pytest.raises(ValueError) as exc_info:
+        LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=8)
+    message = str(exc_info.value)
+    assert "proj" in message and "256" in message and ("128" in message or "384" in message), message
+
+
+def test_a_vocab_size_larger_than_the_embedding_fails_at_construction(tmp_path):
+    folder = edited_model(tmp_path, vocab_size=300)  # the saved embedding has 256 rows
+    with pytest.raises(ValueError, match=r"(?i)vocab|embed"):
+        LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=8)
