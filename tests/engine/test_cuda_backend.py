@@ -3,8 +3,10 @@ import numpy as np
 import pytest
 import torch
 
+from nanograph import SamplingParams
 from nanograph.config import Config
 from nanograph.engine.batch import ForwardBatch
+from nanograph.engine.sequence import Sequence
 from nanograph.model_config import ModelConfig
 
 from ..hf_models import make_random_model
@@ -139,9 +141,14 @@ def test_greedy_generation_matches_hf(model_pair):
                 break
 
 
-def test_run_greedy_takes_the_argmax_within_the_step(model_pair):
-    """run_greedy leaves each sequence's argmax of the step's own logits in sampled_tokens (row i: sequence i) and
-    in the pinned host slot its pending sample reads: for a prefill (eager) and for decode steps replayed from a
+def greedy_seqs(n: int) -> list[Sequence]:
+    """n sequences of plain greedy parameters: a runner takes their batch's argmax within the step."""
+    return [Sequence(str(i), None, [1], SamplingParams(temperature=0)) for i in range(n)]
+
+
+def test_a_greedy_step_takes_the_argmax_within_the_step(model_pair):
+    """A greedy step leaves each sequence's argmax of the step's own logits in sampled_tokens (row i: sequence i)
+    and in the pinned host slot its pending tokens read: for a prefill (eager) and for decode steps replayed from a
     graph with a padding row (3 sequences in the bucket of 4). The greedy graph's logits are bit-identical to the
     plain graph's for the same step."""
     name, hf, runner = model_pair
@@ -155,8 +162,8 @@ def test_run_greedy_takes_the_argmax_within_the_step(model_pair):
     for step in range(6):
         runner.sampled_tokens.fill_(-7)
         torch.cuda.synchronize()  # the core's stream is not ordered after torch's here
-        greedy = runner.run_greedy(batch)
-        got = greedy.rows([2, 0, 1]).result().token_ids  # any subset and order of the batch's rows
+        runner.forward(batch, greedy_seqs(3))
+        got = runner.sample([2, 0, 1], greedy_seqs(3)).result().token_ids  # any subset and order of the rows
         torch.cuda.current_stream().wait_stream(runner.stream)
         logits = runner.logits[:3].clone()
         want = logits.float().argmax(-1)
@@ -187,12 +194,12 @@ def test_host_waits_for_the_graph_to_stage_its_metadata(model_pair):
     with torch.cuda.stream(side):
         torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU clock cycles
     runner.stream.wait_event(side.record_event())
-    greedy = runner.run_greedy(decode)  # queued behind the sleep: its staging kernel has not run
+    runner.forward(decode, greedy_seqs(1))  # queued behind the sleep: its staging kernel has not run
     start = time.perf_counter()
     views = runner.model.step_views(1, 1)
     waited = time.perf_counter() - start
     for field in ("positions", "context_lens", "block_tables", "input_ids"):
         views[field][:] = 0
-    got = greedy.rows([0]).result().token_ids
+    got = runner.sample([0], greedy_seqs(1)).result().token_ids
     assert waited > 0.05, f"{name}: step_views returned after {waited:.3f} s, before the graph staged its metadata"
     assert got == want, f"{name}: the step read metadata written after its launch"

@@ -56,20 +56,20 @@ def test_graphs_change_nothing(qwen3_folder):
 
 
 def generate_counting_core_greedy(folder, prompts, params, core_greedy: bool, enforce_eager: bool = False):
-    """Outputs of one generate call, and how many steps the core's in-step argmax (run_greedy) took."""
+    """Outputs of one generate call, and how many steps took the core's in-step argmax."""
     llm = LLM(folder, device="cuda", max_num_seqs=8, max_model_len=512, num_kv_blocks=1024,
               enforce_eager=enforce_eager)
     try:
-        engine = llm.engine
-        engine._core_greedy = core_greedy
+        runner = llm.engine.runner
+        runner.in_step_argmax = core_greedy
         calls = [0]
-        run_greedy = engine.runner.run_greedy
+        queue_step = runner.queue_step
 
-        def counted(batch):
-            calls[0] += 1
-            return run_greedy(batch)
+        def counted(batch, greedy):
+            calls[0] += greedy
+            return queue_step(batch, greedy)
 
-        engine.runner.run_greedy = counted
+        runner.queue_step = counted
         return llm.generate(prompts, params, use_tqdm=False), calls[0]
     finally:
         del llm

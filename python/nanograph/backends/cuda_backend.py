@@ -69,6 +69,7 @@ class CudaRunner(Runner):
         self.sampled_tokens = torch.as_tensor(
             _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed)
+        self.in_step_argmax = True
         self._greedy, self._num_seqs, self._slot = False, 0, -1  # the last forward's
         self._torch_stream_used = True  # since the last step: whether torch's stream may have written its inputs
         self.use_graphs = False  # until they are captured
@@ -122,15 +123,15 @@ class CudaRunner(Runner):
 
     def forward(self, batch, seqs: list):
         """Queues the step on the core's stream. An all-greedy batch without penalties, masks or logprobs takes its
-        argmax inside the step (inside the decode graph): the ids land where the next step reads them
-        (sampled_tokens[i] for sequence i of the batch) and in pinned host memory, and torch's stream is left
-        alone. Otherwise torch's stream is ordered after the step, for the sampler to read the logits."""
-        self._greedy = self.sampler.plain_greedy(seqs, self.model_config.vocab_size)
+        argmax inside the step (inside the decode graph; in_step_argmax=False sends it to the sampler): the ids
+        land where the next step reads them (sampled_tokens[i] for sequence i of the batch) and in pinned host
+        memory, and torch's stream is left alone. Otherwise the sampler reads the logits on torch's stream."""
+        self._greedy = self.in_step_argmax and self.sampler.plain_greedy(seqs, self.model_config.vocab_size)
         self._num_seqs = batch.num_seqs
-        self._slot = self.queue_step(batch, self._greedy)
-        if not self._greedy:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._torch_stream_used = True  # the sampler runs there; the next step waits for it
+        if self._greedy:
+            self._slot = self.queue_step(batch, greedy=True)
+        else:
+            self.run(batch)
 
     def sample(self, rows: list[int], seqs: list) -> PendingTokens:
         if self._greedy:  # taken within the step: sequence i's token is at sampled_tokens[i]
@@ -139,6 +140,14 @@ class CudaRunner(Runner):
         pending = self.sampler.sample(logits if len(rows) == self._num_seqs else logits[rows], seqs)
         self.sampled_tokens[:len(rows)].copy_(pending.token_ids)  # where the next step's input_src points
         return PendingTokens(pending, range(len(rows)))
+
+    def run(self, batch) -> torch.Tensor:
+        """Queues the batch's step; its logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid
+        until the next step is queued, with torch's stream ordered after the step."""
+        self.queue_step(batch, greedy=False)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._torch_stream_used = True  # whoever reads the logits works there; the next step waits for it
+        return self.logits[:batch.num_seqs]
 
     def queue_step(self, batch, greedy: bool) -> int:
         """Queues the batch's step on the core's stream (a decode graph when one is captured for it); the host
