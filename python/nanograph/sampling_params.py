@@ -4,8 +4,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 MIN_TEMPERATURE = 1e-2  # lower positive temperatures are raised to this (vLLM's _MAX_TEMP): logits / T overflows
 
 
@@ -42,13 +40,6 @@ class SamplingParams:
         self.verify()
         if self.temperature == 0:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-
-    def numeric_row(self) -> np.ndarray:
-        """float64 [9]: temperature, top_k, top_p, min_p, presence, frequency and repetition penalties, min_tokens,
-        logprobs (-2: none), the sampler's per-row table (SamplingPlan)."""
-        return np.array([self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
-                         self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                         -2 if self.logprobs is None else self.logprobs], np.float64)
 
     def verify(self):
         """Raise ValueError on an invalid field; also called by the engine, as fields may change after construction."""
@@ -96,7 +87,3 @@ class SamplingParams:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0

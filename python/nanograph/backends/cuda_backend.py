@@ -17,7 +17,7 @@ import torch
 from .._core import require_core
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
-from ..sampler import PendingSample, SamplerOutput
+from ..sampling import PendingSample, SamplerOutput
 
 
 def warm_up_lengths(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..sampler import PendingSample, Sampler, TokenLogprobs
+from ..sampling import PendingSample, Sampler, TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager
@@ -123,9 +123,7 @@ class LLMEngine:
             if greedy is not None:  # the core left sequence i's token at sampled_tokens[i]
                 pending, sample_rows = greedy.rows(rows), rows
             else:
-                buffer = getattr(self.runner, "sampled_tokens", None)  # the core's: an all-greedy argmax writes there
-                pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs,
-                                              token_out=None if buffer is None else buffer[:len(rows)])
+                pending = self.sampler.sample(logits if len(rows) == len(batch.seqs) else logits[rows], seqs)
                 self.runner.publish_sampled(pending.token_ids)
                 sample_rows = range(len(rows))
             for row, seq in zip(sample_rows, seqs):
