@@ -33,8 +33,11 @@ class BatchRows:
         self.top_ks = top_ks
         self.top_ps = table["top_p"][sampled].astype(np.float32)
         self.min_ps = table["min_p"][sampled].astype(np.float32)
-        self.penalised = np.flatnonzero((table["presence_penalty"] != 0) | (table["frequency_penalty"] != 0)
-                                        | (table["repetition_penalty"] != 1)).tolist()
+        row_penalties = np.stack([table["presence_penalty"], table["frequency_penalty"], table["repetition_penalty"]],
+                                 axis=1)
+        self.penalised = np.flatnonzero((row_penalties != (0, 0, 1)).any(axis=1)).tolist()
+        # float32 [penalised, 3]: presence, frequency, repetition
+        self.penalties = row_penalties[self.penalised].astype(np.float32)
         self.with_min_tokens = np.flatnonzero(table["min_tokens"] > 0).tolist()
         logprobs = table["logprobs"]
         self.logprob_rows = np.flatnonzero(logprobs != NO_LOGPROBS).tolist()
@@ -67,12 +70,9 @@ class Penalties(NamedTuple):
 
 
 def penalties(seqs: list[SampledSequence], batch: BatchRows, seen: SeenTokens) -> Penalties:
-    row_seen = [seen(seqs[i]) for i in batch.penalised]
-    rows = [i for i, (token_ids, _) in zip(batch.penalised, row_seen) if len(token_ids)]
-    row_seen = [one_row for one_row in row_seen if len(one_row[0])]
-    table = batch.table[rows]
-    values = np.stack([table["presence_penalty"], table["frequency_penalty"], table["repetition_penalty"]], axis=1)
-    return Penalties(rows, row_seen, values.astype(np.float32))
+    row_seen = [seen(seqs[row]) for row in batch.penalised]
+    kept = [i for i, (token_ids, _) in enumerate(row_seen) if len(token_ids)]
+    return Penalties([batch.penalised[i] for i in kept], [row_seen[i] for i in kept], batch.penalties[kept])
 
 
 class Masks(NamedTuple):
