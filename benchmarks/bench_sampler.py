@@ -8,7 +8,7 @@ seeds, logprobs.
 
 A figure is the median wall time (with its 10th-90th percentile range, over 200 calls) of whole sampler calls, host
 work and the final copy of the token ids included, as the engine pays it. Target on an H200: mixed <= 1 ms. --host then splits the host's part of each
-batch on the core's path into stages, each a median: plan (the SamplingPlan), upload (packing the parameters and
+batch on the core's path into stages, each a median: plan (the KernelPlan), upload (packing the parameters and
 queueing their copy), launch (the kernels' binding and the results' copy back) and result (reading the results,
 timed once the device is done, so without the wait). --profile runs the mixed batch under torch.profiler and prints
 where the time goes, by operator."""
@@ -20,7 +20,8 @@ import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import Sequence
-from nanograph.sampler import Sampler
+from nanograph.sampling import Sampler
+from nanograph.sampling.kernel_path import KernelPath
 
 PROMPT_LEN = 512
 OUTPUT_LEN = 128
@@ -64,17 +65,17 @@ def time_ms(fn, warmup: int = 10, repeats: int = 200) -> tuple[float, float, flo
     return statistics.median(samples), deciles[0], deciles[-1]
 
 
-def host_stages_ms(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], warmup: int = 5,
+def host_stages_ms(path: KernelPath, logits: torch.Tensor, seqs: list[Sequence], warmup: int = 5,
                    repeats: int = 50) -> dict[str, float]:
-    """The median host time of each stage of the core's path (the module's docstring), in the sampler's order."""
+    """The median host time of each stage of the core's path (the module's docstring), in the path's order."""
     samples = {stage: [] for stage in ("plan", "upload", "launch", "result")}
     for i in range(warmup + repeats):
         start = time.perf_counter()
-        plan = sampler._plan(logits, seqs)
+        plan = path.plan(logits, seqs)
         planned = time.perf_counter()
-        slot, params = sampler._upload(plan, logits.device)
+        slot, params = path.upload(plan, logits.device)
         uploaded = time.perf_counter()
-        pending = sampler._launch(logits, plan, slot, params)
+        pending = path.launch(logits, plan, slot, params)
         launched = time.perf_counter()
         torch.cuda.synchronize()
         read = time.perf_counter()
@@ -120,19 +121,19 @@ def main():
     for name, params in [("all greedy", [SamplingParams(temperature=0)]),
                          ("temperature", [SamplingParams(temperature=0.6)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
-        median, p10, p90 = time_ms(lambda: sampler(logits, seqs))
+        median, p10, p90 = time_ms(lambda: sampler.sample(logits, seqs).result())
         print(f"  {name:<12} {median:8.3f} ms  (10th-90th percentile {p10:.3f}-{p90:.3f} ms)")
-        if args.host and not sampler._kernel:
+        if args.host and not isinstance(sampler.path, KernelPath):
             print("    (--host times the core's path, which needs a GPU and the core)")
-        elif args.host and sampler._plan(logits, seqs).plain_greedy:
+        elif args.host and sampler.plain_greedy(seqs, args.vocab):
             print("    (an all-greedy batch takes the core's argmax, without the packed stages)")
         elif args.host:
-            stages = host_stages_ms(sampler, logits, seqs)
+            stages = host_stages_ms(sampler.path, logits, seqs)
             print("    host: " + ", ".join(f"{stage} {ms:.3f}" for stage, ms in stages.items())
                   + f" ms; total {sum(stages.values()):.3f} ms")
     if args.profile:
         seqs = sequences(MIXED, args.rows, args.vocab, sampler)
-        profile(lambda: sampler(logits, seqs), device)
+        profile(lambda: sampler.sample(logits, seqs).result(), device)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 // Bindings for the sampling kernels (csrc/sampling.h): sample_rows and prepare_overrides, each
 // from separate tensors, and sample_packed, which runs both from two blobs: the parameters, one
 // uint8 tensor the host fills and sends in one copy, and the results, one uint8 tensor read back
-// in one copy (python/nanograph/packed_sampling.py writes the layout). Checking two blobs and a
-// tuple of offsets costs the host far less than reading some twenty tensors' attributes.
+// in one copy. The blobs' layout is declared once, here (kPackedFields), and exported by
+// sample_packed_layout(), from which python/nanograph/sampling/packed_layout.py places the fields.
+// Checking two blobs and a tuple of offsets costs the host far less than reading some twenty
+// tensors' attributes.
 #include <algorithm>
-#include <cstring>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../csrc/sampling.h"
@@ -15,68 +19,137 @@ namespace nanograph::py_ext {
 
 namespace {
 
-// sample_packed's layout: the counts, then each field's byte offset in its blob (the parameters'
-// from temperatures to masked_tokens, then the results'). n = num_overrides.
-struct PackedLayout {
-  int64_t rows, logprob_columns, num_overrides, seen_width, masked_width;
-  int64_t temperatures, top_ks, top_ps, min_ps, keys, num_logprobs;  // [rows]
-  int64_t override_rows;                                             // [rows]
-  int64_t override_source, seen_tokens, output_counts;  // [n], [n, seen_width] x 2
-  int64_t presence, frequency, repetition;              // [n]
-  int64_t masked_tokens;                                // [n, masked_width]
-  int64_t token_ids, logprobs, logprob_ids;  // results: [rows], [rows, logprob_columns] x 2
-};
-constexpr size_t kLayoutSize = sizeof(PackedLayout) / sizeof(int64_t);
-constexpr int64_t kFieldAlignment = 16;
+// The counts that size one packed call, in the order sample_packed's layout tuple starts with.
+enum Count { kRows, kLogprobColumns, kNumOverrides, kSeenWidth, kMaskedWidth, kNumCounts };
+constexpr const char* kCountNames[kNumCounts] = {"rows", "logprob_columns", "num_overrides",
+                                                 "seen_width", "masked_width"};
 
-PackedLayout read_layout(const std::vector<int64_t>& values) {
-  if (values.size() != kLayoutSize) {
-    throw_invalid_argument("layout has " + std::to_string(values.size()) + " values; it takes " +
-                          std::to_string(kLayoutSize) + " (5 counts, then 17 offsets: see "
-                          "python/nanograph/packed_sampling.py)");
-  }
-  PackedLayout layout;
-  std::memcpy(&layout, values.data(), sizeof layout);
-  const std::pair<const char*, int64_t> counts[] = {
-      {"rows", layout.rows}, {"logprob_columns", layout.logprob_columns},
-      {"num_overrides", layout.num_overrides}, {"seen_width", layout.seen_width},
-      {"masked_width", layout.masked_width}};
-  for (const auto& [name, count] : counts) {
-    if (count < 0) throw_invalid_argument(std::string("layout's ") + name + " is negative");
-    checked_int(count, std::string("layout's ") + name);
-  }
-  if (layout.logprob_columns > 1 + kMaxTopLogprobs) {
-    throw_invalid_argument("layout has " + std::to_string(layout.logprob_columns) +
-                          " logprob columns; the kernel takes at most 1 + " +
-                          std::to_string(kMaxTopLogprobs));
-  }
-  return layout;
+enum class BlobKind { kParams, kResults };
+
+struct PackedField {
+  BlobKind blob;
+  const char* name;
+  const char* dtype;  // as torch and numpy name it
+  int rank;           // dims[0], or dims[0] x dims[1]
+  Count dims[2];
+};
+
+// Every field of the two blobs, in the order of their offsets in the layout tuple (after the
+// counts); n = num_overrides. What each holds: SampleRowsArgs and OverrideArgs in csrc/sampling.h.
+constexpr PackedField kPackedFields[] = {
+    {BlobKind::kParams, "temperatures", "float32", 1, {kRows}},
+    {BlobKind::kParams, "top_ks", "int32", 1, {kRows}},
+    {BlobKind::kParams, "top_ps", "float32", 1, {kRows}},
+    {BlobKind::kParams, "min_ps", "float32", 1, {kRows}},
+    {BlobKind::kParams, "keys", "int64", 1, {kRows}},
+    {BlobKind::kParams, "num_logprobs", "int32", 1, {kRows}},
+    {BlobKind::kParams, "override_rows", "int32", 1, {kRows}},
+    {BlobKind::kParams, "override_source", "int32", 1, {kNumOverrides}},
+    {BlobKind::kParams, "seen_tokens", "int32", 2, {kNumOverrides, kSeenWidth}},
+    {BlobKind::kParams, "output_counts", "int32", 2, {kNumOverrides, kSeenWidth}},
+    {BlobKind::kParams, "presence", "float32", 1, {kNumOverrides}},
+    {BlobKind::kParams, "frequency", "float32", 1, {kNumOverrides}},
+    {BlobKind::kParams, "repetition", "float32", 1, {kNumOverrides}},
+    {BlobKind::kParams, "masked_tokens", "int32", 2, {kNumOverrides, kMaskedWidth}},
+    {BlobKind::kResults, "token_ids", "int64", 1, {kRows}},
+    {BlobKind::kResults, "logprobs", "float32", 2, {kRows, kLogprobColumns}},
+    {BlobKind::kResults, "logprob_ids", "int64", 2, {kRows, kLogprobColumns}},
+};
+constexpr size_t kNumPackedFields = sizeof(kPackedFields) / sizeof(kPackedFields[0]);
+constexpr int64_t kFieldAlignment = 16;  // of every field's offset (and of each blob's start)
+
+// The index in kPackedFields of the field called name; kNumPackedFields if none is.
+constexpr size_t packed_field(std::string_view name) {
+  size_t i = 0;
+  while (i < kNumPackedFields && std::string_view(kPackedFields[i].name) != name) ++i;
+  return i;
 }
 
-// A uint8 tensor holding fields at byte offsets. field() checks that each lies inside it, at an
-// aligned offset; disjoint() that no two non-empty ones overlap.
+// The dtype of a field whose elements the kernels read as T.
+template <class T>
+constexpr std::string_view dtype_of() {
+  using U = std::remove_const_t<T>;
+  if constexpr (std::is_same_v<U, float>) {
+    return "float32";
+  } else if constexpr (std::is_same_v<U, int32_t>) {
+    return "int32";
+  } else {
+    static_assert(std::is_same_v<U, int64_t> || std::is_same_v<U, uint64_t>,
+                  "packed fields hold float32, int32 or int64 elements");
+    return "int64";  // keys: their bits
+  }
+}
+
+// One call's layout as sample_packed takes it: the counts, then each field's byte offset.
+class PackedLayout {
+ public:
+  explicit PackedLayout(std::vector<int64_t> values) : values_(std::move(values)) {
+    if (values_.size() != kNumCounts + kNumPackedFields) {
+      throw_invalid_argument("layout has " + std::to_string(values_.size()) + " values; it takes " +
+                             std::to_string(kNumCounts + kNumPackedFields) + " (" +
+                             std::to_string(kNumCounts) + " counts, then " +
+                             std::to_string(kNumPackedFields) +
+                             " offsets: see sample_packed_layout())");
+    }
+    for (int c = 0; c < kNumCounts; ++c) {
+      const std::string what = std::string("layout's ") + kCountNames[c];
+      if (values_[c] < 0) throw_invalid_argument(what + " is negative");
+      checked_int(values_[c], what);
+    }
+    if (count(kLogprobColumns) > 1 + kMaxTopLogprobs) {
+      throw_invalid_argument("layout has " + std::to_string(count(kLogprobColumns)) +
+                             " logprob columns; the kernel takes at most 1 + " +
+                             std::to_string(kMaxTopLogprobs));
+    }
+  }
+
+  int64_t count(Count c) const { return values_[c]; }
+  int64_t offset(size_t field) const { return values_[kNumCounts + field]; }
+  int64_t elements(size_t field) const {
+    const PackedField& f = kPackedFields[field];
+    int64_t n = 1;
+    for (int d = 0; d < f.rank; ++d) n *= count(f.dims[d]);
+    return n;
+  }
+
+ private:
+  std::vector<int64_t> values_;
+};
+
+// A uint8 tensor holding the fields of one blob at the layout's offsets. field() checks that one
+// lies inside it, at an aligned offset; disjoint() that no two non-empty ones overlap.
+template <BlobKind kKind>
 class Blob {
  public:
-  Blob(py::handle obj, const char* name) : tensor_(cuda_tensor(obj, name, "uint8")) {
+  Blob(py::handle obj, const PackedLayout& layout)
+      : tensor_(cuda_tensor(obj, kKind == BlobKind::kParams ? "params" : "results", "uint8")),
+        layout_(layout) {
     expect_shape(tensor_, {-1});
     if (reinterpret_cast<uintptr_t>(tensor_.ptr) % kFieldAlignment != 0) {
       throw_invalid_argument(tensor_.name + " must start at a " + std::to_string(kFieldAlignment) +
-                            "-byte boundary (a fresh tensor does)");
+                             "-byte boundary (a fresh tensor does)");
     }
   }
 
   const Tensor& tensor() const { return tensor_; }
 
-  template <class T>
-  T* field(const char* name, int64_t offset, int64_t count) {
+  // kPackedFields[kField], which must lie in this blob and hold elements of T's dtype.
+  template <class T, size_t kField>
+  T* field() {
+    static_assert(kField < kNumPackedFields, "no field of that name in kPackedFields");
+    static_assert(kPackedFields[kField].blob == kKind, "the field lies in the other blob");
+    static_assert(std::string_view(kPackedFields[kField].dtype) == dtype_of<T>(),
+                  "the field's dtype in kPackedFields is not T's");
+    const char* name = kPackedFields[kField].name;
+    const int64_t offset = layout_.offset(kField), count = layout_.elements(kField);
     const int64_t size = tensor_.size(0);
     if (offset < 0 || offset % kFieldAlignment != 0 || offset > size ||
         count > (size - offset) / static_cast<int64_t>(sizeof(T))) {
       throw_invalid_argument(std::string(name) + " (" + std::to_string(count) + " x " +
-                            std::to_string(sizeof(T)) + " bytes at offset " +
-                            std::to_string(offset) + ") must lie inside " + tensor_.name + " (" +
-                            std::to_string(size) + " bytes) at a multiple of " +
-                            std::to_string(kFieldAlignment));
+                             std::to_string(sizeof(T)) + " bytes at offset " +
+                             std::to_string(offset) + ") must lie inside " + tensor_.name + " (" +
+                             std::to_string(size) + " bytes) at a multiple of " +
+                             std::to_string(kFieldAlignment));
     }
     const int64_t end = offset + count * static_cast<int64_t>(sizeof(T));
     if (end > offset) spans_.push_back({offset, end, name});
@@ -90,7 +163,7 @@ class Blob {
       const Span& before = spans_[i - 1];
       if (before.end > spans_[i].begin) {
         throw_invalid_argument(std::string(before.name) + " and " + spans_[i].name +
-                              " overlap in " + tensor_.name);
+                               " overlap in " + tensor_.name);
       }
     }
   }
@@ -101,6 +174,7 @@ class Blob {
     const char* name;
   };
   Tensor tensor_;
+  const PackedLayout& layout_;
   std::vector<Span> spans_;
 };
 
@@ -243,61 +317,82 @@ NANOGRAPH_BINDINGS(bind_sampling) {
       "frequency, repetition [n] float32), then -inf at masked_tokens [n, k] int32 (-1 padding).");
 
   m.def(
+      "sample_packed_layout",
+      [] {
+        py::list counts, fields;
+        for (const char* name : kCountNames) counts.append(name);
+        for (const PackedField& f : kPackedFields) {
+          py::list dims;
+          for (int d = 0; d < f.rank; ++d) dims.append(kCountNames[f.dims[d]]);
+          fields.append(py::make_tuple(f.blob == BlobKind::kParams ? "params" : "results", f.name,
+                                       f.dtype, py::tuple(dims)));
+        }
+        py::dict layout;
+        layout["alignment"] = kFieldAlignment;
+        layout["counts"] = py::tuple(counts);
+        layout["fields"] = fields;
+        return layout;
+      },
+      "sample_packed's two blobs, as this binding reads them: {'alignment': the bytes every "
+      "field's offset is a multiple of, 'counts': the names of the counts the layout tuple starts "
+      "with, in order, 'fields': [(blob, name, dtype, shape)] in the order of their offsets in the "
+      "tuple, blob 'params' or 'results', dtype 'float32', 'int32' or 'int64', shape a tuple of "
+      "count names}.");
+
+  m.def(
       "sample_packed",
-      [](py::object logits, py::object params, const std::vector<int64_t>& layout_values,
+      [](py::object logits, py::object params, std::vector<int64_t> layout_values,
          py::object results, py::object overrides) {
-        const PackedLayout l = read_layout(layout_values);
+        const PackedLayout layout(std::move(layout_values));
         const bool bf16_logits = py::str(logits.attr("dtype")).cast<std::string>() == "torch.bfloat16";
         auto [tl, row_stride] = row_strided_logits(logits, bf16_logits ? "bfloat16" : "float32");
-        if (tl.size(0) != l.rows) {
+        const int64_t rows = layout.count(kRows);
+        if (tl.size(0) != rows) {
           throw_invalid_argument("logits has " + std::to_string(tl.size(0)) +
-                                " rows; the layout has " + std::to_string(l.rows));
+                                 " rows; the layout has " + std::to_string(rows));
         }
-        const int64_t n = l.num_overrides;
+        const int64_t n = layout.count(kNumOverrides);
         Tensor tov = optional_cuda_tensor(overrides, "overrides", "float32");
         if ((tov.ptr != nullptr) != (n > 0)) {
           throw_invalid_argument("the layout has " + std::to_string(n) + " override rows; pass " +
-                                (n > 0 ? "overrides [n, vocab] float32" : "overrides=None"));
+                                 (n > 0 ? "overrides [n, vocab] float32" : "overrides=None"));
         }
         if (tov.ptr) expect_shape(tov, {n, tl.size(1)});
-        Blob in(params, "params");
-        Blob out(results, "results");
+        Blob<BlobKind::kParams> in(params, layout);
+        Blob<BlobKind::kResults> out(results, layout);
         same_device({&tl, &in.tensor(), &out.tensor(), &tov});
         SampleRowsArgs args;
         args.logits = tl.ptr;
         args.logits_bf16 = bf16_logits;
         args.logits_stride = row_stride;
-        args.rows = static_cast<int>(l.rows);
+        args.rows = static_cast<int>(rows);
         args.vocab = checked_int(tl.size(1), "vocab");
-        args.temperatures = in.field<const float>("temperatures", l.temperatures, l.rows);
-        args.top_ks = in.field<const int32_t>("top_ks", l.top_ks, l.rows);
-        args.top_ps = in.field<const float>("top_ps", l.top_ps, l.rows);
-        args.min_ps = in.field<const float>("min_ps", l.min_ps, l.rows);
-        args.keys = in.field<const uint64_t>("keys", l.keys, l.rows);
-        auto num_logprobs = in.field<const int32_t>("num_logprobs", l.num_logprobs, l.rows);
-        auto override_rows = in.field<const int32_t>("override_rows", l.override_rows, l.rows);
+        args.temperatures = in.field<const float, packed_field("temperatures")>();
+        args.top_ks = in.field<const int32_t, packed_field("top_ks")>();
+        args.top_ps = in.field<const float, packed_field("top_ps")>();
+        args.min_ps = in.field<const float, packed_field("min_ps")>();
+        args.keys = in.field<const uint64_t, packed_field("keys")>();
+        auto num_logprobs = in.field<const int32_t, packed_field("num_logprobs")>();
+        auto override_rows = in.field<const int32_t, packed_field("override_rows")>();
         OverrideArgs o;
         o.logits = tl.ptr;
         o.logits_bf16 = bf16_logits;
         o.logits_stride = row_stride;
         o.vocab = args.vocab;
         o.num_rows = static_cast<int>(n);
-        o.source_rows = in.field<const int32_t>("override_source", l.override_source, n);
+        o.source_rows = in.field<const int32_t, packed_field("override_source")>();
         o.overrides = tov.data<float>();
-        o.num_seen = static_cast<int>(l.seen_width);
-        o.seen_tokens = in.field<const int32_t>("seen_tokens", l.seen_tokens, n * l.seen_width);
-        o.output_counts =
-            in.field<const int32_t>("output_counts", l.output_counts, n * l.seen_width);
-        o.presence = in.field<const float>("presence", l.presence, n);
-        o.frequency = in.field<const float>("frequency", l.frequency, n);
-        o.repetition = in.field<const float>("repetition", l.repetition, n);
-        o.num_masked = static_cast<int>(l.masked_width);
-        o.masked_tokens =
-            in.field<const int32_t>("masked_tokens", l.masked_tokens, n * l.masked_width);
-        args.out = out.field<int64_t>("token_ids", l.token_ids, l.rows);
-        const int64_t logprob_values = l.rows * l.logprob_columns;
-        auto logprobs = out.field<float>("logprobs", l.logprobs, logprob_values);
-        auto logprob_ids = out.field<int64_t>("logprob_ids", l.logprob_ids, logprob_values);
+        o.num_seen = static_cast<int>(layout.count(kSeenWidth));
+        o.seen_tokens = in.field<const int32_t, packed_field("seen_tokens")>();
+        o.output_counts = in.field<const int32_t, packed_field("output_counts")>();
+        o.presence = in.field<const float, packed_field("presence")>();
+        o.frequency = in.field<const float, packed_field("frequency")>();
+        o.repetition = in.field<const float, packed_field("repetition")>();
+        o.num_masked = static_cast<int>(layout.count(kMaskedWidth));
+        o.masked_tokens = in.field<const int32_t, packed_field("masked_tokens")>();
+        args.out = out.field<int64_t, packed_field("token_ids")>();
+        auto logprobs = out.field<float, packed_field("logprobs")>();
+        auto logprob_ids = out.field<int64_t, packed_field("logprob_ids")>();
         in.disjoint();
         out.disjoint();
         if (n > 0) {
@@ -305,9 +400,10 @@ NANOGRAPH_BINDINGS(bind_sampling) {
           args.overrides_stride = tl.size(1);
           args.override_rows = override_rows;
         }
-        if (l.logprob_columns > 0) {
+        const int64_t logprob_columns = layout.count(kLogprobColumns);
+        if (logprob_columns > 0) {
           args.num_logprobs = num_logprobs;
-          args.logprob_width = static_cast<int>(l.logprob_columns) - 1;
+          args.logprob_width = static_cast<int>(logprob_columns) - 1;
           args.logprobs = logprobs;
           args.logprob_ids = logprob_ids;
         }
@@ -317,16 +413,13 @@ NANOGRAPH_BINDINGS(bind_sampling) {
       },
       py::arg("logits"), py::arg("params"), py::arg("layout"), py::arg("results"),
       py::arg("overrides") = py::none(),
-      "sample_rows after prepare_overrides, their arrays read from two uint8 blobs at the byte "
-      "offsets of layout, each a multiple of 16: (rows, logprob_columns, n, seen_width, "
-      "masked_width, then the offsets in params of temperatures, top_ks, top_ps, min_ps, keys, "
-      "num_logprobs, override_rows [rows], override_source [n], seen_tokens, output_counts "
-      "[n, seen_width], presence, frequency, repetition [n], masked_tokens [n, masked_width], then "
-      "the offsets in results of token_ids [rows] int64, logprobs [rows, logprob_columns] float32 "
-      "and logprob_ids [rows, logprob_columns] int64), dtypes as in sample_rows and "
-      "prepare_overrides. logits [rows, vocab] bf16 or float32 (rows may be strided); overrides "
-      "[n, vocab] float32 scratch when n > 0, else None. n = 0: no overrides (override_rows is not "
-      "read); logprob_columns = 0: no logprobs, else 1 + the most top logprobs a row asks for.");
+      "sample_rows after prepare_overrides, their arrays read from two uint8 blobs, params and "
+      "results, at the byte offsets of layout: the counts (rows, logprob_columns, n, seen_width, "
+      "masked_width), then each field's offset, a multiple of 16, in the order, with the dtypes and "
+      "shapes, that sample_packed_layout() gives. logits [rows, vocab] bf16 or float32 (rows may "
+      "be strided); overrides [n, vocab] float32 scratch when n > 0, else None. n = 0: no "
+      "overrides (override_rows is not read); logprob_columns = 0: no logprobs, else 1 + the most "
+      "top logprobs a row asks for.");
 }
 
 }  // namespace nanograph::py_ext

@@ -54,13 +54,6 @@ class SamplingParams:
         if self.temperature == 0:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
-    def numeric_row(self) -> np.ndarray:
-        """float64 [9]: temperature, top_k, top_p, min_p, presence, frequency and repetition penalties, min_tokens,
-        logprobs (-2: none), the sampler's per-row table (SamplingPlan)."""
-        return np.array([self.temperature, self.top_k, self.top_p, self.min_p, self.presence_penalty,
-                         self.frequency_penalty, self.repetition_penalty, self.min_tokens,
-                         -2 if self.logprobs is None else self.logprobs], np.float64)
-
     def verify(self):
         """Raise ValueError on an invalid field (a wrong type too, as vLLM does); also called by the engine, as
         fields may change after construction."""
@@ -72,6 +65,7 @@ class SamplingParams:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)):
             raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        _check_int("top_k", self.top_k)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         _check_int("min_tokens", self.min_tokens)
@@ -126,6 +120,8 @@ def _check_int(name: str, value):
     """An int field takes ints (numpy's too), never bools or floats: 2.5 tokens is a mistake, not a request."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    if not -2**31 <= value < 2**31:
+        raise ValueError(f"{name} must fit in 32 bits, got {value}.")
 
 
 def _check_float(name: str, value):

@@ -7,7 +7,7 @@ import torch
 
 from nanograph.backends.base import PendingTokens, Runner
 from nanograph.config import Config
-from nanograph.sampler import Sampler
+from nanograph.sampling import Sampler
 from nanograph.engine.llm_engine import LLMEngine
 
 VOCAB_SIZE = 50

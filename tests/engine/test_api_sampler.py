@@ -7,9 +7,9 @@ import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import PENDING_TOKEN, Sequence
-from nanograph.logits_processors import apply_penalties
-from nanograph.sampler import Sampler
-from nanograph.sampling_plan import SeenTokens
+from nanograph.sampling import Sampler, SamplerOutput
+from nanograph.sampling.seen import SeenTokens
+from nanograph.sampling.transforms import apply_penalties
 
 EOS = 0
 NUM_DRAWS = 20000
@@ -19,6 +19,11 @@ CHI2_CRITICAL_0_001 = {3: 16.266, 4: 18.467, 5: 20.515, 7: 24.322}
 
 def sampler(seed=0) -> Sampler:
     return Sampler(torch.device("cpu"), [EOS], seed)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], seed=0) -> SamplerOutput:
+    """One call of a fresh sampler, read back."""
+    return sampler(seed).sample(logits, seqs).result()
 
 
 def seq(params: SamplingParams, prompt=(1, 2, 3), output=(), sampler_for_seed: Sampler | None = None) -> Sequence:
@@ -31,7 +36,7 @@ def seq(params: SamplingParams, prompt=(1, 2, 3), output=(), sampler_for_seed: S
 
 def draw(logits_row, params, n=NUM_DRAWS, seed=0) -> torch.Tensor:
     """n draws from one row, sampled as n rows of one batch."""
-    return torch.tensor(sampler(seed)(logits_row.repeat(n, 1), [seq(params) for _ in range(n)]).token_ids)
+    return torch.tensor(sample(logits_row.repeat(n, 1), [seq(params) for _ in range(n)], seed=seed).token_ids)
 
 
 def chi_square(draws: torch.Tensor, probs: torch.Tensor) -> float:
@@ -70,8 +75,8 @@ def test_top_p_draws_follow_the_renormalised_nucleus(top_p, nucleus):
 
 def test_greedy_and_top_k_1_are_the_argmax():
     logits = torch.randn(8, 1000)
-    assert sampler()(logits, [seq(SamplingParams(temperature=0))] * 8).token_ids == logits.argmax(-1).tolist()
-    assert sampler()(logits, [seq(SamplingParams(temperature=1.5, top_k=1))] * 8).token_ids == \
+    assert sample(logits, [seq(SamplingParams(temperature=0))] * 8).token_ids == logits.argmax(-1).tolist()
+    assert sample(logits, [seq(SamplingParams(temperature=1.5, top_k=1))] * 8).token_ids == \
         logits.argmax(-1).tolist()
 
 
@@ -95,7 +100,7 @@ def test_each_row_uses_its_own_parameters():
                   SamplingParams(top_k=3, top_p=0.95), SamplingParams(), SamplingParams(min_p=0.6)]
     allowed = [{0}, {0, 1}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1}]
     seqs = [seq(p) for p in row_params] * 2000
-    draws = sampler()(row.repeat(len(seqs), 1), seqs).token_ids
+    draws = sample(row.repeat(len(seqs), 1), seqs).token_ids
     for i, expected in enumerate(allowed):
         assert set(draws[i::len(row_params)]) == expected
 
@@ -147,7 +152,7 @@ def test_the_sampler_applies_penalties_before_the_greedy_choice():
     prompt, output = [3], [1, 1, 2]
     params = [SamplingParams(temperature=0, **penalty) for penalty in
               [{}, {"presence_penalty": 0.8}, {"frequency_penalty": 0.3}, {"repetition_penalty": 1.5}]]
-    chosen = sampler()(logits, [seq(p, prompt, output) for p in params]).token_ids
+    chosen = sample(logits, [seq(p, prompt, output) for p in params]).token_ids
     expected = [int(reference_penalties(logits[0], prompt, output, p.presence_penalty, p.frequency_penalty,
                                         p.repetition_penalty).argmax()) for p in params]
     assert chosen == expected == [1, 3, 2, 0]
@@ -157,7 +162,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     logits = torch.tensor([[9.0, 8.0, 7.0, 1.0]]).repeat(3, 1)
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
     seqs = [seq(params, output=[]), seq(params, output=[3]), seq(params, output=[3, 3])]
-    assert sampler()(logits, seqs).token_ids == [2, 2, 0]
+    assert sample(logits, seqs).token_ids == [2, 2, 0]
 
 
 def test_a_seed_gives_the_same_draws_whatever_the_batch_and_run():
@@ -172,7 +177,7 @@ def test_a_seed_gives_the_same_draws_whatever_the_batch_and_run():
         for _ in range(4):
             seqs = [seq(SamplingParams()) for _ in range(rows_before)] + [target] + [seq(SamplingParams())] * 3
             batch = torch.cat([logits[1:rows_before + 1], logits[:1], logits[-3:]])
-            tokens.append(s(batch, seqs).token_ids[rows_before])
+            tokens.append(s.sample(batch, seqs).result().token_ids[rows_before])
         return tokens
 
     alone = draws(0, sampler_seed=0)
@@ -185,8 +190,8 @@ def test_a_seed_gives_the_same_draws_whatever_the_batch_and_run():
 def test_unseeded_rows_follow_the_engine_seed():
     logits = torch.randn(64, 100)
     seqs = [seq(SamplingParams())] * 64
-    assert sampler(3)(logits, seqs).token_ids == sampler(3)(logits, seqs).token_ids
-    assert sampler(3)(logits, seqs).token_ids != sampler(4)(logits, seqs).token_ids
+    assert sample(logits, seqs, seed=3).token_ids == sample(logits, seqs, seed=3).token_ids
+    assert sample(logits, seqs, seed=3).token_ids != sample(logits, seqs, seed=4).token_ids
 
 
 def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first():
@@ -194,7 +199,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first():
     logits = torch.randn(3, 50)
     params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0), SamplingParams(),
               SamplingParams(temperature=0, logprobs=0)]
-    out = sampler()(logits, [seq(p, output=[5]) for p in params])
+    out = sample(logits, [seq(p, output=[5]) for p in params])
     assert out.logprobs[1] is None
     for row in (0, 2):
         raw = logits[row].log_softmax(-1)

@@ -10,8 +10,12 @@ import pytest
 import torch
 
 from nanograph import SamplingParams, ops
-from nanograph.sampler import Sampler
-from nanograph.sampling_plan import SamplingPlan, SeenTokens
+from nanograph._core import require_core
+from nanograph.engine.sequence import Sequence
+from nanograph.sampling import Sampler, SamplerOutput
+from nanograph.sampling.kernel_plan import KernelPlan
+from nanograph.sampling.packed_layout import PackedFormat
+from nanograph.sampling.seen import SeenTokens
 
 from .test_api_sampler import CHI2_CRITICAL_0_001, EOS, LOGITS, NUM_DRAWS, chi_square, reference_penalties, seq
 
@@ -25,6 +29,11 @@ def sampler(seed=0) -> Sampler:
     return Sampler(DEVICE, [EOS], seed)
 
 
+def sample(logits: torch.Tensor, seqs: list[Sequence], seed=0) -> SamplerOutput:
+    """One call of a fresh sampler, read back."""
+    return sampler(seed).sample(logits, seqs).result()
+
+
 def on_device(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits.to(dtype).to(DEVICE)
 
@@ -35,11 +44,11 @@ def test_greedy_and_top_k_1_are_the_argmax(dtype):
     rows, vocab = 64, 151936
     logits = (torch.randn(rows, vocab, generator=generator) * 2).to(dtype)
     argmax = logits.float().argmax(dim=-1)
-    assert sampler()(logits.to(DEVICE), [seq(SamplingParams(temperature=0))] * rows).token_ids == argmax.tolist()
+    assert sample(logits.to(DEVICE), [seq(SamplingParams(temperature=0))] * rows).token_ids == argmax.tolist()
     greedy = torch.arange(rows) % 2 == 0
     seqs = [seq(SamplingParams(temperature=0) if greedy[i] else SamplingParams(temperature=0.5 + i / rows, top_k=1))
             for i in range(rows)]
-    token_ids = torch.tensor(sampler()(logits.to(DEVICE), seqs).token_ids)
+    token_ids = torch.tensor(sample(logits.to(DEVICE), seqs).token_ids)
     assert torch.equal(token_ids[greedy], argmax[greedy])
     maxima = logits.float().amax(dim=-1)
     assert torch.equal(logits.float().gather(1, token_ids[:, None]).squeeze(1), maxima)  # tied maxima: any of them
@@ -55,7 +64,7 @@ def test_each_row_uses_its_own_parameters(dtype):
                   SamplingParams(top_k=3, top_p=0.95), SamplingParams(), SamplingParams(min_p=0.6)]
     allowed = [{0}, {0, 1}, {0, 1}, {0, 1, 2}, {0, 1, 2, 3}, {0, 1}]
     seqs = [seq(p) for p in row_params] * 2000
-    draws = sampler()(on_device(row.repeat(len(seqs), 1), dtype), seqs).token_ids
+    draws = sample(on_device(row.repeat(len(seqs), 1), dtype), seqs).token_ids
     for i, expected in enumerate(allowed):
         assert set(draws[i::len(row_params)]) == expected
 
@@ -68,7 +77,7 @@ def test_draws_follow_the_exact_renormalised_softmax(temperature, top_p, dtype):
     probs[nucleus:] = 0
     probs /= probs.sum()
     seqs = [seq(SamplingParams(temperature=temperature, top_p=top_p))] * NUM_DRAWS
-    draws = torch.tensor(sampler()(on_device(LOGITS.repeat(NUM_DRAWS, 1), dtype), seqs).token_ids)
+    draws = torch.tensor(sample(on_device(LOGITS.repeat(NUM_DRAWS, 1), dtype), seqs).token_ids)
     assert int(draws.max()) < nucleus
     assert chi_square(draws, probs) < CHI2_CRITICAL_0_001[nucleus - 1]
     wrong = LOGITS[:nucleus].softmax(-1) if temperature != 1.0 else (LOGITS[:nucleus] / 1.3).softmax(-1)
@@ -95,7 +104,8 @@ def test_a_seeded_request_draws_the_same_whatever_the_batch_and_run(params):
         tokens = []
         for _ in range(4):
             seqs = [seq(p, sampler_for_seed=s) for p in others[:num_others]] + [target]
-            tokens.append(s(on_device(torch.cat([logits[1:num_others + 1], logits[:1]]), dtype), seqs).token_ids[-1])
+            batch = on_device(torch.cat([logits[1:num_others + 1], logits[:1]]), dtype)
+            tokens.append(s.sample(batch, seqs).result().token_ids[-1])
             target.token_ids.append(tokens[-1])
         return tokens
 
@@ -110,8 +120,8 @@ def test_a_seeded_request_draws_the_same_whatever_the_batch_and_run(params):
 def test_unseeded_rows_follow_the_engine_seed():
     logits = torch.randn(64, 100, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     seqs = [seq(SamplingParams())] * 64
-    assert sampler(3)(logits, seqs).token_ids == sampler(3)(logits, seqs).token_ids
-    assert sampler(3)(logits, seqs).token_ids != sampler(4)(logits, seqs).token_ids
+    assert sample(logits, seqs, seed=3).token_ids == sample(logits, seqs, seed=3).token_ids
+    assert sample(logits, seqs, seed=3).token_ids != sample(logits, seqs, seed=4).token_ids
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -119,13 +129,13 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(dtype):
     params = SamplingParams(min_tokens=2, stop_token_ids=[3])
     short, done = seq(params, output=[1]), seq(params, output=[1, 2])
     logits = torch.tensor([[4.0, 1.0, 0.5, 0.0]]).repeat(4000, 1)  # EOS (0) is by far the likeliest
-    token_ids = sampler()(on_device(logits, dtype), [short, done] * 2000).token_ids
+    token_ids = sample(on_device(logits, dtype), [short, done] * 2000).token_ids
     assert set(token_ids[0::2]) == {1, 2}
     assert set(token_ids[1::2]) == {0, 1, 2, 3}
     greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
     logits = torch.tensor([[9.0, 8.0, 7.0, 1.0]]).repeat(3, 1)
     seqs = [seq(greedy, output=[]), seq(greedy, output=[3]), seq(greedy, output=[3, 3])]
-    assert sampler()(on_device(logits, dtype), seqs).token_ids == [2, 2, 0]
+    assert sample(on_device(logits, dtype), seqs).token_ids == [2, 2, 0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -152,7 +162,7 @@ def test_penalties_move_the_argmax_as_the_reference_formula_says(dtype):
         first, second = penalised.topk(2).values.tolist()
         expected.append(int(penalised.argmax()))
         gaps.append(first - second)
-    token_ids = torch.tensor(sampler()(logits.to(DEVICE), seqs).token_ids)
+    token_ids = torch.tensor(sample(logits.to(DEVICE), seqs).token_ids)
     # Where the top two are this close (or tied, as bfloat16 logits often are), float rounding may decide.
     expected, clear = torch.tensor(expected), torch.tensor(gaps) > 1e-4
     assert clear.float().mean() > 0.9
@@ -168,7 +178,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first(num_top, 
     params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0), SamplingParams(),
               SamplingParams(temperature=0, logprobs=0), SamplingParams(top_p=0.9, logprobs=num_top, seed=1)]
     s = sampler()
-    out = s(logits.to(DEVICE), [seq(p, output=[5], sampler_for_seed=s) for p in params])
+    out = s.sample(logits.to(DEVICE), [seq(p, output=[5], sampler_for_seed=s) for p in params]).result()
     assert out.logprobs[1] is None
     for row in (0, 2, 3):
         raw = logits[row].float().log_softmax(-1)
@@ -211,8 +221,8 @@ def test_a_batch_mixing_every_parameter_draws_a_valid_token_per_row(dtype):
 
     def run(sampler_seed: int):
         s = sampler(sampler_seed)
-        return s(logits.to(DEVICE), [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
-                                     for kind, history in zip(kinds.tolist(), histories)])
+        return s.sample(logits.to(DEVICE), [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
+                                            for kind, history in zip(kinds.tolist(), histories)]).result()
 
     out = run(0)
     token_ids = torch.tensor(out.token_ids)
@@ -249,33 +259,35 @@ def test_the_packed_call_draws_exactly_what_separate_tensors_draw(dtype):
                 for kind, history in zip(kinds.tolist(), histories)]
 
     s = sampler(0)
-    packed = s(logits, batch(s))
+    packed = s.sample(logits, batch(s)).result()
     # The sampler's key stream with seed 0 is numpy's default_rng(0); fresh sequences restart the seeded streams.
-    plan = SamplingPlan(batch(sampler(0)), vocab, [EOS], SeenTokens(), np.random.default_rng(0))
+    plan = KernelPlan(batch(sampler(0)), vocab, [EOS], SeenTokens(), np.random.default_rng(0),
+                      PackedFormat.of(require_core()))
     layout = plan.layout
-    assert layout.num_overrides > 0 and layout.logprob_columns > 1
+    num_overrides, logprob_columns = layout.counts["num_overrides"], layout.counts["logprob_columns"]
+    assert num_overrides > 0 and logprob_columns > 1
 
     def tensor(name: str, dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(plan.arrays[name]).astype(dtype)).to(DEVICE)
 
-    overrides = torch.empty(layout.num_overrides, vocab, device=DEVICE)
+    overrides = torch.empty(num_overrides, vocab, device=DEVICE)
     ops.prepare_overrides(logits, tensor("override_source", np.int32), overrides, tensor("seen_tokens", np.int32),
                           tensor("output_counts", np.int32), tensor("presence", np.float32),
                           tensor("frequency", np.float32), tensor("repetition", np.float32),
                           tensor("masked_tokens", np.int32))
     token_ids = torch.empty(rows, dtype=torch.int64, device=DEVICE)
-    values = torch.empty(rows, layout.logprob_columns, device=DEVICE)
-    ids = torch.empty(rows, layout.logprob_columns, dtype=torch.int64, device=DEVICE)
+    values = torch.empty(rows, logprob_columns, device=DEVICE)
+    ids = torch.empty(rows, logprob_columns, dtype=torch.int64, device=DEVICE)
     ops.sample_rows(logits, tensor("temperatures", np.float32), tensor("top_ks", np.int32),
                     tensor("top_ps", np.float32), tensor("min_ps", np.float32), tensor("keys", np.int64), token_ids,
                     None, overrides, tensor("override_rows", np.int32), tensor("num_logprobs", np.int32), values, ids)
     assert packed.token_ids == token_ids.tolist()
     values, ids = values.cpu(), ids.cpu()
-    for row, k in zip(plan.logprob_rows, plan.num_top_logprobs):
+    for row, k in zip(plan.batch.logprob_rows, plan.batch.num_top_logprobs):
         entry = packed.logprobs[row]
         assert entry.logprobs == values[row, :k + 1].tolist()
         assert entry.token_ids[1:] == ids[row, 1:k + 1].tolist() and entry.ranks[0] == int(ids[row, 0]) + 1
-    assert [row for row, entry in enumerate(packed.logprobs) if entry is not None] == plan.logprob_rows
+    assert [row for row, entry in enumerate(packed.logprobs) if entry is not None] == plan.batch.logprob_rows
 
     blob = np.zeros(layout.params_nbytes, np.uint8)
     layout.pack(plan.arrays, blob)
@@ -285,3 +297,26 @@ def test_the_packed_call_draws_exactly_what_separate_tensors_draw(dtype):
     assert torch.equal(packed_overrides, overrides)
     assert torch.equal(results[:rows * 8].view(torch.int64), token_ids)
 
+
+
+def test_results_read_after_their_staging_slot_is_reused_are_their_own():
+    """The kernel path stages each call's results in one of two host slots, in turn: four calls queued before any is
+    read (the third and fourth reuse the first's and second's slots) read what four calls read one by one do."""
+    generator = torch.Generator().manual_seed(4)
+    rows, vocab = 64, 32000
+    logits = [(torch.randn(rows, vocab, generator=generator) * 4).to(DEVICE) for _ in range(4)]
+    histories = torch.randint(vocab, (rows, 80), generator=generator).tolist()
+
+    def outputs(read_each_call: bool) -> list[SamplerOutput]:
+        """Four calls of a fresh sampler on fresh sequences, each read as it is made or all at the end."""
+        s = sampler(0)
+        seqs = [seq(MIXED[row % len(MIXED)], history[:64], history[64:], sampler_for_seed=s)
+                for row, history in enumerate(histories)]
+        pending = []
+        for step_logits in logits:
+            pending.append(s.sample(step_logits, seqs))
+            if read_each_call:
+                pending[-1].result()
+        return [p.result() for p in pending]
+
+    assert outputs(read_each_call=False) == outputs(read_each_call=True)

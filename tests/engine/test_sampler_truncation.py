@@ -9,9 +9,9 @@ import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import Sequence
-from nanograph.logits_processors import TruncationParams, sorted_top_p_thresholds, truncation_thresholds
-from nanograph.sampler import Sampler
-from nanograph.sampling_plan import CANDIDATES
+from nanograph.sampling import Sampler, SamplerOutput
+from nanograph.sampling.torch_plan import CANDIDATES
+from nanograph.sampling.transforms import TruncationParams, sorted_top_p_thresholds, truncation_thresholds
 
 CHI2_CRITICAL_0_001_DOF_9 = 27.877
 AMBIGUOUS = 1e-5  # float32 rounding may decide a row where a cumulative probability or logit is this close to its bound
@@ -19,6 +19,11 @@ AMBIGUOUS = 1e-5  # float32 rounding may decide a row where a cumulative probabi
 
 def sampler(seed=0) -> Sampler:
     return Sampler(torch.device("cpu"), [0], seed)
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], seed=0) -> SamplerOutput:
+    """One call of a fresh sampler, read back."""
+    return sampler(seed).sample(logits, seqs).result()
 
 
 def seq(params: SamplingParams, prompt=(1, 2, 3), sampler_for_seed: Sampler | None = None) -> Sequence:
@@ -92,7 +97,7 @@ def test_draws_keep_to_the_reference_thresholds_through_candidates_and_spills():
     params = [SamplingParams(top_k=0 if k == vocab else int(k), top_p=float(p), min_p=float(m))
               for k, p, m in zip(top_ks.squeeze(1).tolist(), top_ps.squeeze(1).tolist(), min_ps.squeeze(1).tolist())]
     expected, margin = reference_thresholds(logits, top_ks, top_ps, min_ps)
-    token_ids = torch.tensor(sampler()(logits, [seq(p) for p in params]).token_ids)
+    token_ids = torch.tensor(sample(logits, [seq(p) for p in params]).token_ids)
     drawn = logits.gather(1, token_ids[:, None])
     clear = margin > AMBIGUOUS
     assert (drawn[clear] >= expected[clear]).all()
@@ -107,8 +112,8 @@ def test_a_spilled_nucleus_is_drawn_from_the_exact_renormalised_distribution():
     probs = logits.double().softmax(dim=-1)
     nucleus = int(((probs.cumsum(dim=-1) - probs) < top_p).sum())
     assert nucleus > CANDIDATES
-    token_ids = torch.tensor(sampler()(logits.repeat(num_draws, 1),
-                                       [seq(SamplingParams(top_p=top_p))] * num_draws).token_ids)
+    token_ids = torch.tensor(sample(logits.repeat(num_draws, 1),
+                                    [seq(SamplingParams(top_p=top_p))] * num_draws).token_ids)
     assert int(token_ids.max()) < nucleus
     bins = torch.linspace(0, nucleus, 11).long()  # ten bins of tokens
     expected = torch.stack([probs[a:b].sum() for a, b in zip(bins[:-1], bins[1:])]) / probs[:nucleus].sum()
@@ -122,7 +127,7 @@ def test_ties_at_the_kth_logit_are_kept_even_past_the_candidates():
     logits = torch.full((vocab,), -5.0)
     logits[:4] = torch.tensor([3.0, 2.5, 2.0, 1.5])
     logits[1000:3000] = 0.0  # 2000 ties with the 5th largest logit
-    token_ids = sampler()(logits.repeat(3000, 1), [seq(SamplingParams(temperature=0.2, top_k=5))] * 3000).token_ids
+    token_ids = sample(logits.repeat(3000, 1), [seq(SamplingParams(temperature=0.2, top_k=5))] * 3000).token_ids
     assert set(token_ids) <= set(range(4)) | set(range(1000, 3000))
     assert max(token_ids) >= 1000 + CANDIDATES  # beyond the 1029 candidates
 
@@ -132,14 +137,14 @@ def test_top_p_after_top_k_counts_the_first_k_by_rank_not_their_ties():
     logits[:6] = torch.tensor([2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     # By rank, top-k 2 leaves probabilities .73 and .27: a top_p of .7 keeps the first token alone. Counting the
     # four ties too would keep all six.
-    token_ids = sampler()(logits.repeat(2000, 1), [seq(SamplingParams(top_k=2, top_p=0.7))] * 2000).token_ids
+    token_ids = sample(logits.repeat(2000, 1), [seq(SamplingParams(top_k=2, top_p=0.7))] * 2000).token_ids
     assert set(token_ids) == {0}
 
 
 def test_min_tokens_masked_tokens_are_never_drawn():
     logits = torch.tensor([[4.0, 1.0, 0.5, 0.0]]).repeat(4000, 1)  # EOS (0) is by far the likeliest
     params = SamplingParams(min_tokens=2, stop_token_ids=[3])
-    token_ids = sampler()(logits, [seq(params)] * 4000).token_ids
+    token_ids = sample(logits, [seq(params)] * 4000).token_ids
     assert set(token_ids) == {1, 2}
 
 
@@ -155,7 +160,7 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch(params):
         s = sampler(sampler_seed)
         seeded = seq(params, sampler_for_seed=s)
         seqs = [seq(p) for p in others] + [seeded]
-        return [s(torch.cat([logits[1:len(others) + 1], target]), seqs).token_ids[-1] for _ in range(6)]
+        return [s.sample(torch.cat([logits[1:len(others) + 1], target]), seqs).result().token_ids[-1] for _ in range(6)]
 
     alone = draws([], 0)
     assert len(set(alone)) > 1
@@ -180,7 +185,7 @@ def test_a_seeded_row_draws_the_same_beside_a_large_top_k(params):
         s = sampler(1)
         seqs = [seq(params, sampler_for_seed=s)] + ([seq(neighbour)] if neighbour else [])
         logits = row.repeat(len(seqs), 1)
-        return [s(logits, seqs).token_ids[0] for _ in range(8)]
+        return [s.sample(logits, seqs).result().token_ids[0] for _ in range(8)]
 
     alone = draws(None)
     assert len(set(alone)) > 1
@@ -193,8 +198,8 @@ def test_penalties_follow_the_sequence_tokens_as_they_change(device):
     logits = torch.tensor([[0.0, 3.0, 2.9, 0.0, 0.0, 0.0]], device=device)
     s = Sampler(torch.device(device), [0], 0)
     sequence = seq(SamplingParams(temperature=0, presence_penalty=1.0), prompt=[5])
-    assert s(logits, [sequence]).token_ids == [1]
+    assert s.sample(logits, [sequence]).result().token_ids == [1]
     sequence.token_ids.append(1)  # generated: now penalised
-    assert s(logits, [sequence]).token_ids == [2]
+    assert s.sample(logits, [sequence]).result().token_ids == [2]
     sequence.token_ids[-1] = 3  # a placeholder replaced in place, as the engine does with a pending token
-    assert s(logits, [sequence]).token_ids == [1]
+    assert s.sample(logits, [sequence]).result().token_ids == [1]

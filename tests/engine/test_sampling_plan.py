@@ -1,19 +1,23 @@
-"""The host side of the GPU sampler (CPU): the blob layout of ops.sample_packed; the parameters a SamplingPlan packs
-into it, read back at the layout's offsets as the binding reads them and checked row by row against the parameters
-and token histories that produced them; the logprobs read back from the results; and the sampler's calls through a
-stand-in for the core, which reuse their host buffers without losing a result not read yet."""
+"""The host side of the kernel path (CPU): the blob layout of ops.sample_packed, placed from the declaration the core
+exports (checked against the core's where it is built); the parameters a KernelPlan packs into it, read back at the
+layout's offsets as the binding reads them and checked row by row against the parameters and token histories that
+produced them; the logprobs read back from the results; and the path's calls through a stand-in for the core, which
+reuse their host buffers without losing a result not read yet."""
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from nanograph import SamplingParams
-from nanograph import sampler as sampler_module
+from nanograph import SamplingParams, core_available
+from nanograph._core import core
 from nanograph.engine.sequence import Sequence
-from nanograph.packed_sampling import ALIGNMENT, PackedLayout, Staging, StagingSlot
-from nanograph.sampler import PackedPendingSample, PendingSample, Sampler, TokenLogprobs, _Logprobs
-from nanograph.sampling_plan import SEEN_WIDTH_STEP, BatchRows, SamplingPlan, SeenTokens
+from nanograph.sampling.kernel_path import KernelPath, PackedSample
+from nanograph.sampling.kernel_plan import SEEN_WIDTH_STEP, KernelPlan
+from nanograph.sampling.outputs import CopiedSample, LogprobRows, TokenLogprobs
+from nanograph.sampling.packed_layout import PackedFormat
+from nanograph.sampling.seen import SeenTokens
+from nanograph.sampling.staging import StagingSlot
 
 VOCAB = 1000
 EOS = 7
@@ -51,6 +55,23 @@ PARAM_FIELDS = [("temperatures", np.float32, ("rows",)), ("top_ks", np.int32, ("
                 ("masked_tokens", np.int32, ("num_overrides", "masked_width"))]
 RESULT_FIELDS = [("token_ids", np.int64, ("rows",)), ("logprobs", np.float32, ("rows", "logprob_columns")),
                  ("logprob_ids", np.int64, ("rows", "logprob_columns"))]
+ALIGNMENT = 16
+MAX_TOP_LOGPROBS = 32  # the kernel's (kMaxTopLogprobs)
+# That reading as the core declares it (sample_packed_layout()).
+DECLARATION = {"alignment": ALIGNMENT, "counts": list(COUNTS),
+               "fields": [(blob, name, np.dtype(dtype).name, list(shape))
+                          for blob, fields in (("params", PARAM_FIELDS), ("results", RESULT_FIELDS))
+                          for name, dtype, shape in fields]}
+FORMAT = PackedFormat(DECLARATION, MAX_TOP_LOGPROBS)
+
+
+@pytest.mark.skipif(not core_available(), reason="the C++/CUDA core is not built")
+def test_the_core_declares_the_layout_these_tests_read():
+    declared = core.sample_packed_layout()
+    assert declared["alignment"] == ALIGNMENT and list(declared["counts"]) == list(COUNTS)
+    assert [(blob, name, dtype, list(shape)) for blob, name, dtype, shape in declared["fields"]] == \
+        DECLARATION["fields"]
+    assert core.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
 
 
 def fields_of(layout: tuple, fields: list, first: int) -> dict[str, tuple[int, type, tuple[int, ...]]]:
@@ -65,12 +86,17 @@ def read(blob: np.ndarray, field: tuple[int, type, tuple[int, ...]]) -> np.ndarr
     return blob[offset:offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
 
 
-def plan_for(rows=ROWS) -> tuple[SamplingPlan, list[Sequence]]:
+def kernel_plan(seqs: list[Sequence], seen: SeenTokens | None = None, batch=None) -> KernelPlan:
+    """The plan of a path whose key stream is seeded with 0."""
+    return KernelPlan(seqs, VOCAB, [EOS], seen or SeenTokens(), np.random.default_rng(0), FORMAT, batch)
+
+
+def plan_for(rows=ROWS) -> tuple[KernelPlan, list[Sequence]]:
     seqs = [seq(*row) for row in rows]
-    return SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0)), seqs
+    return kernel_plan(seqs), seqs
 
 
-def packed(plan: SamplingPlan) -> dict[str, np.ndarray]:
+def packed(plan: KernelPlan) -> dict[str, np.ndarray]:
     """The parameter fields as the binding reads them from a blob the plan packed (over stale bytes)."""
     layout = plan.layout
     blob = np.full(layout.params_nbytes + 64, 0xA5, np.uint8)
@@ -80,7 +106,7 @@ def packed(plan: SamplingPlan) -> dict[str, np.ndarray]:
 
 
 def test_the_layout_places_every_field_aligned_after_the_one_before():
-    layout = PackedLayout(rows=5, logprob_columns=4, num_overrides=2, seen_width=3, masked_width=1)
+    layout = FORMAT.layout(rows=5, logprob_columns=4, num_overrides=2, seen_width=3, masked_width=1)
     # temperatures 20 bytes, top_ks, top_ps, min_ps, keys 40, num_logprobs, override_rows, override_source 8,
     # seen_tokens 24, output_counts 24, presence 8, frequency 8, repetition 8, masked_tokens 8.
     assert layout.layout == (5, 4, 2, 3, 1, 0, 32, 64, 96, 128, 176, 208, 240, 256, 288, 320, 336, 352, 368,
@@ -96,7 +122,7 @@ def test_the_layout_places_every_field_aligned_after_the_one_before():
 
 
 def test_a_layout_without_overrides_or_logprobs_has_empty_fields_for_them():
-    layout = PackedLayout(rows=3, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
+    layout = FORMAT.layout(rows=3, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
     params = fields_of(layout.layout, PARAM_FIELDS, len(COUNTS))
     assert params["override_source"][2] == (0,)
     assert params["seen_tokens"][2] == params["masked_tokens"][2] == (0, 0)
@@ -155,15 +181,15 @@ def test_a_batch_without_penalties_or_masks_has_no_overrides():
 def test_seen_tokens_grow_with_the_sequence_between_calls():
     seen = SeenTokens()
     s = seq(SamplingParams(frequency_penalty=1.0), [1, 2], [5])
-    first = SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0))
+    first = kernel_plan([s], seen)
     pad = [-1] * (SEEN_WIDTH_STEP - 2)
     assert packed(first)["seen_tokens"].tolist() == [[5, -1] + pad]
     s.token_ids += [5, 6]
-    second = packed(SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0)))
+    second = packed(kernel_plan([s], seen))
     assert second["seen_tokens"].tolist() == [[5, 6] + pad]
     assert second["output_counts"].tolist() == [[2, 1] + [0] * len(pad)]
     s.token_ids += list(range(100, 100 + SEEN_WIDTH_STEP))  # one more distinct token than the width holds
-    third = packed(SamplingPlan([s], VOCAB, [EOS], seen, np.random.default_rng(0)))
+    third = packed(kernel_plan([s], seen))
     assert third["seen_tokens"].shape == (1, 2 * SEEN_WIDTH_STEP)
     assert third["seen_tokens"][0, :SEEN_WIDTH_STEP + 2].tolist() == [5, 6] + list(range(100, 100 + SEEN_WIDTH_STEP))
 
@@ -172,13 +198,13 @@ def test_a_plan_reuses_the_last_batch_rows_only_for_the_same_sequences_and_param
     """The parameters' per-row arrays are kept from call to call while the batch is the same; another order, another
     sequence, or new parameters on one of them make new ones, and every plan packs what a fresh one packs."""
     seqs = [seq(*row) for row in ROWS]
-    first = SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0))
-    same = SamplingPlan(list(seqs), VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    first = kernel_plan(seqs)
+    same = kernel_plan(list(seqs), batch=first.batch)
     assert same.batch is first.batch
 
     def assert_like_fresh(plan, seqs):
         """Every field as a fresh plan's; keys of the unseeded rows only (a seeded row's stream has moved on)."""
-        fresh = packed(SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0)))
+        fresh = packed(kernel_plan(seqs))
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         for name, values in packed(plan).items():
             if name == "keys":
@@ -187,15 +213,15 @@ def test_a_plan_reuses_the_last_batch_rows_only_for_the_same_sequences_and_param
 
     assert_like_fresh(same, seqs)
     reordered = seqs[::-1]
-    plan = SamplingPlan(reordered, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    plan = kernel_plan(reordered, batch=first.batch)
     assert plan.batch is not first.batch
     assert_like_fresh(plan, reordered)
     other = seqs[:-1] + [seq(SamplingParams(temperature=0.5, top_k=3), [1], [2])]
-    plan = SamplingPlan(other, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    plan = kernel_plan(other, batch=first.batch)
     assert plan.batch is not first.batch
     assert_like_fresh(plan, other)
     seqs[2].params = SamplingParams(temperature=0.3, top_p=0.5)
-    plan = SamplingPlan(seqs, VOCAB, [EOS], SeenTokens(), np.random.default_rng(0), first.batch)
+    plan = kernel_plan(seqs, batch=first.batch)
     assert plan.batch is not first.batch and packed(plan)["top_ps"][2] == np.float32(0.5)
     assert_like_fresh(plan, seqs)
 
@@ -203,11 +229,11 @@ def test_a_plan_reuses_the_last_batch_rows_only_for_the_same_sequences_and_param
 def test_a_batch_of_plain_greedy_rows_needs_no_kernel_fields():
     rows = [(SamplingParams(temperature=0), [1, 2], [3]), (SamplingParams(temperature=0), [4], [])]
     plan, _ = plan_for(rows)
-    assert plan.plain_greedy and not hasattr(plan, "layout")
+    assert plan.plain_greedy and plan.layout is None
     for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, presence_penalty=0.1),
                    SamplingParams(temperature=0, min_tokens=3), SamplingParams(temperature=0.5)):
         plan, _ = plan_for(rows + [(params, [1], [])])
-        assert not plan.plain_greedy and hasattr(plan, "layout")
+        assert not plan.plain_greedy and plan.layout is not None
 
 
 def test_more_top_logprobs_than_the_kernel_gives_leave_the_kernel_none():
@@ -223,8 +249,8 @@ LOGPROB_IDS = [[2, 3, 4], [0, 2, 9]]  # the sampled token's rank - 1, then the t
 def test_pending_logprobs_are_read_from_the_rows_that_asked():
     """The torch path's layout: a row per row that asked. Only those rows get TokenLogprobs, with the sampled token
     first and ranks from 1."""
-    pending = PendingSample(torch.tensor([5, 8, 2]), _Logprobs(rows=[1, 2], num_top=[2, 1]),
-                            torch.tensor(LOGPROB_VALUES), torch.tensor(LOGPROB_IDS))
+    pending = CopiedSample(torch.tensor([5, 8, 2]), LogprobRows(rows=[1, 2], num_top=[2, 1]),
+                           torch.tensor(LOGPROB_VALUES), torch.tensor(LOGPROB_IDS))
     out = pending.result()
     assert out.token_ids == [5, 8, 2]
     assert out.logprobs[0] is None
@@ -235,7 +261,7 @@ def test_pending_logprobs_are_read_from_the_rows_that_asked():
 def test_packed_results_are_read_back_from_one_blob():
     """The kernels' layout: a row per batch row in one results blob, read back through the results buffer of a
     staging slot; token_ids stays a view of the blob (the engine feeds the next step from it)."""
-    layout = PackedLayout(rows=3, logprob_columns=3, num_overrides=0, seen_width=0, masked_width=0)
+    layout = FORMAT.layout(rows=3, logprob_columns=3, num_overrides=0, seen_width=0, masked_width=0)
     blob = np.zeros(layout.results_nbytes, np.uint8)
     results = fields_of(layout.layout, RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))
     read(blob, results["token_ids"])[:] = [5, 8, 2]
@@ -244,9 +270,8 @@ def test_packed_results_are_read_back_from_one_blob():
     device_blob = torch.from_numpy(blob)
     slot = StagingSlot(pin=False)
     slot.reclaim(layout)
-    pending = PackedPendingSample(device_blob, layout, slot, _Logprobs(rows=[1, 2], num_top=[2, 1]))
+    pending = PackedSample(device_blob, layout, slot.hold(device_blob), LogprobRows(rows=[1, 2], num_top=[2, 1]))
     assert pending.token_ids.dtype == torch.int64 and pending.token_ids.data_ptr() == device_blob.data_ptr()
-    assert slot.pending is pending
     out = pending.result()
     assert out.token_ids == [5, 8, 2]
     assert out.logprobs[0] is None
@@ -254,13 +279,35 @@ def test_packed_results_are_read_back_from_one_blob():
     assert out.logprobs[2] == TokenLogprobs([2, 2], [-0.25, -0.25], [1, 1])
 
 
+def test_results_still_held_when_their_slot_is_reused_keep_their_own_bytes():
+    """The slot's next call overwrites its host buffer: reclaiming the slot first gives the results not taken yet a
+    copy of their own, so that they read as their call's whenever they are taken; results are taken once."""
+    layout = FORMAT.layout(rows=4, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
+    slot = StagingSlot(pin=False)
+    slot.reclaim(layout)
+    early = slot.hold(torch.full((layout.results_nbytes,), 1, dtype=torch.uint8))
+    assert early.take().tolist() == [1] * layout.results_nbytes
+    slot.reclaim(layout)
+    late = slot.hold(torch.full((layout.results_nbytes,), 2, dtype=torch.uint8))
+    slot.reclaim(layout)
+    slot.hold(torch.full((layout.results_nbytes,), 3, dtype=torch.uint8))
+    assert late.take().tolist() == [2] * layout.results_nbytes
+    with pytest.raises(RuntimeError, match="taken"):
+        late.take()
+
+
 class FakeCore:
-    """ops.sample_packed on the host: each row's token is its top_k + 100 * (its override + 1) (read from the
-    parameters at the layout's offsets), its logprobs its temperature then -row; every call's parameters are
-    kept."""
+    """The core on the host: its declaration of the blobs (DECLARATION), and ops.sample_packed, where each row's
+    token is its top_k + 100 * (its override + 1) (read from the parameters at the layout's offsets), its logprobs
+    its temperature then -row; every call's parameters are kept."""
+    MAX_TOP_LOGPROBS = MAX_TOP_LOGPROBS
 
     def __init__(self):
         self.calls = []
+
+    @staticmethod
+    def sample_packed_layout() -> dict:
+        return DECLARATION
 
     def sample_packed(self, logits, params, layout, results, overrides):
         blob, out = params.numpy().copy(), results.numpy()
@@ -278,20 +325,17 @@ class FakeCore:
 
 
 @pytest.fixture
-def core_sampler(monkeypatch) -> tuple[Sampler, FakeCore]:
-    """A sampler on the host that takes the core's path, with FakeCore for the core."""
-    core = FakeCore()
-    monkeypatch.setattr(sampler_module, "require_core", lambda: core)
-    s = Sampler(torch.device("cpu"), [EOS], seed=0)
-    s._kernel, s._staging = True, Staging(pin=False)
-    return s, core
+def kernel_path() -> tuple[KernelPath, FakeCore]:
+    """The kernel path on the host, with FakeCore for the core."""
+    fake_core = FakeCore()
+    return KernelPath(torch.device("cpu"), [EOS], 0, fake_core), fake_core
 
 
-def test_the_core_path_sends_the_plan_and_reads_the_results(core_sampler):
-    s, core = core_sampler
+def test_the_kernel_path_sends_the_plan_and_reads_the_results(kernel_path):
+    path, fake_core = kernel_path
     seqs = [seq(*row) for row in ROWS]
-    out = s(torch.zeros(len(ROWS), VOCAB), seqs)
-    sent = core.calls[-1]
+    out = path.sample(torch.zeros(len(ROWS), VOCAB), seqs).result()
+    sent = fake_core.calls[-1]
     assert sent["top_ks"].tolist() == [0, 0, 20, 0, 0, 0]
     assert sent["override_source"].tolist() == [1, 2, 4]
     assert out.token_ids == [0, 100, 220, 0, 300, 0]  # top_k + 100 * (override + 1)
@@ -300,19 +344,21 @@ def test_the_core_path_sends_the_plan_and_reads_the_results(core_sampler):
     assert [i for i, entry in enumerate(out.logprobs) if entry is not None] == [3, 4]
 
 
-def test_a_result_not_read_survives_the_reuse_of_its_host_buffers(core_sampler):
-    """Two staging slots: the third call reuses the first's buffers, after the first's result has been read out."""
-    s, _ = core_sampler
+def test_a_result_not_read_survives_the_reuse_of_its_host_buffers(kernel_path):
+    """Two staging slots: the third call reuses the first's buffers, the fourth the second's, while their results
+    have not been read."""
+    path, _ = kernel_path
     batches = [[seq(SamplingParams(top_k=k + i), [1])] * 3 for i, k in enumerate((5, 7, 9, 11))]
-    pending = [s.sample(torch.zeros(3, VOCAB), batch) for batch in batches]
+    pending = [path.sample(torch.zeros(3, VOCAB), batch) for batch in batches]
     assert [p.result().token_ids for p in pending] == [[5] * 3, [8] * 3, [11] * 3, [14] * 3]
 
 
-def test_more_top_logprobs_than_the_kernel_gives_come_from_torch(core_sampler):
-    s, core = core_sampler
+def test_more_top_logprobs_than_the_kernel_gives_come_from_torch(kernel_path):
+    path, fake_core = kernel_path
     logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
-    out = s(logits, [seq(SamplingParams(temperature=0, logprobs=40), [1]), seq(SamplingParams(top_k=3), [2])])
-    assert core.calls[-1]["num_logprobs"].tolist() == [40, -1]  # sent, but the kernel is asked for none
+    out = path.sample(logits, [seq(SamplingParams(temperature=0, logprobs=40), [1]),
+                               seq(SamplingParams(top_k=3), [2])]).result()
+    assert fake_core.calls[-1]["num_logprobs"].tolist() == [40, -1]  # sent, but the kernel is asked for none
     assert out.token_ids == [0, 3]
     raw = logits[0].log_softmax(-1)
     entry = out.logprobs[0]

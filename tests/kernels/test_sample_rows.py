@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nanograph import ops
-from nanograph.packed_sampling import MAX_TOP_LOGPROBS, PackedLayout
+from nanograph._core import require_core
+from nanograph.sampling.packed_layout import PackedFormat
 
 from ..engine.test_sampler_truncation import AMBIGUOUS, reference_thresholds
 
@@ -143,11 +144,6 @@ def test_thresholds_and_draws_follow_the_float64_reference(vocab, rows, scale, d
     params = random_params(rows, vocab, generator)
     tokens, thresholds = sample(logits.to(DEVICE), params)
     assert_follows_reference(logits, params, tokens, thresholds)
-
-
-def test_max_top_logprobs_matches_core():
-    """The host plans with its own copy of the kernel's limit on top logprobs."""
-    assert ops.MAX_TOP_LOGPROBS == MAX_TOP_LOGPROBS
 
 
 @pytest.mark.parametrize("rows", [1, 3, 256, 300])
@@ -457,7 +453,8 @@ def test_bad_packed_arguments_are_rejected_with_the_field_named():
     """ops.sample_packed: the layout, each blob and each field is checked (in its blob, aligned, apart from the
     others) before anything runs."""
     rows, vocab, n = 4, 100, 2
-    layout = PackedLayout(rows, logprob_columns=3, num_overrides=n, seen_width=2, masked_width=1)
+    layout = PackedFormat.of(require_core()).layout(rows=rows, logprob_columns=3, num_overrides=n, seen_width=2,
+                                                    masked_width=1)
     blob = np.zeros(layout.params_nbytes, np.uint8)
     layout.pack(dict(temperatures=[1, 0, 0.5, 1], top_ks=[0, 0, 5, 0], top_ps=[1, 1, 1, 0.9], min_ps=[0] * 4,
                      keys=[1, 2, 3, 4], num_logprobs=[-1, 2, -1, 0], override_rows=[-1, 0, -1, 1],

@@ -10,7 +10,7 @@ from typing import Protocol
 
 import torch
 
-from ..sampler import SamplerOutput
+from ..sampling import SamplerOutput
 
 
 class Pending(Protocol):

@@ -18,7 +18,7 @@ from .._core import require_core
 from ..engine.batch import storeless_batch
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
-from ..sampler import Sampler, SamplerOutput
+from ..sampling import Sampler, SamplerOutput
 from .base import PendingTokens, Runner
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..model_config import ModelConfig
 from ..models import load_weights, rope_cos_sin
-from ..sampler import Sampler
+from ..sampling import Sampler
 from .base import PendingTokens, Runner
 
 KV_CACHE_BUDGET_BYTES = 1 << 30

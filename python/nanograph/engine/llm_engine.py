@@ -29,7 +29,7 @@ from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..sampler import TokenLogprobs
+from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager

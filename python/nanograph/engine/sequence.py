@@ -5,6 +5,7 @@ import random
 from enum import Enum, auto
 
 from ..outputs import Logprob
+from ..sampling.table import parameter_row
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 
@@ -52,7 +53,7 @@ class Sequence:
     @params.setter
     def params(self, params: SamplingParams):
         self._params = params
-        self.sampling_row = params.numeric_row()  # the sampler reads it every step
+        self.sampling_row = parameter_row(params)  # the sampler reads it every step
 
     @property
     def num_tokens(self) -> int:

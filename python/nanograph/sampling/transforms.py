@@ -1,4 +1,5 @@
-"""Logit transforms of the sampler, in vLLM's semantics, batched over rows with per-row parameter tensors.
+"""Logit transforms of the torch path, in vLLM's semantics, batched over rows with per-row parameter tensors:
+penalties, and the truncations min_p, top-k and top-p.
 
 Logits are float32 [rows, width]; per-row parameters are [rows, 1]. Truncations (min_p, top-k, top-p) come out as one
 threshold logit per row: the row keeps the tokens whose logit reaches it. They are computed on each row's candidates,

@@ -1,0 +1,49 @@
+"""Token sampling on the logits' device, one row per sequence, in vLLM's order: logprobs of the raw logits →
+penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a draw.
+
+Sampler picks its path once: the core's kernels on a GPU with the core (kernel_path.py), torch ops elsewhere
+(torch_path.py). Both read the batch's parameters from the per-row table (table.py) and return a PendingSample
+(outputs.py), whose token ids stay on the device for the next step; the host does not wait for the device until
+PendingSample.result(), except where the torch path truncates rows."""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .._core import core_available, require_core
+from .kernel_path import KernelPath
+from .outputs import PendingSample, SamplerOutput, TokenLogprobs
+from .table import SampledSequence
+from .torch_path import TorchPath
+
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "TokenLogprobs"]
+
+
+class Sampler:
+    """One token per row of a step's logits, on the path chosen for the device (self.path)."""
+
+    def __init__(self, device: torch.device | str, eos_token_ids=(), seed: int = 0):
+        """eos_token_ids: masked, with a request's stop tokens, until it has min_tokens; seed: the stream of the
+        rows without a seed of their own."""
+        device, eos_token_ids = torch.device(device), list(eos_token_ids)
+        if device.type == "cuda" and core_available():
+            self.path = KernelPath(device, eos_token_ids, seed, require_core())
+        else:
+            self.path = TorchPath(device, eos_token_ids, seed)
+
+    def new_generator(self, seed: int) -> random.Random:
+        """A request's own random stream, on the host: each of its draws takes one uniform (or key) from it, so a
+        seeded row's tokens do not depend on the rest of the batch."""
+        return random.Random(seed)
+
+    def plain_greedy(self, seqs: list[SampledSequence], vocab_size: int) -> bool:
+        """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, min_tokens
+        masks or logprobs). Decided by their parameters alone, so before their logits exist: the core can then take
+        the argmax within the step."""
+        return self.path.plain_greedy(seqs, vocab_size)
+
+    def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> PendingSample:
+        """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
+        unmodified); the token ids on the device come as int64, or int32 from the core's argmax."""
+        return self.path.sample(logits, seqs)
