@@ -188,7 +188,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "nanograph"
-    root: str  # the model folder
+    root: str | None  # the model folder
     max_model_len: int
 
 

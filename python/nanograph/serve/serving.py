@@ -25,12 +25,13 @@ class Completion:
 
 
 class ServedModel:
-    def __init__(self, async_llm: AsyncLLM, name: str):
+    def __init__(self, async_llm: AsyncLLM, name: str, tokenizer=None):
+        """tokenizer: the frontend's (None: a new instance from the model folder)."""
         self.async_llm = async_llm
         self.name = name
         self.path = async_llm.engine.config.model
         self.max_model_len = async_llm.engine.config.max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
 
     def check_model(self, model: str | None):
         if model is not None and model != self.name:
