@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import re
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .protocol import ErrorInfo, ErrorResponse
+from .streaming import CLIENT_CLOSED_REQUEST
 
 logger = logging.getLogger("nanograph.serve")
 
@@ -70,6 +72,11 @@ def add_error_handlers(app: FastAPI):
     async def http_error(request: Request, exc: HTTPException):
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        """Gone before its body was read: nothing was queued, and nobody reads the answer."""
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
