@@ -50,7 +50,8 @@ class ServerMetrics:
         self.request_success = Counter(PREFIX + "request_success", "Completions finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
         self.time_to_first_token = labelled(Histogram, "time_to_first_token_seconds",
-                                            "Seconds from a request's arrival to its first token.", buckets=TTFT_BUCKETS)
+                                            "Seconds from a request's arrival to its first token.",
+                                            buckets=TTFT_BUCKETS)
         self.inter_token_latency = labelled(Histogram, "inter_token_latency_seconds",
                                             "Seconds between the steps that give a request new tokens.",
                                             buckets=ITL_BUCKETS)
