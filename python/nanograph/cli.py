@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None):
             serve_command.serve(args)
             return
         if args.command == "bench" and args.workload == "serve":
-            from .bench_serve import bench_serve
+            try:
+                from .bench_serve import bench_serve
+            except ImportError as exc:
+                raise SystemExit(f"nanograph bench serve needs the {exc.name} package: pip install aiohttp")
             bench_serve(args.base_url, args.model, args.num_prompts, args.prompt_len or 1024, args.output_len or 128,
                         args.request_rate, args.max_concurrency, args.goodput, args.api_key, args.seed,
                         args.result_file)

@@ -25,12 +25,13 @@ def started(engine) -> AsyncLLM:
 
 async def collect(async_llm, prompts, params):
     token_ids, finishes = {}, {}
-    async for prompt_index, delta in await async_llm.generate(prompts, [params] * len(prompts)):
-        key = (prompt_index, delta.index)
-        assert key not in finishes, "nothing after a completion's last delta"
-        token_ids[key] = token_ids.get(key, []) + delta.token_ids
-        if delta.finished:
-            finishes[key] = delta.finish_reason
+    async for deltas in await async_llm.generate(prompts, [params] * len(prompts)):
+        for prompt_index, delta in deltas:
+            key = (prompt_index, delta.index)
+            assert key not in finishes, "nothing after a completion's last delta"
+            token_ids[key] = token_ids.get(key, []) + delta.token_ids
+            if delta.finished:
+                finishes[key] = delta.finish_reason
     return token_ids, finishes
 
 

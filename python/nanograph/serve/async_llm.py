@@ -26,8 +26,10 @@ class EngineUnavailable(RuntimeError):
 
 
 class RequestStream:
-    """One API request's engine requests (one per prompt) as one async stream of (prompt index, delta), ending
-    once every completion has reported its last delta. close() aborts what is unfinished."""
+    """One API request's engine requests (one per prompt) as one async stream of (prompt index, delta) lists, ending
+    once every completion has reported its last delta. Each item is all that has arrived since the last one, so
+    that a reader behind the engine (a slow client, a busy event loop) catches up in one write. close() aborts
+    what is unfinished."""
 
     def __init__(self, async_llm: AsyncLLM, loop: asyncio.AbstractEventLoop, num_completions: int):
         self.async_llm = async_llm
@@ -40,16 +42,19 @@ class RequestStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> tuple[int, CompletionDelta]:
+    async def __anext__(self) -> list[tuple[int, CompletionDelta]]:
         if not self.num_open:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.num_open = 0
-            raise item
-        if item[1].finished:
-            self.num_open -= 1
-        return item
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                self.num_open = 0
+                raise item
+            if item[1].finished:
+                self.num_open -= 1
+        return items
 
     def close(self):
         if not self.closed:
@@ -96,7 +101,7 @@ class AsyncLLM:
 
     def abort_all(self):
         """Refuse new requests and abort every unfinished one (their streams end with "abort"); the loop then
-        stops. Callable from any thread, or a signal handler."""
+        stops. Callable from any thread (not from a signal handler, as it takes the command lock)."""
         self.stopping = True
         self.submit(("stop",))
 

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from ..outputs import Logprob
-from .async_llm import EngineUnavailable, RequestStream
+from ..outputs import CompletionDelta, Logprob
+from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
-from .serving import ServedModel, engine_failure, unavailable, usage, wants_usage_chunk
-from .streaming import DONE, EventStreamResponse, event, unless_disconnected
+from .serving import ServedModel, usage, wants_usage_chunk
+from .streaming import EventStreamResponse, event, sse_body, unless_disconnected
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
@@ -66,29 +66,23 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
                   num_top: int, include_usage: bool) -> AsyncIterator[str]:
-    """Each choice's role chunk, then one chunk per step that gave it something, finish_reason on its last; the
-    usage chunk (no choices) when asked; then [DONE]. A failure is an error event in place of the rest."""
+    """Each choice's role chunk, then one chunk per step that gave a choice something, finish_reason on its last."""
     created = int(time.time())
+    num_tokens = 0
 
-    def chunk(choices, **fields) -> str:
+    def chunk(choices: list[ChatChunkChoice], **fields) -> str:
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, **fields))
 
-    for index in range(n):
-        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-    num_tokens = 0
-    try:
-        async for _, delta in stream:
-            if delta.error is not None:
-                yield event(engine_failure(delta.error).body())
-                break
-            num_tokens += len(delta.token_ids)
-            logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
-            yield chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
-                                         finish_reason=delta.finish_reason if delta.finished else None,
-                                         stop_reason=delta.stop_reason if delta.finished else None)])
-        else:
-            if include_usage:
-                yield chunk([], usage=usage(prompts, num_tokens))
-    except EngineUnavailable as exc:
-        yield event(unavailable(exc).body())
-    yield DONE
+    def chunk_of(_, delta: CompletionDelta) -> str:
+        nonlocal num_tokens
+        num_tokens += len(delta.token_ids)
+        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
+        return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
+                                      finish_reason=delta.finish_reason if delta.finished else None,
+                                      stop_reason=delta.stop_reason if delta.finished else None)])
+
+    yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+                  for index in range(n))
+    async for events in sse_body(stream, chunk_of,
+                                 (lambda: chunk([], usage=usage(prompts, num_tokens))) if include_usage else None):
+        yield events

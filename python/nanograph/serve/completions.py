@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
-from ..outputs import Logprob
-from .async_llm import EngineUnavailable, RequestStream
+from ..outputs import CompletionDelta, Logprob
+from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import ServedModel, engine_failure, unavailable, usage, wants_usage_chunk
-from .streaming import DONE, EventStreamResponse, event, unless_disconnected
+from .serving import ServedModel, usage, wants_usage_chunk
+from .streaming import EventStreamResponse, event, sse_body, unless_disconnected
 
 
 async def create_completion(served: ServedModel, raw_request: Request) -> Response | CompletionResponse:
@@ -76,34 +76,31 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     return result, text_offset
 
 
-async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
-                  n: int, include_usage: bool) -> AsyncIterator[str]:
-    """One chunk per choice per step that gave it something, finish_reason on its last; the usage chunk (no
-    choices) when asked; then [DONE]. A failure is an error event in place of the rest."""
+def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
+            n: int, include_usage: bool) -> AsyncIterator[str]:
+    """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
+    last."""
     created = int(time.time())
     started, offsets, num_tokens = set(), {}, 0
-    try:
-        async for prompt_index, delta in stream:
-            if delta.error is not None:
-                yield event(engine_failure(delta.error).body())
-                break
-            index = prompt_index * n + delta.index
-            text = delta.text
-            if index not in started:
-                started.add(index)
-                text = echoed[prompt_index] + text
-            logprobs = None
-            if delta.logprobs is not None:
-                logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))
-            num_tokens += len(delta.token_ids)
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                      finish_reason=delta.finish_reason if delta.finished else None,
-                                      stop_reason=delta.stop_reason if delta.finished else None)
-            yield event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice]))
-        else:
-            if include_usage:
-                yield event(CompletionResponse(id=response_id, created=created, model=model, choices=[],
-                                               usage=usage(prompts, num_tokens)))
-    except EngineUnavailable as exc:
-        yield event(unavailable(exc).body())
-    yield DONE
+
+    def chunk_of(prompt_index: int, delta: CompletionDelta) -> str:
+        nonlocal num_tokens
+        index = prompt_index * n + delta.index
+        text = delta.text
+        if index not in started:
+            started.add(index)
+            text = echoed[prompt_index] + text
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))
+        num_tokens += len(delta.token_ids)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=delta.finish_reason if delta.finished else None,
+                                  stop_reason=delta.stop_reason if delta.finished else None)
+        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice]))
+
+    def usage_chunk() -> str:
+        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[],
+                                        usage=usage(prompts, num_tokens)))
+
+    return sse_body(stream, chunk_of, usage_chunk if include_usage else None)

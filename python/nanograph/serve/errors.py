@@ -12,11 +12,11 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .protocol import ErrorInfo, ErrorResponse
-from .streaming import CLIENT_CLOSED_REQUEST
 
 logger = logging.getLogger("nanograph.serve")
 
 ERROR_TYPES = {401: "authentication_error", 500: "server_error", 503: "server_error"}  # else invalid_request_error
+CLIENT_CLOSED_REQUEST = 499  # the status of a response nobody reads: the client left first
 _UNION_TAGS = {"str", "int", "float", "bool"}  # what pydantic adds to a location inside a union member
 
 

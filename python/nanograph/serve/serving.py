@@ -86,15 +86,16 @@ class ServedModel:
         the engine is a 500."""
         completions: dict[int, Completion] = {}
         try:
-            async for prompt_index, delta in stream:
-                if delta.error is not None:
-                    raise engine_failure(delta.error)
-                completion = completions.setdefault(prompt_index * n + delta.index, Completion())
-                completion.text += delta.text
-                completion.token_ids += delta.token_ids
-                completion.logprobs += delta.logprobs or []
-                if delta.finished:
-                    completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+            async for deltas in stream:
+                for prompt_index, delta in deltas:
+                    if delta.error is not None:
+                        raise engine_failure(delta.error)
+                    completion = completions.setdefault(prompt_index * n + delta.index, Completion())
+                    completion.text += delta.text
+                    completion.token_ids += delta.token_ids
+                    completion.logprobs += delta.logprobs or []
+                    if delta.finished:
+                        completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         finally:

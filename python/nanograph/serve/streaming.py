@@ -10,13 +10,38 @@ from fastapi import Request, Response
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 
+from ..outputs import CompletionDelta
+from .async_llm import EngineUnavailable, RequestStream
+from .errors import CLIENT_CLOSED_REQUEST
+from .serving import engine_failure, unavailable
+
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
-CLIENT_CLOSED_REQUEST = 499  # the status of a response nobody reads: the client left first
 
 
 def event(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+async def sse_body(stream: RequestStream, chunk_of: Callable[[int, CompletionDelta], str],
+                   usage_chunk: Callable[[], str] | None) -> AsyncIterator[str]:
+    """The events of a stream: the chunks of each batch of deltas in one write, the usage chunk when asked, then
+    [DONE]. A failure inside the engine (or an engine gone) is an error event in place of the rest."""
+    try:
+        async for deltas in stream:
+            events = []
+            for prompt_index, delta in deltas:
+                if delta.error is not None:
+                    yield "".join(events) + event(engine_failure(delta.error).body()) + DONE
+                    return
+                events.append(chunk_of(prompt_index, delta))
+            yield "".join(events)
+    except EngineUnavailable as exc:
+        yield event(unavailable(exc).body()) + DONE
+        return
+    if usage_chunk is not None:
+        yield usage_chunk()
+    yield DONE
 
 
 class EventStreamResponse(StreamingResponse):
