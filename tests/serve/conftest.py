@@ -7,20 +7,12 @@ from transformers import AutoTokenizer
 from nanograph import LLM
 from nanograph.default_model import default_model_path
 
-from .server_process import MAX_MODEL_LEN, ServerProcess
-
-
-def started(tmp_path_factory, *args: str):
-    """A server for one module; its teardown stops it with SIGTERM and checks that it exits 0."""
-    server = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", *args)
-    yield server
-    code = server.stop()
-    assert code == 0, f"nanograph serve exited with {code} after SIGTERM:\n{server.log()[-4000:]}"
+from .server_process import MAX_MODEL_LEN, module_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from started(tmp_path_factory)
+    yield from module_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

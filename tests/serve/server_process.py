@@ -24,6 +24,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def module_server(tmp_path_factory, *args: str):
+    """A server for one module (a fixture's body); its teardown stops it with SIGTERM and checks that it exits 0."""
+    server = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", *args)
+    yield server
+    code = server.stop()
+    assert code == 0, f"nanograph serve exited with {code} after SIGTERM:\n{server.log()[-4000:]}"
+
+
 class ServerProcess:
     def __init__(self, log_path: Path, *args: str):
         self.port = free_port()

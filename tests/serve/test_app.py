@@ -7,7 +7,7 @@ import pytest
 
 import nanograph
 
-from .server_process import MAX_MODEL_LEN
+from .server_process import MAX_MODEL_LEN, module_server
 
 KEY = "test-key-1234"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -15,8 +15,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from .conftest import started
-    yield from started(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol")
+    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol")
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     prompts, texts = _prompts(served, request.prompt)
     served.check_room(prompts, request.max_tokens, "max_tokens")
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
-    echoed = texts if request.echo else [""] * len(prompts)
+    echoed = (texts or [served.tokenizer.decode(token_ids) for token_ids in prompts]) if request.echo else \
+        [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
     if request.stream:
         stream = await served.generate(request, prompts, params)
@@ -47,8 +48,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     return await unless_disconnected(raw_request, complete())
 
 
-def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str]]:
-    """The prompts as token ids, and as text (for echo)."""
+def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str] | None]:
+    """The prompts as token ids, and as text when given as text."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
@@ -58,7 +59,7 @@ def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str]]:
         prompt = [prompt]
     if isinstance(prompt[0], str):
         return [served.encode(text) for text in prompt], prompt
-    return prompt, [served.tokenizer.decode(token_ids) for token_ids in prompt]
+    return prompt, None
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int
