@@ -40,11 +40,15 @@ class LLM:
             raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
                              "files, or call generate() with token-id prompts")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template([_text_message(m) for m in conversation],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False,
-                                                      **(chat_template_kwargs or {}))
+        prompts = [chat_prompt_token_ids(self.tokenizer, conversation, chat_template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def chat_prompt_token_ids(tokenizer, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+    """One conversation rendered by the tokenizer's chat template, the assistant's turn opened, as token ids."""
+    return tokenizer.apply_chat_template([_text_message(m) for m in conversation], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
 
 
 def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None

@@ -31,6 +31,9 @@ class BlockManager:
         # Least recently freed first. A freed block keeps its cached contents until it is handed out again.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
+        # Prompt tokens looked up in the prefix cache and found there, over every admission (metrics).
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
         # Every sequence holding blocks owns a row that mirrors its block_table, written as blocks are added, so a
         # step gathers its block tables with one numpy index instead of rebuilding them from lists.
         self.block_tables = np.zeros((64, 64), dtype=np.int32)  # rows and columns double on demand
@@ -59,6 +62,8 @@ class BlockManager:
                     break
                 self._ref(block_id)
                 self._append_block(seq, block_id)
+            self.num_prefix_queried_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += len(seq.block_table) * self.block_size
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -1,0 +1,98 @@
+"""The FastAPI app: the OpenAI routes under /v1 (behind the API key when one is set), and /health, /version,
+/tokenize, /detokenize and /metrics beside them."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .. import __version__
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, add_error_handlers, parse_body
+from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                       TokenizeResponse)
+from .serving import ServedModel
+
+SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
+
+
+def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+    async_llm = served.async_llm
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        async_llm.abort_all()
+        await asyncio.to_thread(async_llm.join, SHUTDOWN_SECONDS)
+
+    app = FastAPI(title="nanograph", version=__version__, lifespan=lifespan)
+    add_error_handlers(app)
+
+    def check_api_key(request: Request):
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                                "key the server was started with (--api-key)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served.name, root=served.path, max_model_len=served.max_model_len)])
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        return await create_completion(served, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(served, request)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not async_llm.is_running:
+            raise APIError(503, "the engine loop is not running" + (f": {async_llm.error}" if async_llm.error else
+                                                                     " (the server is shutting down)"),
+                           code="engine_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> TokenizeResponse:
+        body = await parse_body(request, TokenizeRequest)
+        served.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", "prompt", "invalid_value")
+        if body.messages is not None:
+            tokens = served.render_chat(body.messages, body.chat_template_kwargs)
+        else:
+            tokens = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=served.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        body = await parse_body(request, DetokenizeRequest)
+        served.check_model(body.model)
+        vocab_size = async_llm.engine.vocab_size
+        outside = [token for token in body.tokens if not 0 <= token < vocab_size]
+        if outside:
+            raise APIError(400, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "tokens",
+                           "invalid_value")
+        return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(async_llm.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

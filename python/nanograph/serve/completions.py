@@ -1,0 +1,107 @@
+"""POST /v1/completions: prompts (text or token ids, one or many), n choices each, logprobs, echo; one response
+or an SSE stream of chunks."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+
+from ..outputs import CompletionDelta, Logprob
+from .async_llm import RequestStream
+from .errors import APIError, parse_body
+from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from .serving import ServedModel, usage, wants_usage_chunk
+from .streaming import EventStreamResponse, event, sse_body, unless_disconnected
+
+
+async def create_completion(served: ServedModel, raw_request: Request) -> Response | CompletionResponse:
+    request = await parse_body(raw_request, CompletionRequest)
+    served.check_model(request.model)
+    include_usage = wants_usage_chunk(request)
+    if request.echo and request.logprobs is not None:
+        raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
+                            "drop echo or logprobs", "echo", "invalid_value")
+    prompts, texts = _prompts(served, request.prompt)
+    served.check_room(prompts, request.max_tokens, "max_tokens")
+    params = served.sampling_params(request, request.max_tokens, request.logprobs)
+    echoed = (texts or [served.tokenizer.decode(token_ids) for token_ids in prompts]) if request.echo else \
+        [""] * len(prompts)
+    response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
+    if request.stream:
+        stream = await served.generate(request, prompts, params)
+        return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage),
+                                   stream.close)
+
+    async def complete() -> CompletionResponse:
+        stream = await served.generate(request, prompts, params)
+        completions = await served.collect(stream, params.n)
+        choices = [CompletionChoice(index=i, text=echoed[i // params.n] + c.text, finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                    logprobs=None if request.logprobs is None else
+                                    completion_logprobs(c.token_ids, c.logprobs, 0)[0])
+                   for i, c in enumerate(completions)]
+        return CompletionResponse(id=response_id, model=model, choices=choices,
+                                  usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
+
+    return await unless_disconnected(raw_request, complete())
+
+
+def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str] | None]:
+    """The prompts as token ids, and as text when given as text."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt is empty; give a string, a list of strings, token ids or lists of token ids",
+                       "prompt", "invalid_value")
+    elif isinstance(prompt[0], int):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        return [served.encode(text) for text in prompt], prompt
+    return prompt, None
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int
+                        ) -> tuple[CompletionLogprobs, int]:
+    """The legacy logprobs object of these tokens (each token's top alternatives include it), and the text
+    offset after them."""
+    result = CompletionLogprobs()
+    for token_id, top in zip(token_ids, logprobs):
+        sampled = top[token_id]
+        result.tokens.append(sampled.decoded_token)
+        result.token_logprobs.append(sampled.logprob)
+        result.top_logprobs.append({entry.decoded_token: entry.logprob for entry in top.values()})
+        result.text_offset.append(text_offset)
+        text_offset += len(sampled.decoded_token)
+    return result, text_offset
+
+
+def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
+            n: int, include_usage: bool) -> AsyncIterator[str]:
+    """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
+    last."""
+    created = int(time.time())
+    started, offsets, num_tokens = set(), {}, 0
+
+    def chunk_of(prompt_index: int, delta: CompletionDelta) -> str:
+        nonlocal num_tokens
+        index = prompt_index * n + delta.index
+        text = delta.text
+        if index not in started:
+            started.add(index)
+            text = echoed[prompt_index] + text
+        logprobs = None
+        if delta.logprobs is not None:
+            logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))
+        num_tokens += len(delta.token_ids)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                  finish_reason=delta.finish_reason if delta.finished else None,
+                                  stop_reason=delta.stop_reason if delta.finished else None)
+        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice]))
+
+    def usage_chunk() -> str:
+        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[],
+                                        usage=usage(prompts, num_tokens)))
+
+    return sse_body(stream, chunk_of, usage_chunk if include_usage else None)

@@ -1,0 +1,84 @@
+"""OpenAI-style errors: {"error": {"message", "type", "param", "code"}} with the HTTP status, for bad requests (the
+body's JSON or schema, the engine's validation), a wrong key, an unknown model or route, and engine failures."""
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from .protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("nanograph.serve")
+
+ERROR_TYPES = {401: "authentication_error", 500: "server_error", 503: "server_error"}  # else invalid_request_error
+CLIENT_CLOSED_REQUEST = 499  # the status of a response nobody reads: the client left first
+_UNION_TAGS = {"str", "int", "float", "bool"}  # what pydantic adds to a location inside a union member
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status,
+                                             "invalid_request_error"), param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status)
+
+
+def invalid_value(exc: ValueError | TypeError, request: BaseModel) -> APIError:
+    """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with."""
+    message = str(exc)
+    word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
+    param = word.group(1) if word and word.group(1) in type(request).model_fields else None
+    return APIError(400, message, param, "invalid_value")
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The JSON body as `model`: 400 for a non-JSON Content-Type or malformed JSON, 422 for a body that does not
+    match the schema (naming the field)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(400, f"Content-Type must be application/json, got {content_type or 'none'!r}; send the body "
+                            "as JSON", code="unsupported_content_type")
+    body = await request.body()
+    try:
+        parsed = model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
+        path = ".".join(str(part) for part in errors[0]["loc"]
+                        if isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS))
+        raise APIError(422, f"{path}: {errors[0]['msg']}", path.split(".")[0] or None, "invalid_type") from None
+    if parsed.model_extra:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(parsed.model_extra)))
+    return parsed
+
+
+def add_error_handlers(app: FastAPI):
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):
+        """Gone before its body was read: nothing was queued, and nobody reads the answer."""
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()

@@ -1,0 +1,110 @@
+"""The server's Prometheus metrics: vLLM's names under the "nanograph:" prefix, each labelled with model_name.
+
+The engine loop thread records everything: the gauges and the engine's counters after each step, the latencies and
+token counts from the deltas it hands out. Latencies are per request (its n completions together); finish reasons
+are per completion, as each has its own."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..engine.llm_engine import LLMEngine
+from ..outputs import CompletionDelta
+
+PREFIX = "nanograph:"
+# Seconds, in a 1-2.5-5 series over the range each latency spans, from a fast GPU to a loaded CPU.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    num_prompt_tokens: int
+    num_open_completions: int
+    last_token: float | None = None  # when the request last got tokens; None until its first
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+
+        def labelled(kind, name, documentation, **kwargs):
+            metric = kind(PREFIX + name, documentation, ["model_name"], registry=self.registry, **kwargs)
+            return metric.labels(model_name=model_name)
+
+        self.num_requests_running = labelled(Gauge, "num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = labelled(Gauge, "num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_cache_usage_perc = labelled(Gauge, "kv_cache_usage_perc", "KV cache usage: 1 is every block in use.")
+        self.prefix_cache_queries = labelled(Counter, "prefix_cache_queries",
+                                             "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = labelled(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = labelled(Counter, "num_preemptions",
+                                        "Sequences preempted (their KV blocks taken back).")
+        self.prompt_tokens = labelled(Counter, "prompt_tokens", "Prompt tokens prefilled, once per request.")
+        self.generation_tokens = labelled(Counter, "generation_tokens", "Tokens generated.")
+        self.request_success = Counter(PREFIX + "request_success", "Completions finished, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.time_to_first_token = labelled(Histogram, "time_to_first_token_seconds",
+                                            "Seconds from a request's arrival to its first token.",
+                                            buckets=TTFT_BUCKETS)
+        self.inter_token_latency = labelled(Histogram, "inter_token_latency_seconds",
+                                            "Seconds between the steps that give a request new tokens.",
+                                            buckets=ITL_BUCKETS)
+        self.e2e_request_latency = labelled(Histogram, "e2e_request_latency_seconds",
+                                            "Seconds from a request's arrival to its last completion's end.",
+                                            buckets=E2E_BUCKETS)
+        self.total_prompt_tokens = 0  # the counters' values, for the periodic log line
+        self.total_generation_tokens = 0
+        self._requests: dict[str, _RequestTimes] = {}
+        self._preemptions = self._prefix_queries = self._prefix_hits = 0  # the engine's counts last seen
+
+    def request_added(self, request_id: str, num_prompt_tokens: int, num_completions: int):
+        self._requests[request_id] = _RequestTimes(time.monotonic(), num_prompt_tokens, num_completions)
+
+    def record_deltas(self, deltas: list[CompletionDelta]):
+        """One step's deltas: token counts, the first token's and the step-to-step latency (once per request per
+        step), and, for each completion that ended, its finish reason (and the request's latency when it was the
+        last)."""
+        now = time.monotonic()
+        stepped = set()
+        for delta in deltas:
+            times = self._requests.get(delta.request_id)
+            if times is None:
+                continue
+            if delta.token_ids:
+                self.generation_tokens.inc(len(delta.token_ids))
+                self.total_generation_tokens += len(delta.token_ids)
+                if delta.request_id not in stepped:
+                    stepped.add(delta.request_id)
+                    if times.last_token is None:
+                        self.time_to_first_token.observe(now - times.arrival)
+                        self.prompt_tokens.inc(times.num_prompt_tokens)
+                        self.total_prompt_tokens += times.num_prompt_tokens
+                    else:
+                        self.inter_token_latency.observe(now - times.last_token)
+                    times.last_token = now
+            if delta.finished:
+                reason = "error" if delta.error is not None else delta.finish_reason
+                self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+                times.num_open_completions -= 1
+                if not times.num_open_completions:
+                    self.e2e_request_latency.observe(now - times.arrival)
+                    del self._requests[delta.request_id]
+
+    def record_engine(self, engine: LLMEngine):
+        """The scheduler's and the KV cache's state, and the engine counters' growth since the last call."""
+        scheduler = engine.scheduler
+        blocks = scheduler.block_manager
+        self.num_requests_running.set(scheduler.num_running)
+        self.num_requests_waiting.set(scheduler.num_waiting)
+        self.kv_cache_usage_perc.set(1 - blocks.num_free_blocks / len(blocks.blocks))
+        self.num_preemptions.inc(scheduler.num_preemptions - self._preemptions)
+        self.prefix_cache_queries.inc(blocks.num_prefix_queried_tokens - self._prefix_queries)
+        self.prefix_cache_hits.inc(blocks.num_prefix_hit_tokens - self._prefix_hits)
+        self._preemptions = scheduler.num_preemptions
+        self._prefix_queries, self._prefix_hits = blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens

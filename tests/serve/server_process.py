@@ -1,0 +1,73 @@
+"""`nanograph serve` as a subprocess on a free loopback port (the default SmolLM2 on the CPU): started, waited for
+on /health, stopped with SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+import nanograph
+
+MAX_MODEL_LEN = 512
+START_SECONDS = 180  # a first run converts the default model (~30 s) before it loads
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def module_server(tmp_path_factory, *args: str):
+    """A server for one module (a fixture's body); its teardown stops it with SIGTERM and checks that it exits 0."""
+    server = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", *args)
+    yield server
+    code = server.stop()
+    assert code == 0, f"nanograph serve exited with {code} after SIGTERM:\n{server.log()[-4000:]}"
+
+
+class ServerProcess:
+    def __init__(self, log_path: Path, *args: str):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(nanograph.__file__).parents[1]),
+                                                           os.environ.get("PYTHONPATH", "")]))
+        command = [sys.executable, "-m", "nanograph.cli", "serve", "--device", "cpu", "--max-model-len",
+                   str(MAX_MODEL_LEN), "--port", str(self.port), *args]
+        with open(log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+
+    def _wait_healthy(self):
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nanograph serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.process.kill()
+        raise RuntimeError(f"nanograph serve was not healthy within {START_SECONDS} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, then the exit code (the process is killed, and the code is None, if it outlives timeout)."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None

@@ -1,0 +1,121 @@
+"""The app around the OpenAI routes, on a server started with --api-key: the key on every /v1 route (401 with
+OpenAI's body otherwise), /health, /version, /v1/models, /tokenize, /detokenize, and the error bodies of bad
+requests, after which the server goes on serving."""
+import httpx
+import openai
+import pytest
+
+import nanograph
+
+from .server_process import MAX_MODEL_LEN, module_server
+
+KEY = "test-key-1234"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        yield client
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def post(server, path, body=None, headers=AUTH, **kwargs):
+    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60, **kwargs)
+
+
+def test_every_v1_route_needs_the_key(server):
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            response = httpx.request(method, server.base_url + path, headers=headers, json={}, timeout=10)
+            error = error_of(response, 401)
+            assert error["code"] == "invalid_api_key" and "--api-key" in error["message"]
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(server.base_url + path, timeout=10).status_code == 200
+
+
+def test_models_version_tokenize_detokenize(server, client, tokenizer):
+    [card] = client.models.list().data
+    assert card.id == "smol" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(server.base_url + "/version").json() == {"version": nanograph.__version__}
+    text = "Hello 😀 world"
+    tokens = post(server, "/tokenize", {"prompt": text}).json()
+    assert tokens == {"count": len(tokenizer.encode(text)), "max_model_len": MAX_MODEL_LEN,
+                      "tokens": tokenizer.encode(text)}
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = post(server, "/tokenize", {"messages": messages}).json()
+    assert chat["tokens"] == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
+    error_of(post(server, "/detokenize", {"tokens": [10 ** 7]}), 400)
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1], got 0"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be non-negative"),
+    ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs=50 is more than max_logprobs=20"),
+    ({"prompt": "hi", "max_tokens": 2.5}, 422, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"prompt": "hi", "stream": "yes"}, 422, "stream", "stream: Input should be a valid boolean"),
+    ({"max_tokens": 2}, 422, "prompt", "prompt: Field required"),
+    ({"prompt": [1] * 600}, 400, "prompt", f"prompt has 600 tokens; max_model_len is {MAX_MODEL_LEN}"),
+    ({"prompt": [1] * 500, "max_tokens": 20}, 400, "max_tokens",
+     f"the prompt has 500 tokens and max_tokens is 20: 520 is more than max_model_len={MAX_MODEL_LEN}"),
+    ({"prompt": [[1, 2], [1] * 600]}, 400, "prompt", "prompt 1: prompt has 600 tokens"),
+    ({"prompt": ["fine", [1, 2]]}, 422, "prompt", "prompt: Input should be a valid string"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream_options is only allowed when stream is true"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
+    ({"prompt": [], "max_tokens": 2}, 400, "prompt", "prompt is empty"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
+])
+def test_completion_error_bodies(server, body, status, param, message):
+    error = error_of(post(server, "/v1/completions", body), status)
+    assert message in error["message"] and error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
+     "top_logprobs needs logprobs"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages", "messages.0.role: Input should be"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "messages", "messages.0.content"),
+    ({"messages": []}, 400, "messages", "messages is empty"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_tokens",
+     "max_tokens must be at least 1"),
+])
+def test_chat_error_bodies(server, body, status, param, message):
+    error = error_of(post(server, "/v1/chat/completions", body), status)
+    assert message in error["message"] and error["param"] == param
+
+
+def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):
+    raw = {**AUTH, "Content-Type": "application/json"}
+    error = error_of(httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": ', headers=raw), 400)
+    assert error["code"] == "invalid_json" and "not valid JSON" in error["message"]
+    error = error_of(httpx.post(server.base_url + "/v1/completions", content=b'prompt=hi',
+                                headers={**AUTH, "Content-Type": "text/plain"}), 400)
+    assert "Content-Type must be application/json, got 'text/plain'" in error["message"]
+    assert error_of(httpx.get(server.base_url + "/v2/nothing"), 404)["code"] == "not_found"
+    error_of(httpx.get(server.base_url + "/v1/completions", headers=AUTH), 405)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model="smol", prompt="hi", top_p=2)
+    # The server goes on serving after all of these.
+    assert client.completions.create(model="smol", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    assert httpx.get(server.base_url + "/health").status_code == 200

@@ -1,0 +1,81 @@
+"""POST /v1/chat/completions: the chat template renders the messages, streams equal responses (the role chunk
+first), logprobs with top_logprobs equal LLM.chat's, max_completion_tokens, text parts, usage."""
+import pytest
+
+from nanograph import SamplingParams
+
+from .sse import check_finish_reasons, stream_events
+
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_answers_and_the_stream_equals_the_response(client, model, tokenizer):
+    response = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=24)
+    [choice] = response.choices
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop" and response.object == "chat.completion"
+    prompt = tokenizer.apply_chat_template(CAPITAL, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert response.usage.prompt_tokens == len(prompt)
+    chunks = list(client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks[:-1]) == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == response.usage
+    assert all(chunk.object == "chat.completion.chunk" for chunk in chunks)
+
+
+def test_max_completion_tokens_and_text_parts(client, model):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    as_parts = client.chat.completions.create(model=model, messages=parts, temperature=0, max_completion_tokens=3)
+    as_string = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=3)
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.choices[0].finish_reason == "length" and as_parts.usage.completion_tokens == 3
+    system = [{"role": "system", "content": "Answer in one word."}, *CAPITAL]
+    with_system = client.chat.completions.create(model=model, messages=system, temperature=0, max_tokens=3)
+    assert with_system.usage.prompt_tokens != as_string.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=0), dict(temperature=1.0, seed=5)], ids=["greedy", "seeded"])
+def test_logprobs_and_top_logprobs_equal_llm_chat(client, model, reference_llm, fields):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=6, logprobs=True,
+                                              top_logprobs=2, **fields)
+    content = response.choices[0].logprobs.content
+    [reference] = reference_llm.chat(messages, SamplingParams(max_tokens=6, logprobs=2, **fields), use_tqdm=False)
+    completion = reference.outputs[0]
+    assert len(content) == len(completion.token_ids) == 6
+    for entry, token_id, top in zip(content, completion.token_ids, completion.logprobs):
+        assert entry.token == top[token_id].decoded_token and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == pytest.approx(top[token_id].logprob, abs=1e-4)
+        best = sorted((lp for lp in top.values() if lp.rank <= 2), key=lambda lp: lp.rank)
+        assert [alt.token for alt in entry.top_logprobs] == [lp.decoded_token for lp in best]
+        assert [alt.logprob for alt in entry.top_logprobs] == pytest.approx([lp.logprob for lp in best], abs=1e-4)
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=2, logprobs=True, **fields)
+    assert all(entry.top_logprobs == [] for entry in plain.choices[0].logprobs.content)
+    assert client.chat.completions.create(model=model, messages=messages, max_tokens=2).choices[0].logprobs is None
+
+
+def test_sse_framing_with_n_choices(server, model):
+    chunks = stream_events(server.base_url, "/v1/chat/completions",
+                           {"model": model, "messages": CAPITAL, "n": 3, "temperature": 0.9, "seed": 1,
+                            "max_tokens": 4, "logprobs": True, "stream": True,
+                            "stream_options": {"include_usage": True}})
+    *token_chunks, usage_chunk = chunks
+    assert [chunk["choices"][0]["delta"] for chunk in token_chunks[:3]] == [{"role": "assistant", "content": ""}] * 3
+    assert check_finish_reasons(token_chunks, 3) == {0: "length", 1: "length", 2: "length"}
+    assert sum(len(chunk["choices"][0]["logprobs"]["content"]) for chunk in token_chunks[3:]) == 12
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+
+
+def test_chat_template_kwargs_reach_the_template(client, model):
+    """SmolLM2's template ignores unknown variables; a kwarg that breaks rendering must come back as a 400 that
+    names the template."""
+    import openai
+
+    ok = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    with pytest.raises(openai.BadRequestError, match="chat template"):
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"tokenize": False}})

@@ -1,0 +1,22 @@
+"""`nanograph serve` without the serve extra says how to install it; its arguments reach the engine's Config."""
+import sys
+
+import pytest
+
+from nanograph.cli import main
+
+
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "prometheus_client"])
+def test_a_missing_server_package_names_the_install_command(monkeypatch, missing):
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if it were not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--device", "cpu"])
+    assert str(exit_info.value) == (f"nanograph serve needs the {missing} package, which is not installed: "
+                                    "pip install 'nanograph[serve]'")
+
+
+def test_an_invalid_engine_argument_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--gpu-memory-utilization", "1.5", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "gpu_memory_utilization must be in (0, 1], got 1.5." in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""POST /v1/completions through the official OpenAI client and raw SSE: greedy streams equal responses, usage
+counts the tokenizer's tokens, finish reasons, n choices, seeds, logprobs equal LLM.generate's, prompt forms, echo."""
+import pytest
+
+from nanograph import SamplingParams
+
+from .sse import check_finish_reasons, stream_events
+
+PROMPT = "The three primary colours are"
+
+
+def greedy(client, model, **fields):
+    return client.completions.create(model=model, prompt=fields.pop("prompt", PROMPT), temperature=0, **fields)
+
+
+def test_a_greedy_stream_equals_the_response_and_usage_counts_the_tokens(client, model, tokenizer, reference_llm):
+    response = greedy(client, model, max_tokens=12)
+    [choice] = response.choices
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert response.object == "text_completion" and response.model == model and response.id.startswith("cmpl-")
+    [reference] = reference_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert choice.text == reference.outputs[0].text
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(tokenizer.encode(PROMPT)), 12)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    chunks = list(greedy(client, model, max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks[:-1]) == choice.text
+    assert len({chunk.id for chunk in chunks}) == 1 and len(chunks) > 3  # one chunk per step, not one at the end
+    assert [chunk.choices[0].finish_reason for chunk in chunks[:-1]] == [None] * (len(chunks) - 2) + ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage == usage
+
+
+def test_a_stop_string_and_a_stop_token_end_with_stop(client, model, tokenizer):
+    text = greedy(client, model, max_tokens=12).choices[0].text
+    stop = text.split()[2]
+    [choice] = greedy(client, model, max_tokens=12, stop=[stop]).choices
+    assert (choice.finish_reason, choice.text) == ("stop", text[:text.index(stop)])
+    assert choice.model_extra["stop_reason"] == stop
+    token_ids = tokenizer.encode(PROMPT + text)[len(tokenizer.encode(PROMPT)):]
+    [choice] = greedy(client, model, max_tokens=12, extra_body={"stop_token_ids": [token_ids[3]]}).choices
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == token_ids[3]
+    assert len(tokenizer.encode(choice.text)) < 12
+
+
+def test_n_choices_and_seeds_repeat(client, model):
+    def sampled(**fields):
+        return client.completions.create(model=model, prompt=PROMPT, n=3, temperature=1.0, max_tokens=8, **fields)
+
+    first = sampled(seed=7)
+    assert [choice.index for choice in first.choices] == [0, 1, 2]
+    texts = [choice.text for choice in first.choices]
+    assert len(set(texts)) > 1 and first.usage.completion_tokens == 24
+    assert [choice.text for choice in sampled(seed=7).choices] == texts
+    assert [choice.text for choice in sampled(seed=8).choices] != texts
+    streamed = {}
+    for chunk in sampled(seed=7, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == texts
+
+
+@pytest.mark.parametrize("fields", [dict(temperature=0), dict(temperature=1.0, seed=11)], ids=["greedy", "seeded"])
+def test_logprobs_equal_llm_generate(client, model, reference_llm, fields):
+    prompt = "Logprobs, please: one, two,"
+    response = client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=3, **fields)
+    logprobs = response.choices[0].logprobs
+    [reference] = reference_llm.generate(prompt, SamplingParams(max_tokens=6, logprobs=3, **fields), use_tqdm=False)
+    completion = reference.outputs[0]
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    for i, (token_id, top) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert logprobs.tokens[i] == top[token_id].decoded_token
+        assert logprobs.token_logprobs[i] == pytest.approx(top[token_id].logprob, abs=1e-4)
+        assert len(logprobs.top_logprobs[i]) in (3, 4)  # the top 3, and the sampled token when it is not among them
+        assert logprobs.top_logprobs[i] == pytest.approx({lp.decoded_token: lp.logprob for lp in top.values()},
+                                                         abs=1e-4)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(6)]
+    streamed = [chunk.choices[0].logprobs for chunk in
+                client.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=3, stream=True,
+                                          **fields)]
+    assert [token for part in streamed for token in part.tokens] == logprobs.tokens
+    assert [offset for part in streamed for offset in part.text_offset] == logprobs.text_offset
+
+
+def test_prompt_forms_and_echo(client, model, tokenizer):
+    token_ids = tokenizer.encode(PROMPT)
+    response = client.completions.create(model=model, prompt=[PROMPT, "Water boils at"], max_tokens=4, temperature=0)
+    assert [choice.index for choice in response.choices] == [0, 1]
+    assert response.usage.prompt_tokens == len(token_ids) + len(tokenizer.encode("Water boils at"))
+    by_ids = client.completions.create(model=model, prompt=[token_ids, token_ids], max_tokens=4, temperature=0)
+    assert [choice.text for choice in by_ids.choices] == [response.choices[0].text] * 2
+    single = client.completions.create(model=model, prompt=token_ids, max_tokens=4, temperature=0)
+    assert single.choices[0].text == response.choices[0].text
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + response.choices[0].text
+    streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == echoed.choices[0].text
+
+
+def test_sse_framing_of_two_prompts_with_two_choices_each(server, model):
+    chunks = stream_events(server.base_url, "/v1/completions",
+                           {"model": model, "prompt": [PROMPT, "Water boils at"], "n": 2, "seed": 3,
+                            "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    *token_chunks, usage_chunk = chunks
+    assert all(len(chunk["choices"]) == 1 and chunk["object"] == "text_completion" for chunk in token_chunks)
+    assert check_finish_reasons(token_chunks, 4) == {i: "length" for i in range(4)}
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 20
+    without_usage = stream_events(server.base_url, "/v1/completions",
+                                  {"model": model, "prompt": PROMPT, "max_tokens": 3, "stream": True})
+    assert all(chunk["choices"] for chunk in without_usage) and without_usage[-1]["choices"][0]["finish_reason"]

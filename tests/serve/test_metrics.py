@@ -1,0 +1,117 @@
+"""GET /metrics: vLLM's names under nanograph:, exact counts after a known set of requests, the prefix cache's hit
+tokens, and running, waiting and KV usage back to 0 after client aborts."""
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+PROMPTS = [f"Request number {i} asks for a short story about" for i in range(10)]
+
+
+def scrape(server) -> dict:
+    """{(sample name, finished_reason or None): value}, every sample labelled with the model's name."""
+    response = httpx.get(server.base_url + "/metrics", timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name.endswith("_created") or "le" in sample.labels:
+                continue
+            assert sample.labels["model_name"] == MODEL_NAME, sample
+            samples[sample.name, sample.labels.get("finished_reason")] = sample.value
+    return samples
+
+
+def grew(before: dict, after: dict, name: str, reason: str | None = None) -> float:
+    return after.get((f"nanograph:{name}", reason), 0) - before.get((f"nanograph:{name}", reason), 0)
+
+
+def wait_idle(server, seconds: float = 5) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        samples = scrape(server)
+        if all(samples[f"nanograph:{gauge}", None] == 0 for gauge in
+               ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")):
+            return samples
+        assert time.monotonic() < deadline, f"the engine is not idle: {samples}"
+        time.sleep(0.05)
+
+
+def test_the_names_are_vllms(server):
+    names = {name for name, _ in scrape(server)}
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
+                 "e2e_request_latency_seconds_count"):
+        assert f"nanograph:{name}" in names
+
+
+def test_counts_are_exact_after_ten_requests_of_ten_tokens(server, client, model, tokenizer):
+    before = wait_idle(server)
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 10, "ignore_eos": True, "temperature": 0})
+                for prompt in PROMPTS))
+
+    responses = asyncio.run(send_all())
+    assert all(response.json()["usage"]["completion_tokens"] == 10 for response in responses)
+    after = wait_idle(server)
+    prompt_tokens = sum(len(tokenizer.encode(prompt)) for prompt in PROMPTS)
+    assert grew(before, after, "time_to_first_token_seconds_count") == 10
+    assert grew(before, after, "e2e_request_latency_seconds_count") == 10
+    assert grew(before, after, "inter_token_latency_seconds_count") == 90  # one per step after the first token
+    assert grew(before, after, "generation_tokens_total") == 100
+    assert grew(before, after, "prompt_tokens_total") == prompt_tokens
+    assert grew(before, after, "request_success_total", "length") == 10
+    assert grew(before, after, "prefix_cache_queries_total") == prompt_tokens
+    assert grew(before, after, "num_preemptions_total") == 0
+    assert 0 < grew(before, after, "time_to_first_token_seconds_sum") < 10 * grew(
+        before, after, "e2e_request_latency_seconds_sum")
+
+
+def test_prefix_cache_hits_count_the_cached_tokens(server, client, model, tokenizer):
+    shared = "Alice was beginning to get very tired of sitting by her sister on the bank. " * 3
+    prompt_ids = tokenizer.encode(shared)
+    assert len(prompt_ids) > 40
+    before = wait_idle(server)
+    for _ in range(2):
+        client.completions.create(model=model, prompt=prompt_ids, max_tokens=1)
+    after = wait_idle(server)
+    assert grew(before, after, "prefix_cache_queries_total") == 2 * len(prompt_ids)
+    # The second finds the first's full blocks, but for the one that holds the last prompt token.
+    assert grew(before, after, "prefix_cache_hits_total") == 16 * ((len(prompt_ids) - 1) // 16)
+
+
+def test_gauges_follow_a_running_request_and_return_to_zero_after_aborts(server, model):
+    before = wait_idle(server)
+    long = {"model": model, "prompt": "Count with me:", "max_tokens": 400, "ignore_eos": True}
+
+    async def abort_some():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            async def cut_stream():
+                async with http.stream("POST", "/v1/completions", json={**long, "stream": True}) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            return  # leaving the block closes the connection mid-stream
+
+            async def cut_wait():
+                try:
+                    await http.post("/v1/completions", json=long, timeout=0.5)
+                except httpx.TimeoutException:
+                    pass
+
+            running = asyncio.gather(*(cut_stream() for _ in range(3)), *(cut_wait() for _ in range(2)))
+            await asyncio.sleep(0.3)
+            seen = await asyncio.to_thread(scrape, server)
+            await running
+            return seen
+
+    seen = asyncio.run(abort_some())
+    assert seen["nanograph:num_requests_running", None] > 0 and seen["nanograph:kv_cache_usage_perc", None] > 0
+    after = wait_idle(server)
+    assert grew(before, after, "request_success_total", "abort") == 5
+    assert grew(before, after, "generation_tokens_total") < 5 * 400

@@ -1,0 +1,49 @@
+"""Stopping under load: SIGINT (SIGTERM is every module's teardown) ends the running streams with "abort" and
+[DONE], stops accepting connections, and the process exits 0 soon after."""
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+
+from .server_process import ServerProcess
+
+
+def test_sigint_aborts_running_streams_and_exits_0(tmp_path):
+    server = ServerProcess(tmp_path / "server.log")
+    body = {"prompt": "Count with me: one, two,", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def stream_until_stopped(http: httpx.AsyncClient) -> tuple[list, bool]:
+        chunks, done = [], False
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line:
+                    chunks.append(json.loads(line.removeprefix("data: ")))
+                    if len(chunks) == 2 and server.process.poll() is None:
+                        server.process.send_signal(signal.SIGINT)
+        return chunks, done
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as http:
+            return await asyncio.gather(*(stream_until_stopped(http) for _ in range(3)))
+
+    start = time.monotonic()
+    try:
+        results = asyncio.run(main())
+        code = server.process.wait(timeout=20)
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    assert code == 0, server.log()[-3000:]
+    assert time.monotonic() - start < 20
+    for chunks, done in results:
+        assert done and chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert len(chunks) < 400
+    try:
+        httpx.get(server.base_url + "/health", timeout=2)
+        raise AssertionError("the stopped server still accepts connections")
+    except httpx.ConnectError:
+        pass
