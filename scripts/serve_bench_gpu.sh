@@ -7,13 +7,9 @@
 #   the server's TPOT at concurrency 1 / bench latency's ms per token (target within 10%).
 # Run from the repository root with the core built (`pip install .`, or the in-tree build on PYTHONPATH).
 #
-# The serve extra's wheels travel in $WHEELS (default ./serve-wheels); on a networked machine:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-#     -d serve-wheels fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 click==8.5.1 pydantic==2.13.4 \
-#     pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.16.0 \
-#     annotated-doc==0.0.7 opentelemetry-api==1.45.2 anyio==4.16.0 h11==0.16.0 uvloop==0.23.0 httptools==0.9.0
-# (uvloop and httptools are optional: uvicorn uses them when installed; the script says which it got.)
+# The serve extra (fastapi, uvicorn, pydantic and their needs) must be importable: on a machine without network,
+# carry their wheels and install them first (README: Serve). NUM_PROMPTS, and the counts of the slower runs
+# (CONCURRENCY_1_PROMPTS, RATE_4_PROMPTS, RATE_16_PROMPTS, RATE_64_PROMPTS), size the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -22,21 +18,10 @@ OUT=${OUT:-/tmp/serve-bench}
 MODEL=${MODEL:-/tmp/models/qwen3-0.6b}
 PORT=${PORT:-8000}
 MAX_MODEL_LEN=2048  # the server, LLM.generate and bench latency all size their engines with it
-export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+N=${NUM_PROMPTS:-1000}
 mkdir -p "$OUT"
-
-echo "== serve wheels from $WHEELS"
-timeout 300 $PY -m pip install -q --no-index --find-links "$WHEELS" fastapi==0.165.0 starlette==1.10.0 \
-  uvicorn==0.54.0 click==8.5.1 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
-  typing-inspection==0.4.2 typing-extensions==4.16.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 \
-  anyio==4.16.0 h11==0.16.0
-for optional in uvloop==0.23.0 httptools==0.9.0; do
-  timeout 120 $PY -m pip install -q --no-index --find-links "$WHEELS" "$optional" || echo "optional $optional: not installed"
-done
 $PY -c "import fastapi, uvicorn, pydantic, prometheus_client, aiohttp, httpx, nanograph
-import importlib.util as u
-print('serve packages ok; core', nanograph.core_available(), '; uvloop', bool(u.find_spec('uvloop')),
-      '; httptools', bool(u.find_spec('httptools')))"
+print('serve packages ok; core', nanograph.core_available())"
 
 echo "== model"
 timeout 900 $PY -c "from tests.hf_models import make_random_model; print(make_random_model('$MODEL', 'qwen3-0.6b'))"
@@ -70,11 +55,11 @@ bench() {  # name, then bench serve arguments
   timeout 600 $PY -m nanograph.cli bench serve --base-url "http://127.0.0.1:$PORT" --prompt-len 1024 \
     --output-len 128 --result-file "$OUT/$name.json" "$@" | tee "$OUT/$name.txt" || echo "bench $name failed"
 }
-bench rate_inf --num-prompts 1000
-bench concurrency_1 --num-prompts 200 --max-concurrency 1
-bench rate_4 --num-prompts 400 --request-rate 4
-bench rate_16 --num-prompts 1000 --request-rate 16
-bench rate_64 --num-prompts 1000 --request-rate 64
+bench rate_inf --num-prompts $N
+bench concurrency_1 --num-prompts ${CONCURRENCY_1_PROMPTS:-200} --max-concurrency 1
+bench rate_4 --num-prompts ${RATE_4_PROMPTS:-400} --request-rate 4
+bench rate_16 --num-prompts ${RATE_16_PROMPTS:-1000} --request-rate 16
+bench rate_64 --num-prompts ${RATE_64_PROMPTS:-1000} --request-rate 64
 timeout 30 $PY -c "import httpx; print(httpx.get('http://127.0.0.1:$PORT/metrics').text)" > "$OUT/metrics.txt"
 grep -E "^nanograph:(num_requests|kv_cache_usage|num_preemptions_total|generation_tokens_total|request_success_total)" \
   "$OUT/metrics.txt" || true
@@ -88,14 +73,14 @@ set +e; wait $SERVER; code=$?; set -e
 echo "server exit code $code (expected 0)"
 tail -5 "$OUT/server.log"
 
-echo "== LLM.generate on the same 1,000 requests"
-timeout 900 $PY - "$MODEL" "$MAX_MODEL_LEN" "$OUT/generate.json" <<'EOF'
+echo "== LLM.generate on the same $N requests"
+timeout 900 $PY - "$MODEL" "$MAX_MODEL_LEN" "$OUT/generate.json" "$N" <<'EOF'
 import json, sys, time
 from nanograph import LLM, SamplingParams
 from nanograph.bench_serve import random_workload
-model, max_model_len, result_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model, max_model_len, result_file, num_prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 llm = LLM(model, device="cuda", max_model_len=max_model_len)
-prompts = random_workload(1000, 1024, seed=0)  # bench serve's prompts (its default seed)
+prompts = random_workload(num_prompts, 1024, seed=0)  # bench serve's prompts (its default seed)
 llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
 start = time.perf_counter()
 outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
