@@ -37,14 +37,16 @@ class SamplingParams:
         _check_float("temperature", self.temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
+        if isinstance(self.seed, np.integer):
+            self.seed = int(self.seed)
         if self.seed == -1:
             self.seed = None
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        elif isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)  # the request's own copy
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):

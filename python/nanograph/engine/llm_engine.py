@@ -141,7 +141,6 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Run every request to completion; outputs in input order. All are validated before any is queued."""
         with self._lock:
-            self._end_open_streams()
             owner = object()
             index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params, owner))}
             outputs: list[RequestOutput | None] = [None] * len(prompts)
@@ -157,15 +156,18 @@ class LLMEngine:
                                 batch.num_tokens / (time.perf_counter() - start)
                         bar.set_postfix({name: f"{tok_s:.0f}tok/s" for name, tok_s in throughput.items()},
                                         refresh=False)
-                        for request_owner, output in finished:
+                        failed = None
+                        for request_owner, output in finished:  # every output routed before any error is raised
                             if request_owner is owner:
-                                if output.error is not None:
-                                    raise RuntimeError(f"request {index[output.request_id]} failed: {output.error}")
+                                if output.error is not None and failed is None:
+                                    failed = f"request {index[output.request_id]} failed: {output.error}"
                                 outputs[index[output.request_id]] = output
                                 remaining -= 1
                                 bar.update(1)
                             elif request_owner is None:
                                 self._unclaimed.append(output)
+                        if failed is not None:
+                            raise RuntimeError(failed)
             except BaseException:
                 # An error (or an interrupt) ends this call's requests, so that the next call does not run them.
                 for request_id in index:
@@ -179,7 +181,6 @@ class LLMEngine:
         ones, and so does a later generate() or stream() call on the engine."""
         owner = _Stream()
         with self._lock:
-            self._end_open_streams()
             request_ids = self._queue_all(prompts, params, owner)
             requests = [self.requests[request_id] for request_id in request_ids]
             self._open_streams.add(owner)
@@ -243,7 +244,10 @@ class LLMEngine:
                 return failed
             rows, seqs = [rows[i] for i in survivors], [seqs[i] for i in survivors]
             _restore(seqs, [states[i] for i in survivors])
-            pending = self.runner.sample(rows, seqs)
+            try:
+                pending = self.runner.sample(rows, seqs)
+            except Exception as retry_exc:  # the survivors fail together: they end too, and all are reported
+                return failed + self._fail({seq.request_id for seq in seqs}, retry_exc)
         for row, seq in zip(pending.rows, seqs):
             seq.token_ids.append(PENDING_TOKEN)
             seq.sample_row = row
@@ -331,6 +335,7 @@ class LLMEngine:
                 validated.append(self.intake.validate(prompt, request_params))
             except (ValueError, TypeError) as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
+        self._end_open_streams()  # only once the new call is known to be valid
         request_ids = []
         try:
             for valid in validated:
@@ -344,7 +349,7 @@ class LLMEngine:
     def _queue(self, valid, owner: object | None, request_id: str | None = None) -> str:
         if request_id is None:
             request_id = str(next(self._request_ids))
-            while request_id in self.requests:
+            while request_id in self.requests or request_id in self._streamed:
                 request_id = str(next(self._request_ids))
         request = self.intake.request(request_id, valid, owner)
         self.requests[request_id] = request
