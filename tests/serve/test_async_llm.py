@@ -1,10 +1,12 @@
-"""AsyncLLM on the fake model, in process: concurrent streams equal generate's outputs, an abort frees the blocks,
-an idle loop sleeps, a failure inside a step ends only its request (a 500 body), and a dead loop makes /health and
-new requests 503."""
+"""AsyncLLM on the fake model, its engine in a process of its own: concurrent streams equal generate's outputs, an
+abort frees the blocks, an idle engine process sleeps, a failure inside a step ends only its request (a 500 body),
+a dead loop makes /health and new requests 503, and an engine that cannot be built fails start()."""
 import asyncio
+import os
 import time
 
 import httpx
+import pytest
 
 from nanograph import SamplingParams
 from nanograph.serve.app import build_app
@@ -13,14 +15,25 @@ from nanograph.serve.metrics import ServerMetrics
 from nanograph.serve.serving import ServedModel
 
 from ..engine.fake_model import FakeTokenizer, fake_engine, reference_completion
+from . import engines
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+NUM_BLOCKS = 64  # the fake engine's
 
 
-def started(engine) -> AsyncLLM:
-    async_llm = AsyncLLM(engine, ServerMetrics("fake"), log_interval=60)
+def started(make_engine) -> AsyncLLM:
+    async_llm = AsyncLLM(make_engine, ServerMetrics("fake"), log_interval=60)
     async_llm.start()
     return async_llm
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """One engine process for the tests that leave it healthy (starting one costs seconds); its sampling fails for
+    requests with engines.FAILING_SEED alone."""
+    async_llm = started(engines.failing_sampler)
+    yield async_llm
+    stop(async_llm)
 
 
 async def collect(async_llm, prompts, params):
@@ -35,15 +48,27 @@ async def collect(async_llm, prompts, params):
     return token_ids, finishes
 
 
+def wait_until_idle(async_llm, seconds=5):
+    """The engine process reports nothing running or waiting and every KV block free."""
+    deadline = time.monotonic() + seconds
+    while True:
+        snapshot = async_llm.snapshot
+        if snapshot is not None and (snapshot.num_running, snapshot.num_waiting, snapshot.num_free_blocks) == \
+                (0, 0, NUM_BLOCKS):
+            return
+        assert time.monotonic() < deadline, f"the engine is not idle: {snapshot}"
+        time.sleep(0.01)
+
+
 def stop(async_llm):
     async_llm.abort_all()
     async_llm.join(10)
-    assert not async_llm.is_running
+    assert not async_llm.is_running and not async_llm._process.is_alive()
+    assert async_llm._process.exitcode == 0
 
 
-def test_concurrent_streams_equal_the_reference_and_free_every_block():
-    engine = fake_engine(peak=1.0)
-    async_llm = started(engine)
+def test_concurrent_streams_equal_the_reference_and_free_every_block(shared):
+    async_llm = shared
     greedy = SamplingParams(temperature=0, max_tokens=9)
     sampled = SamplingParams(n=2, max_tokens=7, seed=4)
 
@@ -56,39 +81,35 @@ def test_concurrent_streams_equal_the_reference_and_free_every_block():
         assert token_ids == {(0, 0): reference_completion(prompt, 9)} and finishes == {(0, 0): "length"}
     expected = fake_engine(peak=1.0).generate(PROMPTS, [sampled] * 3, use_tqdm=False)
     assert sampled_ids == {(i, c.index): c.token_ids for i, out in enumerate(expected) for c in out.outputs}
-    assert not engine.has_unfinished() and engine.scheduler.block_manager.num_free_blocks == 64
-    stop(async_llm)
+    wait_until_idle(async_llm)
 
 
-def test_closing_a_stream_aborts_its_request_and_frees_its_blocks():
-    engine = fake_engine()
-    async_llm = started(engine)
+def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(shared):
+    async_llm = shared
+    generated = async_llm.metrics.total_generation_tokens
 
     async def main():
         stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=50, ignore_eos=True)])
         await anext(stream)
         stream.close()
-        deadline = time.monotonic() + 5
-        while engine.has_unfinished() or engine.scheduler.block_manager.num_free_blocks != 64:
-            assert time.monotonic() < deadline, "the abort did not free the blocks"
-            await asyncio.sleep(0.01)
-        assert engine.stats.generated_tokens < 50
 
     asyncio.run(main())
-    stop(async_llm)
+    wait_until_idle(async_llm)
+    assert async_llm.metrics.total_generation_tokens - generated < 50
 
 
-def test_an_idle_loop_sleeps():
-    engine = fake_engine()
-    calls = []
-    has_unfinished = engine.has_unfinished
-    engine.has_unfinished = lambda: calls.append(1) or has_unfinished()
-    async_llm = started(engine)
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_engine_process_sleeps(shared):
+    async_llm = shared
     asyncio.run(collect(async_llm, [PROMPTS[0]], SamplingParams(max_tokens=3)))
-    before = len(calls)
-    time.sleep(0.5)
-    assert len(calls) - before <= 1, "the loop spins while idle"
-    stop(async_llm)
+    wait_until_idle(async_llm)
+    before = cpu_seconds(async_llm._process.pid)
+    time.sleep(1.0)
+    assert cpu_seconds(async_llm._process.pid) - before < 0.1, "the engine process spins while idle"
 
 
 def request(app, body: dict) -> httpx.Response:
@@ -99,23 +120,14 @@ def request(app, body: dict) -> httpx.Response:
     return asyncio.run(send())
 
 
-def test_a_failure_inside_a_step_ends_only_its_request_with_a_500():
-    engine = fake_engine()
-    sample = engine.runner.sample
-
-    def failing_sample(rows, seqs):
-        if any(seq.params.seed == 666 for seq in seqs):
-            raise RuntimeError("injected sampling failure")
-        return sample(rows, seqs)
-
-    engine.runner.sample = failing_sample
-    async_llm = started(engine)
+def test_a_failure_inside_a_step_ends_only_its_request_with_a_500(shared):
+    async_llm = shared
     app = build_app(ServedModel(async_llm, "fake", FakeTokenizer()))
 
     async def both():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             return await asyncio.gather(
-                client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6, "seed": 666}),
+                client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6, "seed": engines.FAILING_SEED}),
                 client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}))
 
     failed, survived = asyncio.run(both())
@@ -123,19 +135,16 @@ def test_a_failure_inside_a_step_ends_only_its_request_with_a_500():
     assert failed.json()["error"]["type"] == "server_error"
     assert survived.status_code == 200
     assert survived.json()["choices"][0]["text"] == "".join(f" {t}" for t in reference_completion(PROMPTS[0], 8))
-    assert engine.scheduler.block_manager.num_free_blocks == 64
-    stop(async_llm)
+    wait_until_idle(async_llm)
 
 
 def test_a_dead_loop_fails_open_streams_and_answers_503():
-    engine = fake_engine()
-    async_llm = started(engine)
+    async_llm = started(engines.dying_loop)
     app = build_app(ServedModel(async_llm, "fake", FakeTokenizer()))
 
     async def main():
-        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=40, ignore_eos=True)])
-        await anext(stream)
-        engine.step = lambda: 1 / 0  # a defect outside any request
+        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=40, ignore_eos=True,
+                                                                        seed=engines.DYING_SEED)])
         try:
             async for _ in stream:
                 pass
@@ -145,6 +154,7 @@ def test_a_dead_loop_fails_open_streams_and_answers_503():
     assert "ZeroDivisionError" in asyncio.run(main())
     async_llm.join(5)
     assert not async_llm.is_running and isinstance(async_llm.error, ZeroDivisionError)
+    assert not async_llm._process.is_alive()
 
     async def health():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
@@ -153,3 +163,39 @@ def test_a_dead_loop_fails_open_streams_and_answers_503():
     assert asyncio.run(health()).status_code == 503
     response = request(app, {"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503 and "engine loop has died" in response.json()["error"]["message"]
+
+
+def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():
+    async_llm = started(engines.fake)
+
+    async def main():
+        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=60, ignore_eos=True)])
+        await anext(stream)
+        async_llm._process.kill()
+        with pytest.raises(EngineUnavailable, match="engine process exited"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    async_llm.join(5)
+    assert not async_llm.is_running
+
+
+def test_an_engine_that_cannot_be_built_fails_start_with_its_error():
+    with pytest.raises(ValueError, match="more than the KV cache holds"):
+        AsyncLLM(engines.unbuildable, ServerMetrics("fake")).start()
+
+
+def test_an_invalid_prompt_of_several_queues_none_and_names_its_index(shared):
+    async_llm = shared
+    prompt_tokens = async_llm.metrics.total_prompt_tokens
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt 1: "):
+            await async_llm.generate([PROMPTS[0], [1] * 65], [SamplingParams(max_tokens=2)] * 2)
+        return await collect(async_llm, [PROMPTS[1]], SamplingParams(max_tokens=2, temperature=0))
+
+    token_ids, _ = asyncio.run(main())
+    assert token_ids == {(0, 0): reference_completion(PROMPTS[1], 2)}
+    wait_until_idle(async_llm)
+    assert async_llm.metrics.total_prompt_tokens - prompt_tokens == len(PROMPTS[1])

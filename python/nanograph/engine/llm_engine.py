@@ -66,6 +66,7 @@ class LLMEngine:
         self._unclaimed: list[RequestOutput] = []  # step()'s, finished while generate() or stream() ran the steps
         self._open_streams: set[_Stream] = set()
         self._streamed: dict[str, Request] = {}  # add_request(stream=True)'s, until their last delta is taken
+        self._touched: dict[str, None] = {}  # the streamed requests that got tokens or ended since the last take
         self._lock = threading.RLock()
 
     @classmethod
@@ -131,10 +132,12 @@ class LLMEngine:
         finished (or aborted) request reports once more, finished, and is then forgotten here."""
         with self._lock:
             deltas = []
-            for request_id, request in list(self._streamed.items()):
+            for request_id in self._touched:
+                request = self._streamed[request_id]
                 deltas += request.take_deltas()
                 if request.finished:
                     del self._streamed[request_id]
+            self._touched.clear()
             return deltas
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
@@ -303,6 +306,8 @@ class LLMEngine:
             if self.stop_checker.check(seq):
                 self.scheduler.finish(seq)
             requests[seq.request_id] = self.requests[seq.request_id]
+            if seq.request_id in self._streamed:
+                self._touched[seq.request_id] = None
         finished = self._fail(invalid, RuntimeError(f"a token id outside the vocabulary [0, {self.vocab_size}) "
                                                     "was sampled")) if invalid else []
         for request in requests.values():
@@ -359,6 +364,8 @@ class LLMEngine:
     def _end(self, request: Request, error: str | None = None):
         """End an unfinished request with reason "abort": its sequences leave the queues and free their blocks."""
         del self.requests[request.request_id]
+        if request.request_id in self._streamed:
+            self._touched[request.request_id] = None
         for seq in request.seqs:
             if seq.is_finished:
                 continue

@@ -84,7 +84,7 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
     async def detokenize(request: Request) -> DetokenizeResponse:
         body = await parse_body(request, DetokenizeRequest)
         served.check_model(body.model)
-        vocab_size = async_llm.engine.vocab_size
+        vocab_size = async_llm.info.vocab_size
         outside = [token for token in body.tokens if not 0 <= token < vocab_size]
         if outside:
             raise APIError(400, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "tokens",

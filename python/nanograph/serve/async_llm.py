@@ -1,21 +1,24 @@
-"""AsyncLLM: the LLMEngine behind asyncio. One thread owns the engine and runs its step loop; coroutines hand it
-requests and aborts, and each API request reads its completions' deltas from its own asyncio queue.
+"""AsyncLLM: the engine behind asyncio, in a process of its own (serve/engine_core.py). The HTTP frontend and the
+step loop then never wait on each other's Python work, so a thousand open streams do not slow the steps.
 
-Only the loop thread calls the engine, so that a request or an abort never waits on a lock held through a whole
-step, and the engine's state is read between steps only. The thread steps while anything is unfinished and
-sleeps on an event otherwise. If it dies (an error outside any request), the engine is marked dead: open streams
-and new requests get EngineUnavailable."""
+Coroutines hand requests and aborts to the engine process over a pipe; a reader thread takes its messages and
+hands each step's deltas to the streams' event loops, one call per loop per step. Each API request reads its
+completions' deltas from its own asyncio queue. If the engine loop dies (an error outside any request) or its
+process ends, open streams and new requests get EngineUnavailable."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import threading
 import time
-from collections import deque
+from collections.abc import Callable
+from itertools import count
 
 from ..engine.llm_engine import LLMEngine
 from ..outputs import CompletionDelta
 from ..sampling_params import SamplingParams
+from .engine_core import EngineInfo, EngineSnapshot, run_engine_process
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("nanograph.serve")
@@ -31,11 +34,11 @@ class RequestStream:
     that a reader behind the engine (a slow client, a busy event loop) catches up in one write. close() aborts
     what is unfinished."""
 
-    def __init__(self, async_llm: AsyncLLM, loop: asyncio.AbstractEventLoop, num_completions: int):
+    def __init__(self, async_llm: AsyncLLM, stream_id: int, loop: asyncio.AbstractEventLoop, num_completions: int):
         self.async_llm = async_llm
+        self.stream_id = stream_id
         self.loop = loop
         self.queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException] = asyncio.Queue()
-        self.request_ids: list[str] = []  # written by the loop thread
         self.num_open = num_completions
         self.closed = False
 
@@ -60,63 +63,106 @@ class RequestStream:
         if not self.closed:
             self.closed = True
             if self.num_open:
-                self.async_llm.submit(("abort", self))
+                self.async_llm.abort(self.stream_id)
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, log_interval: float = 10.0):
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: ServerMetrics, log_interval: float = 10.0):
+        """make_engine: builds the engine in the engine process (picklable, e.g. a partial of
+        LLMEngine.from_config)."""
+        self.make_engine = make_engine
         self.metrics = metrics
         self.log_interval = log_interval
-        self.error: BaseException | None = None  # why the loop died
+        self.info: EngineInfo | None = None  # once started
+        self.snapshot: EngineSnapshot | None = None  # the engine's state after its latest step
+        self.error: BaseException | None = None  # why the engine loop died
         self.stopping = False
-        self._commands: deque[tuple] = deque()
-        self._commands_lock = threading.Lock()  # taken only to queue or drain commands, never across a step
-        self._wake = threading.Event()
-        # Each unfinished engine request: its stream, its prompt's index there, and its completions still open.
-        self._requests: dict[str, list] = {}
+        self._send_lock = threading.Lock()  # a pipe takes one writer at a time
+        self._stream_ids = count()
+        # Each open stream, and its completions not yet finished; each add waiting for the engine's word.
+        self._streams: dict[int, list] = {}
+        self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int]]]] = {}  # + arrival, sizes
         self._last_log = (time.monotonic(), 0, 0, None)  # time, prompt and generation tokens, the line's state
-        self._thread = threading.Thread(target=self._run, name="nanograph-engine-loop", daemon=True)
+        self._process: multiprocessing.Process | None = None
+        self._reader = threading.Thread(target=self._read, name="nanograph-engine-output", daemon=True)
 
-    def start(self):
-        self._thread.start()
+    def start(self) -> EngineInfo:
+        """Start the engine process and wait until its engine is built; its error if it cannot be."""
+        context = multiprocessing.get_context("spawn")  # the frontend may hold threads, or a device context
+        commands_in, self._commands = context.Pipe(duplex=False)
+        self._outputs, outputs_out = context.Pipe(duplex=False)
+        self._process = context.Process(target=run_engine_process, args=(self.make_engine, commands_in, outputs_out),
+                                        name="nanograph-engine", daemon=True)
+        self._process.start()
+        commands_in.close()
+        outputs_out.close()
+        try:
+            message = self._outputs.recv()
+        except EOFError:
+            self._process.join()
+            raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before its engine "
+                               "was built; see the log above") from None
+        if message[0] == "failed":
+            self._process.join()
+            raise message[1]
+        self.info = message[1]
+        self._reader.start()
+        return self.info
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.error is None and not self.stopping
+        return self._reader.is_alive() and self.error is None and not self.stopping
 
     async def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> RequestStream:
         """Queue one engine request per prompt (token ids), all or none: an invalid one raises the engine's
         ValueError or TypeError ("prompt i: ..." when there are several) and none runs."""
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, loop, sum(request_params.n for request_params in params))
+        stream_id = next(self._stream_ids)
+        num_completions = sum(request_params.n for request_params in params)
+        stream = RequestStream(self, stream_id, loop, num_completions)
         added = loop.create_future()
-        self.submit(("add", stream, prompts, params, added))
+        if self.error is not None or self.stopping:
+            raise self._unavailable()
+        self._streams[stream_id] = [stream, num_completions]
+        self._adds[stream_id] = (added, time.monotonic(), [(len(prompt), p.n) for prompt, p in zip(prompts, params)])
+        self._send(("add", stream_id, prompts, params))
         try:
             await added
         except BaseException:  # a cancelled caller, too: what was queued is aborted
             stream.close()
+            self._forget(stream_id)
             raise
         return stream
 
+    def abort(self, stream_id: int):
+        """End a stream's unfinished requests; callable from any thread."""
+        self._send(("abort", stream_id))
+
     def abort_all(self):
-        """Refuse new requests and abort every unfinished one (their streams end with "abort"); the loop then
-        stops. Callable from any thread (not from a signal handler, as it takes the command lock)."""
-        self.stopping = True
-        self.submit(("stop",))
+        """Refuse new requests and abort every unfinished one (their streams end with "abort"); the engine process
+        then exits. Callable from any thread."""
+        if not self.stopping:
+            self.stopping = True
+            self._send(("stop",))
 
     def join(self, timeout: float | None = None):
-        self._thread.join(timeout)
+        """Wait for the engine process to end (after abort_all); past the timeout it is terminated."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._reader.is_alive():
+            self._reader.join(timeout)
+        if self._process is not None:
+            self._process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self._process.is_alive():
+                logger.warning("the engine process did not end within %s s: terminating it", timeout)
+                self._process.terminate()
+                self._process.join(5)
 
-    def submit(self, command: tuple):
-        """Queue a command for the loop thread: ("add", stream, prompts, params, future), ("abort", stream) or
-        ("stop",). An add is refused at once (its future fails) once the loop has died or is stopping."""
-        with self._commands_lock:
-            if command[0] == "add" and (self.error is not None or self.stopping):
-                _settle(command[4], self._unavailable())
-                return
-            self._commands.append(command)
-        self._wake.set()
+    def _send(self, command: tuple):
+        with self._send_lock:
+            try:
+                self._commands.send(command)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                pass  # the engine process is gone; the reader reports why
 
     def _unavailable(self) -> EngineUnavailable:
         if self.error is not None:
@@ -124,113 +170,104 @@ class AsyncLLM:
                                      "restart the server")
         return EngineUnavailable("the server is shutting down")
 
-    # The loop thread.
+    def _forget(self, stream_id: int):
+        self._streams.pop(stream_id, None)
+        self._adds.pop(stream_id, None)
 
-    def _run(self):
+    # The reader thread.
+
+    def _read(self):
         try:
             while True:
-                self._wake.clear()
-                if not self._apply_commands():
-                    break
-                busy = self.engine.has_unfinished()
-                if busy:
-                    self.engine.step()  # its outputs are the deltas' too
-                self._deliver(self.engine.take_deltas())
-                self.metrics.record_engine(self.engine)
-                self._log_stats()
-                if not busy:
-                    self._wake.wait(self.log_interval)
-        except BaseException as exc:
-            logger.exception("the engine loop died; the server answers 503 from now on")
-            self._die(exc)
+                if not self._outputs.poll(self.log_interval):
+                    self._log_stats()
+                    continue
+                message = self._outputs.recv()
+                if message[0] == "step":
+                    self._deliver(message[1])
+                    self.snapshot = message[2]
+                    self.metrics.record_engine(message[2])
+                    self._log_stats()
+                elif message[0] == "added":
+                    self._settle(*message[1:])
+                elif message[0] == "dead":
+                    logger.error("the engine loop died; the server answers 503 from now on: %s: %s",
+                                 type(message[1]).__name__, message[1])
+                    self._die(message[1])
+                    return
+                else:  # stopped, its aborts delivered
+                    self._die(None)
+                    return
+        except (EOFError, OSError):
+            self._process.join(5)
+            self._die(None if self.stopping else
+                      RuntimeError(f"the engine process exited with code {self._process.exitcode}"))
 
-    def _apply_commands(self) -> bool:
-        """Queue the new requests and apply the aborts; False once a stop was applied (its aborts delivered)."""
-        with self._commands_lock:
-            commands, self._commands = self._commands, deque()
-        for command in commands:
-            if command[0] == "add":
-                self._add(*command[1:])
-            elif command[0] == "abort":
-                self._abort(command[1].request_ids)
-            else:
-                self._abort(list(self._requests))
-                self._deliver(self.engine.take_deltas())
-                self.metrics.record_engine(self.engine)
-                return False
-        return True
-
-    def _add(self, stream: RequestStream, prompts: list[list[int]], params: list[SamplingParams],
-             added: asyncio.Future):
-        for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
-            try:
-                request_id = self.engine.add_request(prompt, request_params, stream=True)
-            except (ValueError, TypeError) as exc:
-                self._abort(stream.request_ids)
-                _settle(added, type(exc)(f"prompt {prompt_index}: {exc}") if len(prompts) > 1 else exc)
-                return
-            stream.request_ids.append(request_id)
-            self._requests[request_id] = [stream, prompt_index, request_params.n]
-            self.metrics.request_added(request_id, len(prompt), request_params.n)
-        _settle(added, None)
-
-    def _abort(self, request_ids: list[str]):
-        """The engine ends them at once, freeing their blocks; their last deltas come with the next take."""
-        for request_id in request_ids:
-            self.engine.abort_request(request_id)
-
-    def _deliver(self, deltas: list[CompletionDelta]):
-        """Hand the deltas to their streams: one call into each event loop per step."""
-        if not deltas:
+    def _settle(self, stream_id: int, error: BaseException | None):
+        """The engine's word on an add; the metrics count an API request's prompts once they are queued."""
+        add = self._adds.pop(stream_id, None)
+        if add is None:  # its caller has gone: the stream's close() has aborted it
             return
-        self.metrics.record_deltas(deltas)
+        future, arrival, sizes = add
+        if error is not None:
+            self._streams.pop(stream_id, None)
+        else:
+            for prompt_index, (num_prompt_tokens, n) in enumerate(sizes):
+                self.metrics.request_added((stream_id, prompt_index), arrival, num_prompt_tokens, n)
+        _settle(future, error)
+
+    def _deliver(self, routed: list[tuple[int, int, CompletionDelta]]):
+        """Hand the deltas to their streams: one call into each event loop per step."""
+        if not routed:
+            return
+        self.metrics.record_deltas(routed)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for delta in deltas:
-            entry = self._requests.get(delta.request_id)
+        for stream_id, prompt_index, delta in routed:
+            entry = self._streams.get(stream_id)
             if entry is None:
                 continue
-            stream, prompt_index, _ = entry
+            stream = entry[0]
             by_loop.setdefault(stream.loop, []).append((stream.queue, (prompt_index, delta)))
             if delta.finished:
-                entry[2] -= 1
-                if not entry[2]:
-                    del self._requests[delta.request_id]
+                entry[1] -= 1
+                if not entry[1]:
+                    self._streams.pop(stream_id, None)
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # that event loop is closed: nobody reads its streams any more
-                self._abort([request_id for request_id, (stream, *_) in self._requests.items()
-                             if stream.loop is loop])
+                for stream_id, (stream, _) in list(self._streams.items()):
+                    if stream.loop is loop:
+                        self.abort(stream_id)
 
-    def _die(self, exc: BaseException):
-        with self._commands_lock:
+    def _die(self, exc: BaseException | None):
+        """The engine is gone (exc: why, or None after a stop): what still waits on it gets EngineUnavailable."""
+        if exc is not None:
             self.error = exc
-            commands, self._commands = self._commands, deque()
-        for command in commands:
-            if command[0] == "add":
-                _settle(command[4], self._unavailable())
-        for stream, *_ in self._requests.values():
+        unavailable = self._unavailable()
+        for future, *_ in list(self._adds.values()):
+            _settle(future, unavailable)
+        self._adds.clear()
+        for stream, _ in list(self._streams.values()):
             if not stream.loop.is_closed():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, self._unavailable())
-        self._requests.clear()
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, unavailable)
+        self._streams.clear()
 
     def _log_stats(self):
         """One line per interval while there is something to say: running and waiting sequences, prompt and
         generation throughput since the last line, KV cache use."""
         now = time.monotonic()
         since, prompt_tokens, generation_tokens, state = self._last_log
-        if now - since < self.log_interval:
+        if now - since < self.log_interval or self.snapshot is None:
             return
-        scheduler = self.engine.scheduler
-        blocks = scheduler.block_manager
-        metrics = self.metrics
-        new_state = (scheduler.num_running, scheduler.num_waiting)
+        snapshot, metrics = self.snapshot, self.metrics
+        new_state = (snapshot.num_running, snapshot.num_waiting)
         prompt_rate = (metrics.total_prompt_tokens - prompt_tokens) / (now - since)
         generation_rate = (metrics.total_generation_tokens - generation_tokens) / (now - since)
         if new_state != (0, 0) or prompt_rate or generation_rate or state != new_state:
             logger.info("engine: %d running, %d waiting; prompt %.1f tok/s, generation %.1f tok/s; KV cache %.1f%% "
                         "of %d blocks in use", *new_state, prompt_rate, generation_rate,
-                        100 * (1 - blocks.num_free_blocks / len(blocks.blocks)), len(blocks.blocks))
+                        100 * (1 - snapshot.num_free_blocks / snapshot.num_blocks), snapshot.num_blocks)
         self._last_log = (now, metrics.total_prompt_tokens, metrics.total_generation_tokens, new_state)
 
 

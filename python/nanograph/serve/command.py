@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from functools import partial
 
 from ..config import Config
 
@@ -49,22 +50,24 @@ def serve(args: argparse.Namespace):
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logger = logging.getLogger("nanograph.serve")
-    engine = LLMEngine.from_config(Config(
+    config = Config(
         model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed))
+        enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed)
     name = args.served_model_name or args.model or MODEL_NAME
-    async_llm = AsyncLLM(engine, ServerMetrics(name), args.log_interval)
+    async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name), args.log_interval)
+    try:
+        info = async_llm.start()
+    except (ValueError, TypeError, OSError) as exc:  # a bad folder or engine argument: the message says which
+        raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     app = build_app(ServedModel(async_llm, name), args.api_key)
-    runner, config = engine.runner, engine.config
-    logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, config.model, runner.device,
-                config.max_model_len, config.max_num_seqs)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens", runner.num_kv_blocks, runner.block_size,
-                runner.num_kv_blocks * runner.block_size)
+    logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
+                info.max_model_len, info.max_num_seqs)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", info.num_kv_blocks, info.block_size,
+                info.num_kv_blocks * info.block_size)
     logger.info("listening on http://%s:%d%s", args.host, args.port, " (API key required on /v1)" if args.api_key
                 else "")
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                                          timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm)
-    async_llm.start()
     server.run()
 

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics: vLLM's names under the "nanograph:" prefix, each labelled with model_name.
 
-The engine loop thread records everything: the gauges and the engine's counters after each step, the latencies and
-token counts from the deltas it hands out. Latencies are per request (its n completions together); finish reasons
+AsyncLLM's reader thread records everything: the gauges and the engine's counters from the state the engine
+process reports after each step, the latencies and token counts from the deltas it hands out. Latencies are per request (its n completions together); finish reasons
 are per completion, as each has its own."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..engine.llm_engine import LLMEngine
 from ..outputs import CompletionDelta
+from .engine_core import EngineSnapshot
 
 PREFIX = "nanograph:"
 # Seconds, in a 1-2.5-5 series over the range each latency spans, from a fast GPU to a loaded CPU.
@@ -60,27 +60,29 @@ class ServerMetrics:
                                             buckets=E2E_BUCKETS)
         self.total_prompt_tokens = 0  # the counters' values, for the periodic log line
         self.total_generation_tokens = 0
-        self._requests: dict[str, _RequestTimes] = {}
+        self._requests: dict[tuple[int, int], _RequestTimes] = {}
         self._preemptions = self._prefix_queries = self._prefix_hits = 0  # the engine's counts last seen
 
-    def request_added(self, request_id: str, num_prompt_tokens: int, num_completions: int):
-        self._requests[request_id] = _RequestTimes(time.monotonic(), num_prompt_tokens, num_completions)
+    def request_added(self, request: tuple[int, int], arrival: float, num_prompt_tokens: int, num_completions: int):
+        """request: its stream and its prompt's index there; arrival: time.monotonic() when the server took it."""
+        self._requests[request] = _RequestTimes(arrival, num_prompt_tokens, num_completions)
 
-    def record_deltas(self, deltas: list[CompletionDelta]):
+    def record_deltas(self, deltas: list[tuple[int, int, CompletionDelta]]):
         """One step's deltas: token counts, the first token's and the step-to-step latency (once per request per
         step), and, for each completion that ended, its finish reason (and the request's latency when it was the
         last)."""
         now = time.monotonic()
         stepped = set()
-        for delta in deltas:
-            times = self._requests.get(delta.request_id)
+        for stream_id, prompt_index, delta in deltas:
+            request = (stream_id, prompt_index)
+            times = self._requests.get(request)
             if times is None:
                 continue
             if delta.token_ids:
                 self.generation_tokens.inc(len(delta.token_ids))
                 self.total_generation_tokens += len(delta.token_ids)
-                if delta.request_id not in stepped:
-                    stepped.add(delta.request_id)
+                if request not in stepped:
+                    stepped.add(request)
                     if times.last_token is None:
                         self.time_to_first_token.observe(now - times.arrival)
                         self.prompt_tokens.inc(times.num_prompt_tokens)
@@ -94,17 +96,15 @@ class ServerMetrics:
                 times.num_open_completions -= 1
                 if not times.num_open_completions:
                     self.e2e_request_latency.observe(now - times.arrival)
-                    del self._requests[delta.request_id]
+                    del self._requests[request]
 
-    def record_engine(self, engine: LLMEngine):
+    def record_engine(self, snapshot: EngineSnapshot):
         """The scheduler's and the KV cache's state, and the engine counters' growth since the last call."""
-        scheduler = engine.scheduler
-        blocks = scheduler.block_manager
-        self.num_requests_running.set(scheduler.num_running)
-        self.num_requests_waiting.set(scheduler.num_waiting)
-        self.kv_cache_usage_perc.set(1 - blocks.num_free_blocks / len(blocks.blocks))
-        self.num_preemptions.inc(scheduler.num_preemptions - self._preemptions)
-        self.prefix_cache_queries.inc(blocks.num_prefix_queried_tokens - self._prefix_queries)
-        self.prefix_cache_hits.inc(blocks.num_prefix_hit_tokens - self._prefix_hits)
-        self._preemptions = scheduler.num_preemptions
-        self._prefix_queries, self._prefix_hits = blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens
+        self.num_requests_running.set(snapshot.num_running)
+        self.num_requests_waiting.set(snapshot.num_waiting)
+        self.kv_cache_usage_perc.set(1 - snapshot.num_free_blocks / snapshot.num_blocks)
+        self.num_preemptions.inc(snapshot.num_preemptions - self._preemptions)
+        self.prefix_cache_queries.inc(snapshot.prefix_queried_tokens - self._prefix_queries)
+        self.prefix_cache_hits.inc(snapshot.prefix_hit_tokens - self._prefix_hits)
+        self._preemptions = snapshot.num_preemptions
+        self._prefix_queries, self._prefix_hits = snapshot.prefix_queried_tokens, snapshot.prefix_hit_tokens

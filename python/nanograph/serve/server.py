@@ -32,7 +32,7 @@ class EngineServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame):
         """uvicorn stops accepting and waits for open responses, which end at once: their requests are aborted.
-        The abort goes through the event loop, as a signal handler must not take the engine's command lock."""
+        The abort goes through the event loop, as a signal handler must not take the engine pipe's lock."""
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.async_llm.abort_all)
         super().handle_exit(sig, frame)

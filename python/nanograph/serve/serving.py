@@ -1,5 +1,5 @@
 """ServedModel: what the API handlers share: the model's name and limits, its tokenizer (the frontend's own
-instance: the engine thread detokenises with the engine's), the engine, and a request's completions collected."""
+instance: the engine process detokenises with the engine's), the engine, and a request's completions collected."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,8 +29,8 @@ class ServedModel:
         """tokenizer: the frontend's (None: a new instance from the model folder)."""
         self.async_llm = async_llm
         self.name = name
-        self.path = async_llm.engine.config.model
-        self.max_model_len = async_llm.engine.config.max_model_len
+        self.path = async_llm.info.model
+        self.max_model_len = async_llm.info.max_model_len
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
 
     def check_model(self, model: str | None):

@@ -1,0 +1,197 @@
+"""The engine process: it owns the LLMEngine and runs its step loop, apart from the HTTP frontend, so that neither
+waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
+
+In: ("add", stream_id, prompts, params), ("abort", stream_id), ("stop",), read by a thread of their own so that
+the frontend never blocks on a full pipe while a step runs. Out, in this order of events:
+("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
+("added", stream_id, error or None) for each add, all its prompts queued or none;
+("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced
+deltas, and whenever the state the frontend reports changed; ("dead", error) when the loop died outside any
+request; ("stopped",) after a stop, its aborts delivered."""
+from __future__ import annotations
+
+import pickle
+import signal
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from ..engine.llm_engine import LLMEngine
+from ..sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the frontend needs to know of the engine, sent once it is built."""
+    model: str  # the model folder the engine loaded
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    device: str
+    num_kv_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The scheduler's and the KV cache's state, and the engine's running counts, after a step."""
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_preemptions: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    config, runner = engine.config, engine.runner
+    return EngineInfo(config.model, config.max_model_len, config.max_num_seqs, engine.vocab_size, str(runner.device),
+                      runner.num_kv_blocks, runner.block_size)
+
+
+def snapshot(engine: LLMEngine) -> EngineSnapshot:
+    scheduler = engine.scheduler
+    blocks = scheduler.block_manager
+    return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, blocks.num_free_blocks, len(blocks.blocks),
+                          scheduler.num_preemptions, blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens)
+
+
+def run_engine_process(make_engine: Callable[[], LLMEngine], commands: Connection, outputs: Connection):
+    """The engine process's entry point. Ctrl-C reaches the whole process group: the frontend alone handles it and
+    stops this loop with a command. A frontend gone (its end of the pipe closed) stops it too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = make_engine()
+    except BaseException as exc:
+        _send(outputs, ("failed", _portable(exc)))
+        return
+    EngineCore(engine, commands, outputs).run()
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, commands: Connection, outputs: Connection):
+        self.engine = engine
+        self.outputs = outputs
+        self._commands: deque[tuple] = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[int, list[str]] = {}  # an API request's engine requests
+        self._origin: dict[str, tuple[int, int, int]] = {}  # engine request -> stream, prompt index, open completions
+        self._reader = threading.Thread(target=self._read, args=(commands,), name="nanograph-engine-input",
+                                        daemon=True)
+
+    def run(self):
+        self._send(("ready", engine_info(self.engine)))
+        self._reader.start()
+        last = None
+        try:
+            while True:
+                if not self._apply_commands():
+                    break
+                busy = self.engine.has_unfinished()
+                if busy:
+                    self.engine.step()
+                deltas = self.engine.take_deltas()
+                state = snapshot(self.engine)
+                if deltas or state != last:
+                    self._send(("step", self._route(deltas), state))
+                    last = state
+                if not busy:
+                    with self._wake:
+                        self._wake.wait_for(lambda: self._commands)
+        except BaseException as exc:
+            self._send(("dead", _portable(exc)))
+
+    def _read(self, commands: Connection):
+        """Every command, as soon as it arrives; a closed pipe (the frontend gone) is a stop."""
+        while True:
+            try:
+                command = commands.recv()
+            except (EOFError, OSError):
+                command = ("stop",)
+            with self._wake:
+                self._commands.append(command)
+                self._wake.notify()
+            if command[0] == "stop":
+                return
+
+    def _apply_commands(self) -> bool:
+        """Queue the new requests and apply the aborts; False once a stop was applied (its aborts delivered)."""
+        with self._wake:
+            commands, self._commands = self._commands, deque()
+        for command in commands:
+            if command[0] == "add":
+                self._add(*command[1:])
+            elif command[0] == "abort":
+                self._abort(self._streams.get(command[1], []))
+            else:
+                self._abort(list(self._origin))
+                self._send(("step", self._route(self.engine.take_deltas()), snapshot(self.engine)))
+                self._send(("stopped",))
+                return False
+        return True
+
+    def _add(self, stream_id: int, prompts: list[list[int]], params: list[SamplingParams]):
+        """All of an API request's prompts, or none: an invalid one aborts those queued before it (their last
+        deltas go to a stream the frontend has dropped)."""
+        request_ids = self._streams[stream_id] = []
+        for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
+            try:
+                request_id = self.engine.add_request(prompt, request_params, stream=True)
+            except (ValueError, TypeError) as exc:
+                self._abort(request_ids)
+                if not request_ids:
+                    del self._streams[stream_id]
+                self._send(("added", stream_id, type(exc)(f"prompt {prompt_index}: {exc}") if len(prompts) > 1
+                            else exc))
+                return
+            request_ids.append(request_id)
+            self._origin[request_id] = (stream_id, prompt_index, request_params.n)
+        self._send(("added", stream_id, None))
+
+    def _abort(self, request_ids: list[str]):
+        """The engine ends them at once, freeing their blocks; their last deltas come with the next take."""
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+
+    def _route(self, deltas) -> list[tuple]:
+        """Each delta with the stream and prompt it belongs to; an API request is forgotten once its last
+        completion has ended."""
+        routed = []
+        for delta in deltas:
+            origin = self._origin.get(delta.request_id)
+            if origin is None:
+                continue
+            stream_id, prompt_index, num_open = origin
+            routed.append((stream_id, prompt_index, delta))
+            if delta.finished:
+                if num_open == 1:
+                    del self._origin[delta.request_id]
+                    request_ids = self._streams[stream_id]
+                    request_ids.remove(delta.request_id)
+                    if not request_ids:
+                        del self._streams[stream_id]
+                else:
+                    self._origin[delta.request_id] = (stream_id, prompt_index, num_open - 1)
+        return routed
+
+    def _send(self, message: tuple):
+        _send(self.outputs, message)
+
+
+def _send(outputs: Connection, message: tuple):
+    try:
+        outputs.send(message)
+    except (BrokenPipeError, ConnectionResetError, OSError):
+        pass  # the frontend is gone; the reader sees the pipe closed and stops the loop
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
