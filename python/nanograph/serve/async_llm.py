@@ -18,7 +18,7 @@ from itertools import count
 from ..engine.llm_engine import LLMEngine
 from ..outputs import CompletionDelta
 from ..sampling_params import SamplingParams
-from .engine_core import EngineInfo, EngineSnapshot, run_engine_process
+from .engine_core import EngineInfo, EngineSnapshot, run_engine_process, widen_pipe
 from .metrics import ServerMetrics
 
 logger = logging.getLogger("nanograph.serve")
@@ -91,6 +91,8 @@ class AsyncLLM:
         context = multiprocessing.get_context("spawn")  # the frontend may hold threads, or a device context
         commands_in, self._commands = context.Pipe(duplex=False)
         self._outputs, outputs_out = context.Pipe(duplex=False)
+        widen_pipe(self._commands)
+        widen_pipe(outputs_out)
         self._process = context.Process(target=run_engine_process, args=(self.make_engine, commands_in, outputs_out),
                                         name="nanograph-engine", daemon=True)
         self._process.start()

@@ -14,7 +14,7 @@ from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .serving import ServedModel, usage, wants_usage_chunk
-from .streaming import EventStreamResponse, event, sse_body, unless_disconnected
+from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
@@ -73,9 +73,15 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     def chunk(choices: list[ChatChunkChoice], **fields) -> str:
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, **fields))
 
+    text_events = [TextEvents(lambda text, index=index: ChatCompletionChunk(
+        id=response_id, created=created, model=model,
+        choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))])) for index in range(n)]
+
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         num_tokens += len(delta.token_ids)
+        if delta.logprobs is None and not delta.finished:
+            return text_events[delta.index](delta.text)
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
         return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
                                       finish_reason=delta.finish_reason if delta.finished else None,

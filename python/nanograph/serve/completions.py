@@ -13,7 +13,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import ServedModel, usage, wants_usage_chunk
-from .streaming import EventStreamResponse, event, sse_body, unless_disconnected
+from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
 async def create_completion(served: ServedModel, raw_request: Request) -> Response | CompletionResponse:
@@ -82,15 +82,21 @@ def _events(stream: RequestStream, response_id: str, model: str, prompts: list[l
     """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
     last."""
     created = int(time.time())
-    started, offsets, num_tokens = set(), {}, 0
+    offsets, num_tokens = {}, 0
+    text_events: dict[int, TextEvents] = {}  # each choice's, once its first chunk is out
 
     def chunk_of(prompt_index: int, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         index = prompt_index * n + delta.index
         text = delta.text
-        if index not in started:
-            started.add(index)
+        plain = text_events.get(index)
+        if plain is None:
             text = echoed[prompt_index] + text
+            text_events[index] = TextEvents(lambda text: CompletionResponse(
+                id=response_id, created=created, model=model, choices=[CompletionChoice(index=index, text=text)]))
+        elif delta.logprobs is None and not delta.finished:
+            num_tokens += len(delta.token_ids)
+            return plain(text)
         logprobs = None
         if delta.logprobs is not None:
             logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))

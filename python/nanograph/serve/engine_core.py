@@ -2,7 +2,8 @@
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
 In: ("add", stream_id, prompts, params), ("abort", stream_id), ("stop",), read by a thread of their own so that
-the frontend never blocks on a full pipe while a step runs. Out, in this order of events:
+the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own so that a step never
+waits on a frontend that is behind, in this order of events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None) for each add, all its prompts queued or none;
 ("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced
@@ -10,7 +11,9 @@ deltas, and whenever the state the frontend reports changed; ("dead", error) whe
 request; ("stopped",) after a stop, its aborts delivered."""
 from __future__ import annotations
 
+import fcntl
 import pickle
+import queue
 import signal
 import threading
 from collections import deque
@@ -81,10 +84,20 @@ class EngineCore:
         self._origin: dict[str, tuple[int, int, int]] = {}  # engine request -> stream, prompt index, open completions
         self._reader = threading.Thread(target=self._read, args=(commands,), name="nanograph-engine-input",
                                         daemon=True)
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="nanograph-engine-output")
 
     def run(self):
         self._send(("ready", engine_info(self.engine)))
         self._reader.start()
+        self._writer.start()
+        try:
+            self._loop()
+        finally:
+            self._outbox.put(None)
+            self._writer.join()
+
+    def _loop(self):
         last = None
         try:
             while True:
@@ -178,7 +191,11 @@ class EngineCore:
         return routed
 
     def _send(self, message: tuple):
-        _send(self.outputs, message)
+        self._outbox.put(message)
+
+    def _write(self):
+        while (message := self._outbox.get()) is not None:
+            _send(self.outputs, message)
 
 
 def _send(outputs: Connection, message: tuple):
@@ -186,6 +203,15 @@ def _send(outputs: Connection, message: tuple):
         outputs.send(message)
     except (BrokenPipeError, ConnectionResetError, OSError):
         pass  # the frontend is gone; the reader sees the pipe closed and stops the loop
+
+
+def widen_pipe(end: Connection):
+    """A pipe of 1 MiB rather than 64 KiB, so that a writer gets ahead of a busy reader by many messages (a burst of
+    adds, many steps' deltas) before it waits."""
+    try:
+        fcntl.fcntl(end.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+    except OSError:
+        pass  # the system's limit is lower: the default size works, with the writer waiting more often
 
 
 def _portable(exc: BaseException) -> BaseException:

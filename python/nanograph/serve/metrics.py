@@ -73,13 +73,13 @@ class ServerMetrics:
         last)."""
         now = time.monotonic()
         stepped = set()
+        generated = self.total_generation_tokens
         for stream_id, prompt_index, delta in deltas:
             request = (stream_id, prompt_index)
             times = self._requests.get(request)
             if times is None:
                 continue
             if delta.token_ids:
-                self.generation_tokens.inc(len(delta.token_ids))
                 self.total_generation_tokens += len(delta.token_ids)
                 if request not in stepped:
                     stepped.add(request)
@@ -97,6 +97,7 @@ class ServerMetrics:
                 if not times.num_open_completions:
                     self.e2e_request_latency.observe(now - times.arrival)
                     del self._requests[request]
+        self.generation_tokens.inc(self.total_generation_tokens - generated)
 
     def record_engine(self, snapshot: EngineSnapshot):
         """The scheduler's and the KV cache's state, and the engine counters' growth since the last call."""

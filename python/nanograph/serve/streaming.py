@@ -3,6 +3,7 @@ which aborts what its request still runs."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -21,6 +22,26 @@ DONE = "data: [DONE]\n\n"
 
 def event(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
+
+
+class TextEvents:
+    """The events of chunks that differ in one text field alone (a choice's plain text deltas), written without
+    building a model each time: the chunk is rendered once with a marker for its text, and each event is the two
+    halves around the JSON string of the text, the same bytes as event() gives. With a thousand streams open, the
+    models cost the frontend more than everything else it does per token."""
+    MARKER = "NANOGRAPH_TEXT_MARKER"
+    _encode = json.JSONEncoder(ensure_ascii=False).encode
+
+    def __init__(self, make_chunk: Callable[[str], BaseModel]):
+        """make_chunk(text): the chunk for a text."""
+        self.make_chunk = make_chunk
+        halves = event(make_chunk(self.MARKER)).split(f'"{self.MARKER}"')
+        self.halves = halves if len(halves) == 2 else None  # the marker also elsewhere (a model's name): no shortcut
+
+    def __call__(self, text: str) -> str:
+        if self.halves is None:
+            return event(self.make_chunk(text))
+        return self.halves[0] + self._encode(text) + self.halves[1]
 
 
 async def sse_body(stream: RequestStream, chunk_of: Callable[[int, CompletionDelta], str],
