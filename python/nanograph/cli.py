@@ -10,14 +10,13 @@ import sys
 from . import __version__
 from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
                           sampling_params)
+from .cli_stream import chat, flushing_writer, read_lines, stream_text
 from .config import Config
-from .cli_stream import END_COMMANDS, chat, flushing_writer, read_lines, stream_text
 from .llm import LLM
 from .serve import command as serve_command
 
 CHAT_HELP = ("with a MESSAGE, answer it; without one, read messages from stdin, one a line, and answer each in "
-             "turn with the whole conversation in view, until end of input (Ctrl-D), an empty line or "
-             f"{END_COMMANDS[1]}")
+             "turn with the whole conversation in view, until end of input (Ctrl-D), an empty line or /exit")
 
 
 def build_parser() -> argparse.ArgumentParser:
