@@ -1,6 +1,7 @@
 """The `nanograph` command: chat (one message, or a conversation on stdin, streamed), generate (streamed), bench on a
 chosen device, --version, the defaults in --help, and bad values as one error line. The real default model
 (SmolLM2-135M-Instruct) runs on the CPU with few output tokens."""
+import io
 import os
 import re
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 import nanograph
 from nanograph import LLM, SamplingParams, cli
-from nanograph.cli_stream import chat, stream_text
+from nanograph.cli_stream import chat, read_lines, stream_text
 from nanograph.config import Config
 
 from .engine.tiny_models import make_tiny_model
@@ -94,6 +95,18 @@ def test_chat_renders_each_turn_over_the_whole_history(llm, name_replies, monkey
 def test_an_empty_line_ends_the_chat(llm):
     writes = []
     assert chat(llm, greedy(2), ["", "never read"], writes.append) == [] and writes == []
+
+
+def test_a_terminal_is_asked_for_each_line():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    asked = io.StringIO()
+    lines = read_lines(Terminal("first\r\nsecond\n"), asked)
+    assert next(lines) == "first" and asked.getvalue() == "> "
+    assert list(lines) == ["second"] and asked.getvalue() == "> > > \n"  # the last asks before end of input
+    assert list(read_lines(io.StringIO("piped\n"), asked)) == ["piped"] and asked.getvalue() == "> > > \n"
 
 
 def test_interactive_chat_on_stdin_streams_each_reply_with_the_history(name_replies):

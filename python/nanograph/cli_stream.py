@@ -51,6 +51,8 @@ def read_lines(stdin: TextIO, prompt_out: TextIO) -> Iterator[str]:
             prompt_out.flush()
         line = stdin.readline()
         if not line:
+            if asking:
+                prompt_out.write("\n")  # the shell's prompt then starts its own line
             return
         yield line.rstrip("\r\n")
 
