@@ -119,13 +119,18 @@ def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: 
 def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, compare_hf: bool = True,
             max_model_len: int | None = None, **llm_kwargs) -> dict:
     """max_model_len sizes the KV cache and the decode graphs (the attention grid grows with it); by default just
-    enough for the workload."""
+    enough for the workload. llm_kwargs are Config fields (device "cuda" unless given); the copy bandwidth and the
+    HF comparison are measured on CUDA only."""
     if max_model_len is None:
         max_model_len = prompt_len + output_len + 16
     elif max_model_len < prompt_len + output_len:
         raise ValueError(f"max_model_len {max_model_len} cannot hold the {prompt_len}-token prompt and "
                          f"{output_len} output tokens; give at least {prompt_len + output_len}")
-    llm = LLM(model, max_num_seqs=1, max_model_len=max_model_len, device="cuda", **llm_kwargs)
+    llm = LLM(model, max_model_len=max_model_len, **{"max_num_seqs": 1, "device": "cuda", **llm_kwargs})
+    device = llm.engine.runner.device
+    if compare_hf and device.type != "cuda":
+        raise ValueError(f"bench latency compares with HF transformers on CUDA only, and the engine runs on {device}; "
+                         "pass --no-hf (compare_hf=False)")
     vocab = llm.engine.vocab_size
     prompt = torch.randint(0, min(vocab, 10000), (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 
@@ -134,13 +139,16 @@ def latency(model: str | None, prompt_len: int = 128, output_len: int = 256, com
 
     seconds = decode_seconds_per_token(generate, output_len)
     gpu_seconds = graph_step_seconds(llm.engine.runner, prompt_len + output_len // 2)
-    bandwidth = copy_bandwidth_gbs(llm.engine.runner.device)
-    gbs = step_bytes(llm, prompt_len + output_len / 2) / seconds / 1e9
-    result = {"ms_per_token": seconds * 1e3, "tok_s": 1 / seconds, "achieved_gbs": gbs,
-              "copy_gbs": bandwidth, "pct_bandwidth": 100 * gbs / bandwidth}
-    print(f"nanograph  batch 1, prompt {prompt_len}, {output_len} tokens: {seconds * 1e3:.3f} ms/token, "
-          f"{1 / seconds:.0f} tok/s, {gbs:.0f} GB/s = {100 * gbs / bandwidth:.0f}% of the {bandwidth:.0f} GB/s "
-          "copy bandwidth measured now", flush=True)
+    result = {"ms_per_token": seconds * 1e3, "tok_s": 1 / seconds}
+    report = f"nanograph  batch 1, prompt {prompt_len}, {output_len} tokens: {seconds * 1e3:.3f} ms/token, " \
+             f"{1 / seconds:.0f} tok/s"
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth_gbs(device)
+        gbs = step_bytes(llm, prompt_len + output_len / 2) / seconds / 1e9
+        result.update(achieved_gbs=gbs, copy_gbs=bandwidth, pct_bandwidth=100 * gbs / bandwidth)
+        report += f", {gbs:.0f} GB/s = {100 * gbs / bandwidth:.0f}% of the {bandwidth:.0f} GB/s copy bandwidth " \
+                  "measured now"
+    print(report, flush=True)
     if gpu_seconds is not None:
         result["gpu_ms_per_step"] = gpu_seconds * 1e3
         print(f"  of which GPU: {gpu_seconds * 1e3:.3f} ms per step (the batch-1 decode graph replayed alone); "
@@ -225,9 +233,8 @@ def hf_batched_generate_seconds(model_path: str, prompts: list[list[int]], param
 def throughput(model: str | None, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024,
                compare_hf: bool = False, hf_subset: int = 16, **llm_kwargs) -> dict:
     """Output tokens per second of one generate call over nano-vllm's workload; llm_kwargs are Config fields
-    (device "cuda" unless given)."""
-    llm_kwargs.setdefault("device", "cuda")
-    llm = LLM(model, max_model_len=max_input_len + max_output_len, **llm_kwargs)
+    (device "cuda" and max_model_len max_input_len + max_output_len unless given)."""
+    llm = LLM(model, **{"max_model_len": max_input_len + max_output_len, "device": "cuda", **llm_kwargs})
     prompts, params = nano_vllm_workload(num_seqs, max_input_len, max_output_len, llm.engine.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)  # warm-up, as nano-vllm's bench does
     seconds, stats = _timed_generate(llm, prompts, params)

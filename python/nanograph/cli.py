@@ -1,43 +1,55 @@
-"""The `nanograph` command: `nanograph generate "prompt"`, `nanograph chat "message"`, `nanograph serve` (the
-OpenAI-compatible server), `nanograph bench latency` (batch-1 decode speed against the roofline and HF
-transformers), `nanograph bench throughput` (nano-vllm's 256-request benchmark) and `nanograph bench serve` (a
-client timing a running server)."""
+"""The `nanograph` command: `nanograph chat` (a conversation on stdin, or one message), `nanograph generate "prompt"`,
+`nanograph serve` (the OpenAI-compatible server), `nanograph bench latency` (batch-1 decode speed against the
+roofline and HF transformers), `nanograph bench throughput` (nano-vllm's 256-request benchmark) and `nanograph bench
+serve` (a client timing a running server). Chat and generate stream their text as it comes."""
 from __future__ import annotations
 
 import argparse
+import sys
 
+from . import __version__
+from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
+                          sampling_params)
+from .cli_stream import chat, flushing_writer, read_lines, stream_text
+from .config import Config
 from .llm import LLM
-from .sampling_params import SamplingParams
 from .serve import command as serve_command
 
-MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
+CHAT_HELP = ("with a MESSAGE, answer it; without one, read messages from stdin, one a line, and answer each in "
+             "turn with the whole conversation in view, until end of input (Ctrl-D), an empty line or /exit")
 
 
-def main(argv: list[str] | None = None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nanograph", description="Generate text with nanograph.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (("generate", "continue a prompt"),
-                            ("chat", "answer one user message, with the model's chat template")):
-        command = commands.add_parser(name, help=help_text)
-        command.add_argument("prompt")
-        command.add_argument("--model", help=MODEL_HELP)
-        command.add_argument("--max-tokens", type=int, default=256)
-        command.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-        command.add_argument("--device", default="auto", help="auto, cuda, cpu, or torch:<torch device>")
-    serve_command.add_arguments(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"),
-                                MODEL_HELP)
-    bench = commands.add_parser("bench", help="measure speed on a GPU, or a running server's")
+    chat_command = commands.add_parser("chat", help="talk with the model through its chat template",
+                                       description=f"Chat with the model: {CHAT_HELP}.")
+    chat_command.add_argument("prompt", nargs="?", metavar="MESSAGE", help=CHAT_HELP)
+    chat_command.add_argument("--system-prompt", help="the conversation's system message (default: the chat "
+                              "template's own, if any)")
+    generate_command = commands.add_parser("generate", help="continue a prompt")
+    generate_command.add_argument("prompt")
+    for command in (chat_command, generate_command):
+        add_engine_arguments(command)
+        add_sampling_arguments(command)
+    serve_command.add_arguments(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU, or a running server's"))
+    return parser
+
+
+def add_bench_arguments(bench: argparse.ArgumentParser):
     bench.add_argument("workload", choices=["latency", "throughput", "serve"])
-    bench.add_argument("--model", help=f"latency, throughput: {MODEL_HELP}; serve: the served model's name "
-                       "(default: the server's)")
-    bench.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")
+    add_engine_arguments(bench, model_help=f"latency, throughput: {MODEL_HELP}; serve: the served model's name "
+                         "(default: the server's)", defaults={
+                             "device": "cuda", "max_num_seqs": f"{Config.max_num_seqs}; latency: 1",
+                             "max_model_len": "latency: prompt + output + 16; throughput: max input + output",
+                             "seed": "0; serve: the seed of the prompts and their arrivals"})
     bench.add_argument("--prompt-len", type=int, help="latency, serve: prompt tokens (default 128; serve: 1024, "
                        "random ids)")
     bench.add_argument("--output-len", type=int, help="latency, serve: output tokens (default 256; serve: 128, EOS "
                        "ignored)")
     bench.add_argument("--no-hf", action="store_true", help="latency: skip the HF transformers comparison")
-    bench.add_argument("--max-model-len", type=int, help="latency: the engine's max_model_len (default: prompt + "
-                       "output + 16; larger values size bigger attention grids, as a server's would)")
     bench.add_argument("--num-seqs", type=int, default=256, help="throughput: requests")
     bench.add_argument("--max-input-len", type=int, default=1024, help="throughput: longest prompt")
     bench.add_argument("--max-output-len", type=int, default=1024, help="throughput: longest output")
@@ -51,42 +63,52 @@ def main(argv: list[str] | None = None):
     bench.add_argument("--goodput", nargs="*", metavar="NAME:MS", help="serve: SLOs (ttft, tpot, e2el in ms) "
                        "for the goodput, e.g. ttft:500 tpot:50")
     bench.add_argument("--api-key", help="serve: the server's API key")
-    bench.add_argument("--seed", type=int, default=0, help="serve: the prompts' and arrivals' seed")
     bench.add_argument("--result-file", help="serve: write the results as JSON here")
+
+
+def bench(args: argparse.Namespace):
+    if args.workload == "serve":
+        try:
+            from .bench_serve import bench_serve
+        except ImportError as exc:
+            raise SystemExit(f"nanograph bench serve needs the {exc.name} package: pip install aiohttp")
+        bench_serve(args.base_url, args.model, args.num_prompts, args.prompt_len or 1024, args.output_len or 128,
+                    args.request_rate, args.max_concurrency, args.goodput, args.api_key, getattr(args, "seed", 0),
+                    args.result_file)
+        return
+    from . import bench as benchmarks
+    if args.workload == "latency":
+        benchmarks.latency(args.model, args.prompt_len or 128, args.output_len or 256, compare_hf=not args.no_hf,
+                           **engine_kwargs(args))
+    else:
+        benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
+                              compare_hf=args.compare == "hf", **engine_kwargs(args))
+
+
+def main(argv: list[str] | None = None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             serve_command.serve(args)
-            return
-        if args.command == "bench" and args.workload == "serve":
-            try:
-                from .bench_serve import bench_serve
-            except ImportError as exc:
-                raise SystemExit(f"nanograph bench serve needs the {exc.name} package: pip install aiohttp")
-            bench_serve(args.base_url, args.model, args.num_prompts, args.prompt_len or 1024, args.output_len or 128,
-                        args.request_rate, args.max_concurrency, args.goodput, args.api_key, args.seed,
-                        args.result_file)
-            return
-        if args.command == "bench":
-            from . import bench as benchmarks
-            if args.workload == "latency":
-                benchmarks.latency(args.model, args.prompt_len or 128, args.output_len or 256,
-                                   compare_hf=not args.no_hf, max_model_len=args.max_model_len,
-                                   enforce_eager=args.enforce_eager)
-            else:
-                benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
-                                      compare_hf=args.compare == "hf", enforce_eager=args.enforce_eager)
-            return
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-        llm = LLM(args.model, device=args.device)
-        if args.command == "chat":
-            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        elif args.command == "bench":
+            bench(args)
         else:
-            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+            params = sampling_params(args)
+            llm = LLM(args.model, **engine_kwargs(args))
+            write = flushing_writer(sys.stdout)
+            if args.command == "generate":
+                stream_text(llm, args.prompt, params, write)
+                write("\n")
+            else:
+                messages = [args.prompt] if args.prompt is not None else read_lines(sys.stdin, sys.stdout)
+                chat(llm, params, messages, write, args.system_prompt)
     except (ValueError, OSError, RuntimeError) as exc:
         # What a user can fix (a model folder or file, a device, an argument) is one line, not a traceback.
         parser.error(str(exc))
-    print(outputs[0].outputs[0].text)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

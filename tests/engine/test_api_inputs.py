@@ -104,7 +104,7 @@ def test_longrope_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--model", "/nonexistent/folder"], "model folder '/nonexistent/folder' does not exist"),
-    (["chat", "hi", "--model", "TINY"], "chat\\(\\) needs the model folder's tokenizer"),
+    (["chat", "hi", "--model", "TINY"], "chat needs the model folder's tokenizer"),
 ])
 def test_cli_errors_are_one_line(argv, message, tiny, capsys):
     folder, _ = tiny

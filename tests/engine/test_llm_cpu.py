@@ -2,7 +2,6 @@
 import pytest
 
 from nanograph import LLM, SamplingParams
-from nanograph.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -84,15 +83,3 @@ def test_prefix_cache_hit_gives_the_uncached_greedy_tokens(llm, small_uncached_l
     [uncached] = small_uncached_llm.generate([second], greedy(8), use_tqdm=False)
     assert cached.num_cached_tokens >= 80 and uncached.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
-
-
-def test_cli_chat_prints_the_answer(capsys):
-    main(["chat", "What is the capital of France?", "--device", "cpu", "--max-tokens", "16"])
-    assert "Paris" in capsys.readouterr().out
-
-
-def test_cli_rejects_bad_sampling_values(capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["generate", "hi", "--temperature", "-1"])
-    assert exc.value.code == 2
-    assert "temperature must be non-negative, got -1.0." in capsys.readouterr().err

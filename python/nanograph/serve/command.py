@@ -9,27 +9,20 @@ import logging
 import os
 from functools import partial
 
+from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
 
 INSTALL_HINT = "pip install 'nanograph[serve]'"
 
 
-def add_arguments(parser: argparse.ArgumentParser, model_help: str):
-    parser.add_argument("model", nargs="?", help=model_help)
+def add_arguments(parser: argparse.ArgumentParser):
+    add_engine_arguments(parser, model_positional=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", help="the name clients use (default: MODEL as given, or the default "
                         "model's name)")
     parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY"),
                         help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY)")
-    parser.add_argument("--max-model-len", type=int, default=Config.max_model_len)
-    parser.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization)
-    parser.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=Config.enable_prefix_caching)
-    parser.add_argument("--device", default=Config.device, help="auto, cuda, cpu, or torch:<torch device>")
-    parser.add_argument("--seed", type=int, default=Config.seed)
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
 
 
@@ -50,10 +43,7 @@ def serve(args: argparse.Namespace):
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logger = logging.getLogger("nanograph.serve")
-    config = Config(
-        model=args.model, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching, device=args.device, seed=args.seed)
+    config = Config(model=args.model, **engine_kwargs(args))
     name = args.served_model_name or args.model or MODEL_NAME
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name), args.log_interval)
     try:

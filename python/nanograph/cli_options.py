@@ -1,0 +1,59 @@
+"""The command line's shared options: the model and the engine's Config fields (chat, generate, serve, bench) and
+the sampling options (chat, generate), each declared once, with what each becomes."""
+from __future__ import annotations
+
+import argparse
+
+from .config import Config
+from .sampling_params import SamplingParams
+
+MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
+
+# Config field -> (type, help). An option left out is absent from the parsed arguments, so that the Config default
+# (or a benchmark's own) applies.
+ENGINE_OPTIONS = {
+    "device": (str, "auto, cuda, cpu, or torch:<torch device>"),
+    "max_model_len": (int, "the longest prompt plus output, in tokens"),
+    "max_num_seqs": (int, "sequences in one step at most"),
+    "gpu_memory_utilization": (float, "share of the GPU's memory the engine may use, KV cache included"),
+    "seed": (int, "the engine's sampling seed"),
+}
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool = False,
+                         model_help: str = MODEL_HELP, defaults: dict[str, str] | None = None):
+    """The model (`MODEL` when model_positional, else `--model`) and the engine options; defaults: what a command
+    uses in place of a Config default, in words, by field."""
+    if model_positional:
+        parser.add_argument("model", nargs="?", help=model_help)
+    else:
+        parser.add_argument("--model", help=model_help)
+    for field, (kind, help_text) in ENGINE_OPTIONS.items():
+        default = (defaults or {}).get(field, getattr(Config, field))
+        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
+                            help=f"{help_text} (default: {default})")
+    parser.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,
+                        help="run decode without CUDA graphs")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                        help=f"reuse the KV blocks of shared prompt prefixes (default: {Config.enable_prefix_caching})")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The Config fields given on the command line."""
+    return {field: getattr(args, field) for field in (*ENGINE_OPTIONS, "enforce_eager", "enable_prefix_caching")
+            if hasattr(args, field)}
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                        "probabilities add up to this (default: %(default)s)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from this many most likely tokens; 0: all "
+                        "(default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens at most, per answer "
+                        "(default: %(default)s)")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          max_tokens=args.max_tokens)

@@ -1,0 +1,64 @@
+"""What `nanograph generate` and `nanograph chat` print: a completion's text streamed as it comes, and a chat that
+keeps its conversation, each turn rendered by the model's chat template over the whole history."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TextIO
+
+from .engine.intake import Prompt
+from .llm import LLM, chat_prompt_token_ids
+from .sampling_params import SamplingParams
+
+END_COMMANDS = ("", "/exit")  # an empty line or /exit ends a chat, as end of input does
+
+
+def stream_text(llm: LLM, prompt: Prompt, params: SamplingParams, write: Callable[[str], object]) -> str:
+    """Write the completion of one prompt piece by piece as the engine produces it; its whole text."""
+    pieces = []
+    for delta in llm.stream(prompt, params):
+        if delta.error is not None:
+            raise RuntimeError(f"the request failed: {delta.error}")
+        if delta.text:
+            write(delta.text)
+            pieces.append(delta.text)
+    return "".join(pieces)
+
+
+def chat(llm: LLM, params: SamplingParams, user_messages: Iterable[str], write: Callable[[str], object],
+         system_prompt: str | None = None) -> list[dict]:
+    """Answer each user message in turn, streaming the reply, until the messages end or one is an end command; the
+    conversation, system prompt first."""
+    if llm.tokenizer is None:
+        raise ValueError("chat needs the model folder's tokenizer, and this folder has none: add its tokenizer files, "
+                         "or use nanograph generate")
+    conversation = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    for message in user_messages:
+        if message.strip() in END_COMMANDS:
+            break
+        conversation.append({"role": "user", "content": message})
+        reply = stream_text(llm, chat_prompt_token_ids(llm.tokenizer, conversation), params, write)
+        write("\n")
+        conversation.append({"role": "assistant", "content": reply})
+    return conversation
+
+
+def read_lines(stdin: TextIO, prompt_out: TextIO) -> Iterator[str]:
+    """The lines of stdin without their line ends, each asked for with "> " on prompt_out when stdin is a terminal."""
+    asking = stdin.isatty()
+    while True:
+        if asking:
+            prompt_out.write("> ")
+            prompt_out.flush()
+        line = stdin.readline()
+        if not line:
+            if asking:
+                prompt_out.write("\n")  # the shell's prompt then starts its own line
+            return
+        yield line.rstrip("\r\n")
+
+
+def flushing_writer(out: TextIO) -> Callable[[str], None]:
+    def write(text: str):
+        out.write(text)
+        out.flush()
+    return write

@@ -1,0 +1,227 @@
+"""The `nanograph` command: chat (one message, or a conversation on stdin, streamed), generate (streamed), bench on a
+chosen device, --version, the defaults in --help, and bad values as one error line. The real default model
+(SmolLM2-135M-Instruct) runs on the CPU with few output tokens."""
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nanograph
+from nanograph import LLM, SamplingParams, cli
+from nanograph.cli_stream import chat, read_lines, stream_text
+from nanograph.config import Config
+
+from .engine.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_MODEL_LEN = 512
+NAME_TURNS = ["My name is Ada. Greet me.", "What is my name?"]
+SYSTEM = "You are a terse assistant."
+REPLY_TOKENS = 8
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def name_replies(llm):
+    return greedy_replies(llm, NAME_TURNS, REPLY_TOKENS, SYSTEM)
+
+
+def run_nanograph(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    """The console entry in a fresh interpreter, this checkout's package first on the path."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(nanograph.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "nanograph.cli", *args], input=stdin, capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def greedy_replies(llm, user_messages: list[str], max_tokens: int, system_prompt: str | None = None) -> list[str]:
+    """Each turn's reply from LLM.chat (not streamed) over the conversation so far."""
+    conversation = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    replies = []
+    for message in user_messages:
+        conversation.append({"role": "user", "content": message})
+        [output] = llm.chat(conversation, greedy(max_tokens), use_tqdm=False)
+        replies.append(output.outputs[0].text)
+        conversation.append({"role": "assistant", "content": replies[-1]})
+    return replies
+
+
+def test_streamed_text_comes_in_pieces_that_make_the_greedy_text(llm):
+    prompt = "The three primary colors are"
+    writes = []
+    text = stream_text(llm, prompt, greedy(REPLY_TOKENS), writes.append)
+    [expected] = llm.generate(prompt, greedy(REPLY_TOKENS), use_tqdm=False)
+    assert len(writes) > 1
+    assert "".join(writes) == text == expected.outputs[0].text
+
+
+def test_chat_renders_each_turn_over_the_whole_history(llm, name_replies, monkeypatch):
+    prompts = []
+    stream = llm.stream
+
+    def recording_stream(prompt, params):
+        prompts.append(prompt)
+        return stream(prompt, params)
+
+    monkeypatch.setattr(llm, "stream", recording_stream)
+    writes = []
+    conversation = chat(llm, greedy(REPLY_TOKENS), [*NAME_TURNS, "/exit", "never read"], writes.append, SYSTEM)
+    replies = name_replies
+    assert conversation == [{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": NAME_TURNS[0]}, {"role": "assistant", "content": replies[0]},
+                            {"role": "user", "content": NAME_TURNS[1]}, {"role": "assistant", "content": replies[1]}]
+    assert "".join(writes) == f"{replies[0]}\n{replies[1]}\n"
+    assert len(prompts) == 2  # /exit ended the chat
+    assert prompts[1] == llm.tokenizer.apply_chat_template(conversation[:4], add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False)
+    second_prompt = llm.tokenizer.decode(prompts[1])
+    assert SYSTEM in second_prompt and NAME_TURNS[0] in second_prompt and replies[0] in second_prompt
+
+
+def test_an_empty_line_ends_the_chat(llm):
+    writes = []
+    assert chat(llm, greedy(2), ["", "never read"], writes.append) == [] and writes == []
+
+
+def test_a_terminal_is_asked_for_each_line():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    asked = io.StringIO()
+    lines = read_lines(Terminal("first\r\nsecond\n"), asked)
+    assert next(lines) == "first" and asked.getvalue() == "> "
+    assert list(lines) == ["second"] and asked.getvalue() == "> > > \n"  # the last asks before end of input
+    assert list(read_lines(io.StringIO("piped\n"), asked)) == ["piped"] and asked.getvalue() == "> > > \n"
+
+
+def test_interactive_chat_on_stdin_streams_each_reply_with_the_history(name_replies):
+    result = run_nanograph("chat", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--max-tokens",
+                           str(REPLY_TOKENS), "--system-prompt", SYSTEM, stdin="\n".join(NAME_TURNS) + "\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{name_replies[0]}\n{name_replies[1]}\n"
+
+
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_one_prompt_prints_its_streamed_answer(llm, monkeypatch, capsys, command):
+    """The prompt argument answers once, with the engine options given; the model is the fixture's."""
+    built = {}
+
+    def fixture_llm(model, **kwargs):
+        built.update(model=model, **kwargs)
+        return llm
+
+    monkeypatch.setattr(cli, "LLM", fixture_llm)
+    question = "What is the capital of France?"
+    cli.main([command, question, "--device", "cpu", "--max-model-len", "300", "--max-tokens", "10", "--seed", "3"])
+    assert built == {"model": None, "device": "cpu", "max_model_len": 300, "seed": 3}
+    expected = greedy_replies(llm, [question], 10)[0] if command == "chat" else \
+        llm.generate(question, greedy(10), use_tqdm=False)[0].outputs[0].text
+    assert capsys.readouterr().out == expected + "\n"
+    if command == "chat":
+        assert expected == "The capital of France is Paris."
+
+
+def test_version_is_the_package_version():
+    result = run_nanograph("--version")
+    version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert result.returncode == 0 and result.stdout == f"nanograph {version}\n"
+
+
+@pytest.mark.parametrize("command", ["chat", "generate"])
+def test_help_states_the_sampling_and_engine_defaults(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in [("--temperature TEMPERATURE 0: greedy", "0.0"), ("--top-p TOP_P", "1.0"),
+                            ("--top-k TOP_K", "0"), ("--max-tokens MAX_TOKENS", "256"),
+                            ("--max-model-len MAX_MODEL_LEN", Config.max_model_len),
+                            ("--device DEVICE", Config.device), ("--seed SEED", Config.seed)]:
+        start = text.index(option, text.index("options:"))
+        end = text.find(" --", start + 2)
+        assert f"(default: {default})" in text[start:end if end > 0 else None], option
+    if command == "chat":
+        assert "until end of input (Ctrl-D), an empty line or /exit" in text
+
+
+def test_the_cli_defaults_are_greedy_with_256_tokens():
+    args = cli.build_parser().parse_args(["chat"])
+    assert (args.temperature, args.top_p, args.top_k, args.max_tokens) == (0.0, 1.0, 0, 256)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["chat", "--top-p", "1.5"], "nanograph: error: top_p must be in (0, 1], got 1.5."),
+    (["generate", "hi", "--temperature", "-1"], "nanograph: error: temperature must be non-negative, got -1.0."),
+    (["chat", "hi", "--top-k", "-3"], "nanograph: error: top_k must be 0 (disable), or at least 1, got -3."),
+    (["generate", "hi", "--max-tokens", "many"],
+     "nanograph generate: error: argument --max-tokens: invalid int value: 'many'"),
+    (["chat", "hi", "--device", "tpu"], "nanograph: error: unknown device 'tpu'; use auto, cuda, cpu, or "
+     "torch:<torch device>"),
+])
+def test_a_bad_value_is_one_error_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(folder, "llama3-untied")
+    return str(folder)
+
+
+@pytest.fixture
+def bench_llm_kwargs(monkeypatch):
+    """The Config fields the benchmarks build their LLM with (it is built as usual)."""
+    import nanograph.bench
+
+    built = {}
+
+    def recording_llm(model, **kwargs):
+        built.update(kwargs)
+        return LLM(model, **kwargs)
+
+    monkeypatch.setattr(nanograph.bench, "LLM", recording_llm)
+    return built
+
+
+def test_bench_latency_runs_on_the_given_device(tiny, capsys, bench_llm_kwargs):
+    cli.main(["bench", "latency", "--model", tiny, "--device", "cpu", "--no-hf", "--prompt-len", "8",
+              "--output-len", "4", "--enforce-eager"])
+    assert bench_llm_kwargs == {"device": "cpu", "max_model_len": 8 + 4 + 16, "max_num_seqs": 1,
+                                "enforce_eager": True}
+    assert "nanograph  batch 1, prompt 8, 4 tokens:" in capsys.readouterr().out
+
+
+def test_bench_latency_compares_with_hf_on_cuda_only(tiny, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "latency", "--model", tiny, "--device", "cpu", "--prompt-len", "8", "--output-len", "4"])
+    assert exit_info.value.code == 2
+    assert "bench latency compares with HF transformers on CUDA only, and the engine runs on cpu; pass --no-hf" in \
+        capsys.readouterr().err
+
+
+def test_bench_throughput_takes_the_engine_options(tiny, capsys, bench_llm_kwargs):
+    cli.main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--num-seqs", "4", "--max-input-len", "16",
+              "--max-output-len", "4", "--max-num-seqs", "2", "--no-enable-prefix-caching"])
+    assert bench_llm_kwargs == {"device": "cpu", "max_model_len": 16 + 4, "max_num_seqs": 2,
+                                "enable_prefix_caching": False}
+    assert "nanograph  4 requests," in capsys.readouterr().out
