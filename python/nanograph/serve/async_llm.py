@@ -130,9 +130,8 @@ class AsyncLLM:
         self._send(("add", stream_id, prompts, params))
         try:
             await added
-        except BaseException:  # a cancelled caller, too: what was queued is aborted
+        except BaseException:  # a cancelled caller, too: what was queued is aborted (and counted, once it ends)
             stream.close()
-            self._forget(stream_id)
             raise
         return stream
 
@@ -172,10 +171,6 @@ class AsyncLLM:
                                      "restart the server")
         return EngineUnavailable("the server is shutting down")
 
-    def _forget(self, stream_id: int):
-        self._streams.pop(stream_id, None)
-        self._adds.pop(stream_id, None)
-
     # The reader thread.
 
     def _read(self):
@@ -207,10 +202,7 @@ class AsyncLLM:
 
     def _settle(self, stream_id: int, error: BaseException | None):
         """The engine's word on an add; the metrics count an API request's prompts once they are queued."""
-        add = self._adds.pop(stream_id, None)
-        if add is None:  # its caller has gone: the stream's close() has aborted it
-            return
-        future, arrival, sizes = add
+        future, arrival, sizes = self._adds.pop(stream_id)
         if error is not None:
             self._streams.pop(stream_id, None)
         else:
