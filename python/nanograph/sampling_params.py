@@ -44,7 +44,7 @@ class StructuredOutputsParams:
     def spec(self) -> tuple[str, str]:
         """(kind, text): the grammar as llguidance's grammar_from takes it, also the key of its compiled form."""
         if self.json is not None:
-            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.json_object:
             return "json_schema", '{"type": "object"}'
         if self.choice is not None:

@@ -28,7 +28,7 @@ def constrained(spec: StructuredOutputsParams, **kwargs) -> SamplingParams:
 
 def assert_person(text: str):
     person = json.loads(text)
-    assert set(person) == {"name", "age"}
+    assert list(person) == ["name", "age"]  # the schema's order
     assert isinstance(person["name"], str) and len(person["name"]) <= 12
     assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
 
