@@ -21,7 +21,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._eos_token_ids = list(eos_token_ids)
+        # The model's end-of-text tokens end a grammar (None: the tokenizer's).
+        self._eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size] or None
         self._tokenizer = None  # llguidance's, made at the first spec
         self._compiled: dict[tuple[str, str], str] = {}
 
