@@ -62,6 +62,9 @@ def test_logit_bias_moves_the_greedy_choice_to_the_biased_argmax(penalised):
     rows, prompt, output = 48, [5, 17, 40], [17, 99]
     logits = random_logits(rows, seed=1)
     biases = random_biases(rows, seed=2)
+    if penalised:  # biases on seen tokens too, where the order of bias and penalties matters
+        seen_biases = torch.rand(rows, 2, generator=torch.Generator().manual_seed(3)) * 8 + 2
+        biases = [{**bias, 17: float(b17), 40: float(b40)} for bias, (b17, b40) in zip(biases, seen_biases)]
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.8) if penalised else {}
     seqs = [seq(SamplingParams(temperature=0, logit_bias=bias, **penalties), prompt, output) for bias in biases]
     expected = [int(reference_penalties(biased(logits[r], biases[r]), prompt, output, 0.5, 0.3, 1.8).argmax()
