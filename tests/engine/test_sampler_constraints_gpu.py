@@ -99,7 +99,7 @@ def test_the_kernel_paths_overrides_are_the_reference_processed_rows(dtype):
     plain = [r for r in range(rows) if r % 8 == 3]  # neither a constraint nor a penalty
     assert plan.override_source.tolist() == [r for r in range(rows) if r not in plain]
     for r in plan.override_source.tolist():
-        torch.testing.assert_close(overrides[plan.arrays["override_rows"][r]].cpu(), references[r](logits[r]),
+        torch.testing.assert_close(overrides[int(plan.arrays["override_rows"][r])].cpu(), references[r](logits[r]),
                                    rtol=1e-6, atol=1e-6)
 
 
