@@ -145,6 +145,30 @@ def test_each_row_gets_its_own_parameters():
     assert a["num_logprobs"].tolist() == [-1, -1, -1, 3, 0, -1]
 
 
+def test_biased_and_bad_word_rows_read_overrides_with_their_biases_and_masks():
+    """logit_bias: the row's ids and biases; allowed_token_ids: every allowed id, with its logit_bias or 0 (a bias
+    outside them is dropped), and every other token masked; bad_words: the last token of each word whose other
+    tokens end the output, beside min_tokens' masks."""
+    rows = [
+        (SamplingParams(temperature=0), [1], [2]),
+        (SamplingParams(temperature=0.5, logit_bias={5: 2.5, 900: -3.0}), [1], []),
+        (SamplingParams(temperature=0, allowed_token_ids=[10, 11, 12], logit_bias={11: 1.0, 13: 9.0}), [1], []),
+        (SamplingParams(temperature=0.7, min_tokens=3), [1], [4]),
+    ]
+    seqs = [seq(*row) for row in rows]
+    seqs[3].bad_words_token_ids = [[4, 20], [21], [5, 22]]
+    plan = kernel_plan(seqs)
+    a = packed(plan)
+    assert a["override_source"].tolist() == [1, 2, 3]
+    assert a["override_rows"].tolist() == [-1, 0, 1, 2]
+    assert plan.layout.counts["bias_width"] == 3
+    biases = [{t: b for t, b in zip(tokens.tolist(), values.tolist()) if t >= 0}
+              for tokens, values in zip(a["biased_tokens"], a["biases"])]
+    assert biases == [{5: 2.5, 900: -3.0}, {10: 0.0, 11: 1.0, 12: 0.0}, {}]
+    assert a["mask_others"].tolist() == [0, 1, 0]
+    assert [sorted(t for t in row.tolist() if t >= 0) for row in a["masked_tokens"]] == [[], [], [EOS, 20, 21]]
+
+
 def test_keys_come_from_the_row_stream_when_seeded_and_greedy_rows_draw_none():
     plan, _ = plan_for()
     keys = packed(plan)["keys"].view(np.uint64).tolist()
