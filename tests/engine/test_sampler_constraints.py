@@ -181,6 +181,7 @@ def test_constrained_rows_do_not_take_the_plain_argmax(kind):
 
 @pytest.fixture(scope="module")
 def intake():
+    pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
     from transformers import AutoTokenizer
 
     from nanograph.default_model import default_model_path

@@ -189,6 +189,7 @@ def test_the_bitmask_costs_little_at_batch_64():
 @pytest.fixture(scope="module")
 def folder_with_tokenizer(tmp_path_factory):
     """A random Qwen3-0.6B of SmolLM2's vocabulary, with SmolLM2's tokenizer (grammars need one)."""
+    pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
     from nanograph.default_model import default_model_path
     try:
         tokenizer_folder = Path(default_model_path())

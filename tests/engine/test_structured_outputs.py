@@ -9,6 +9,7 @@ import pytest
 from nanograph import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12},
