@@ -1,7 +1,9 @@
 """Sampler benchmark: the time to sample one step of 256 rows x 151,936 vocabulary (Qwen3's), for an all-greedy
-batch (the fast path), an all-temperature-0.6 batch (the throughput benchmark's), and a batch mixing every parameter:
+batch (the fast path), an all-temperature-0.6 batch (the throughput benchmark's), a batch mixing every parameter:
 greedy, temperature, top-k, top-p, min_p, the three penalties (512-token prompts, 128 generated tokens), per-request
-seeds, logprobs.
+seeds, logprobs; and that mixed batch with a quarter of its rows constrained by a JSON schema (structured outputs,
+with the default model's tokenizer; each matcher inside a string value, where most tokens are allowed), with the time
+of its grammar bitmask alone (filled on the host, copied, applied).
 
     python benchmarks/bench_sampler.py [--rows 256] [--vocab 151936] [--device cuda] [--dtype bfloat16]
                                        [--scale 4] [--host] [--profile]
@@ -18,9 +20,10 @@ import time
 
 import torch
 
-from nanograph import SamplingParams
+from nanograph import SamplingParams, StructuredOutputsParams
 from nanograph.engine.sequence import Sequence
 from nanograph.sampling import Sampler
+from nanograph.sampling.grammar import GrammarCompiler
 from nanograph.sampling.kernel_path import KernelPath
 
 PROMPT_LEN = 512
@@ -50,6 +53,25 @@ def sequences(params: list[SamplingParams], rows: int, vocab: int, sampler: Samp
             seq.generator = sampler.new_generator(row_params.seed + i)
         seqs.append(seq)
     return seqs
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+IN_A_STRING = '{"name": "'  # where each constrained row's matcher stands
+
+
+def constrain(seqs: list[Sequence], every: int, vocab: int) -> list[int]:
+    """Gives every every-th sequence a matcher of PERSON, advanced past IN_A_STRING; their rows."""
+    from transformers import AutoTokenizer
+
+    from nanograph.default_model import default_model_path
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    grammar = compiler.compile(StructuredOutputsParams(json=PERSON))
+    rows = list(range(0, len(seqs), every))
+    for row in rows:
+        seqs[row].grammar = compiler.matcher(grammar)
+        assert all(seqs[row].grammar.advance(t) for t in tokenizer.encode(IN_A_STRING, add_special_tokens=False))
+    return rows
 
 
 def time_ms(fn, warmup: int = 10, repeats: int = 200) -> tuple[float, float, float]:
@@ -131,6 +153,17 @@ def main():
             stages = host_stages_ms(sampler.path, logits, seqs)
             print("    host: " + ", ".join(f"{stage} {ms:.3f}" for stage, ms in stages.items())
                   + f" ms; total {sum(stages.values()):.3f} ms")
+    seqs = sequences(MIXED, args.rows, args.vocab, sampler)
+    rows = constrain(seqs, 4, args.vocab)
+    median, p10, p90 = time_ms(lambda: sampler.sample(logits, seqs).result())
+    print(f"  {'json 25%':<12} {median:8.3f} ms  (10th-90th percentile {p10:.3f}-{p90:.3f} ms)")
+
+    def bitmask():
+        sampler.bitmask.apply(logits, seqs, rows)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    median, p10, p90 = time_ms(bitmask)
+    print(f"    of which the bitmask of {len(rows)} rows: {median:.3f} ms (10th-90th percentile {p10:.3f}-{p90:.3f})")
     if args.profile:
         seqs = sequences(MIXED, args.rows, args.vocab, sampler)
         profile(lambda: sampler.sample(logits, seqs).result(), device)

@@ -22,8 +22,8 @@
 // the rest, a token whose random number is too large to win skips its score's two logarithms:
 // with flat logits almost all do (race_skip_from). Rows that ask for logprobs then get two or more passes over
 // their raw logits: log-sum-exp and rank, then a select and collection of the top n.
-// prepare_overrides copies the rows with penalties or masked tokens to float32 and modifies them
-// (16 CTAs per row), for sample_rows to read instead.
+// prepare_overrides copies the rows with biases, penalties or masked tokens to float32 and modifies
+// them (16 CTAs per row), for sample_rows to read instead.
 #include <climits>
 
 #include "sampling.h"
@@ -537,9 +537,9 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(SampleRowsArgs
   if (num_top >= 0) row_logprobs(logits, r, token, num_top, a, sh);
 }
 
-// Copies the source rows to float32 and applies the penalties and masks (see sampling.h). CTA
-// (p, c) owns the c-th of kOverrideChunks column ranges of row p, and the seen and masked tokens
-// that fall in it, so that no token is written by two CTAs.
+// Copies the source rows to float32 and applies the biases, penalties and masks, in that order (see
+// sampling.h). CTA (p, c) owns the c-th of kOverrideChunks column ranges of row p, and the biased,
+// seen and masked tokens that fall in it, so that no token is written by two CTAs.
 constexpr int kOverrideChunks = 16;
 
 template <typename T>
@@ -550,19 +550,29 @@ __global__ void __launch_bounds__(kThreads) prepare_overrides_kernel(OverrideArg
   if (begin >= end) return;
   const T* src = static_cast<const T*>(a.logits) + a.source_rows[p] * a.logits_stride;
   float* dst = a.overrides + static_cast<int64_t>(p) * a.vocab;
-  for_each_quad(src + begin, end - begin, [&](int first, const float (&x)[4], int count) {
+  if (a.mask_others && a.mask_others[p]) {
+    for (int i = begin + threadIdx.x; i < end; i += kThreads) dst[i] = -INFINITY;
+  } else {
+    for_each_quad(src + begin, end - begin, [&](int first, const float (&x)[4], int count) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (e < count) dst[begin + first + e] = x[e];
-    }
-  });
-  __syncthreads();  // another thread may have copied a token this one penalises
+      for (int e = 0; e < 4; ++e) {
+        if (e < count) dst[begin + first + e] = x[e];
+      }
+    });
+  }
+  __syncthreads();  // another thread may have written a token this one biases
+  for (int i = threadIdx.x; i < a.num_biased; i += kThreads) {
+    const int token = a.biased_tokens[static_cast<int64_t>(p) * a.num_biased + i];
+    if (token < begin || token >= end) continue;  // padding (-1), or another CTA's
+    dst[token] = to_float(src[token]) + a.biases[static_cast<int64_t>(p) * a.num_biased + i];
+  }
+  __syncthreads();  // penalties apply to the biased logit
   const float presence = a.presence[p], frequency = a.frequency[p], repetition = a.repetition[p];
   for (int i = threadIdx.x; i < a.num_seen; i += kThreads) {
     const int token = a.seen_tokens[static_cast<int64_t>(p) * a.num_seen + i];
     if (token < begin || token >= end) continue;  // padding (-1), or another CTA's
     const int count = a.output_counts[static_cast<int64_t>(p) * a.num_seen + i];
-    const float logit = to_float(src[token]);
+    const float logit = dst[token];
     float penalised = logit > 0.f ? logit / repetition : logit * repetition;
     penalised -= frequency * static_cast<float>(count) + (count > 0 ? presence : 0.f);
     dst[token] = penalised;

@@ -46,10 +46,12 @@ struct SampleRowsArgs {
 constexpr int kMaxTopLogprobs = 32;
 void sample_rows(const SampleRowsArgs& args, cudaStream_t stream);
 
-// overrides[p] = logits[source_rows[p]] as float32, then for each of the row's seen tokens (unique
-// per row; -1: padding) the penalties of vLLM: repetition divides a positive logit and multiplies a
-// negative one; frequency is subtracted per output occurrence, presence once if any; then -inf at
-// its masked tokens (-1: padding).
+// overrides[p] = logits[source_rows[p]] as float32 (-inf but at its biased tokens where
+// mask_others[p]: allowed_token_ids), plus the bias of each of its biased tokens (logit_bias; unique
+// per row, -1: padding); then for each of the row's seen tokens (unique per row; -1: padding) the
+// penalties of vLLM on that value: repetition divides a positive logit and multiplies a negative
+// one; frequency is subtracted per output occurrence, presence once if any; then -inf at its masked
+// tokens (-1: padding).
 struct OverrideArgs {
   const void* logits;  // [*, vocab] bf16 (logits_bf16) or float32, row stride logits_stride
   bool logits_bf16;
@@ -66,7 +68,18 @@ struct OverrideArgs {
   const float* repetition;       // [num_rows]
   int num_masked;
   const int32_t* masked_tokens;  // [num_rows, num_masked]
+  int num_biased = 0;
+  const int32_t* biased_tokens = nullptr;  // [num_rows, num_biased]
+  const float* biases = nullptr;           // [num_rows, num_biased]
+  const int32_t* mask_others = nullptr;    // [num_rows]: nonzero: -inf but at the biased tokens
 };
 void prepare_overrides(const OverrideArgs& args, cudaStream_t stream);
+
+// The grammar mask of structured outputs, in place: logits[rows[i], t] = -inf where bit t of
+// bitmask[i] is 0 (bit t % 32 of word t / 32). logits: [*, vocab] bf16 (logits_bf16) or float32,
+// row stride `stride`; bitmask: [n, words] int32, words * 32 >= vocab; rows: [n] int32.
+void apply_token_bitmask(void* logits, bool logits_bf16, int64_t stride, int vocab,
+                         const int32_t* bitmask, int words, const int32_t* rows, int n,
+                         cudaStream_t stream);
 
 }  // namespace nanograph

@@ -1,5 +1,5 @@
 // Bindings for the sampling kernels (csrc/sampling.h): sample_rows and prepare_overrides, each
-// from separate tensors, and sample_packed, which runs both from two blobs: the parameters, one
+// from separate tensors, apply_token_bitmask (structured outputs' grammar mask), and sample_packed, which runs both from two blobs: the parameters, one
 // uint8 tensor the host fills and sends in one copy, and the results, one uint8 tensor read back
 // in one copy. The blobs' layout is declared once, here (kPackedFields), and exported by
 // sample_packed_layout(), from which python/nanograph/sampling/packed_layout.py places the fields.
@@ -20,9 +20,11 @@ namespace nanograph::py_ext {
 namespace {
 
 // The counts that size one packed call, in the order sample_packed's layout tuple starts with.
-enum Count { kRows, kLogprobColumns, kNumOverrides, kSeenWidth, kMaskedWidth, kNumCounts };
-constexpr const char* kCountNames[kNumCounts] = {"rows", "logprob_columns", "num_overrides",
-                                                 "seen_width", "masked_width"};
+enum Count {
+  kRows, kLogprobColumns, kNumOverrides, kSeenWidth, kMaskedWidth, kBiasWidth, kNumCounts
+};
+constexpr const char* kCountNames[kNumCounts] = {"rows",       "logprob_columns", "num_overrides",
+                                                 "seen_width", "masked_width",    "bias_width"};
 
 enum class BlobKind { kParams, kResults };
 
@@ -51,6 +53,9 @@ constexpr PackedField kPackedFields[] = {
     {BlobKind::kParams, "frequency", "float32", 1, {kNumOverrides}},
     {BlobKind::kParams, "repetition", "float32", 1, {kNumOverrides}},
     {BlobKind::kParams, "masked_tokens", "int32", 2, {kNumOverrides, kMaskedWidth}},
+    {BlobKind::kParams, "biased_tokens", "int32", 2, {kNumOverrides, kBiasWidth}},
+    {BlobKind::kParams, "biases", "float32", 2, {kNumOverrides, kBiasWidth}},
+    {BlobKind::kParams, "mask_others", "int32", 1, {kNumOverrides}},
     {BlobKind::kResults, "token_ids", "int64", 1, {kRows}},
     {BlobKind::kResults, "logprobs", "float32", 2, {kRows, kLogprobColumns}},
     {BlobKind::kResults, "logprob_ids", "int64", 2, {kRows, kLogprobColumns}},
@@ -317,6 +322,26 @@ NANOGRAPH_BINDINGS(bind_sampling) {
       "frequency, repetition [n] float32), then -inf at masked_tokens [n, k] int32 (-1 padding).");
 
   m.def(
+      "apply_token_bitmask",
+      [](py::object logits, py::object bitmask, py::object rows) {
+        const bool bf16_logits = py::str(logits.attr("dtype")).cast<std::string>() == "torch.bfloat16";
+        auto [tl, row_stride] = row_strided_logits(logits, bf16_logits ? "bfloat16" : "float32");
+        Tensor tb = cuda_tensor(bitmask, "bitmask", "int32");
+        Tensor tr = cuda_tensor(rows, "rows", "int32");
+        const int64_t n = tr.size(0);
+        expect_shape(tr, {-1});
+        expect_shape(tb, {n, (tl.size(1) + 31) / 32});
+        same_device({&tl, &tb, &tr});
+        apply_token_bitmask(tl.ptr, bf16_logits, row_stride, checked_int(tl.size(1), "vocab"),
+                            tb.data<int32_t>(), checked_int(tb.size(1), "bitmask words"),
+                            tr.data<int32_t>(), checked_int(n, "rows"), torch_current_stream());
+      },
+      py::arg("logits"), py::arg("bitmask"), py::arg("rows"),
+      "In place: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is 0. logits "
+      "[*, vocab] bf16 or float32 (rows may be strided); bitmask [n, ceil(vocab / 32)] int32; rows "
+      "[n] int32, each a row of logits.");
+
+  m.def(
       "sample_packed_layout",
       [] {
         py::list counts, fields;
@@ -390,6 +415,10 @@ NANOGRAPH_BINDINGS(bind_sampling) {
         o.repetition = in.field<const float, packed_field("repetition")>();
         o.num_masked = static_cast<int>(layout.count(kMaskedWidth));
         o.masked_tokens = in.field<const int32_t, packed_field("masked_tokens")>();
+        o.num_biased = static_cast<int>(layout.count(kBiasWidth));
+        o.biased_tokens = in.field<const int32_t, packed_field("biased_tokens")>();
+        o.biases = in.field<const float, packed_field("biases")>();
+        o.mask_others = in.field<const int32_t, packed_field("mask_others")>();
         args.out = out.field<int64_t, packed_field("token_ids")>();
         auto logprobs = out.field<float, packed_field("logprobs")>();
         auto logprob_ids = out.field<int64_t, packed_field("logprob_ids")>();
@@ -415,7 +444,7 @@ NANOGRAPH_BINDINGS(bind_sampling) {
       py::arg("overrides") = py::none(),
       "sample_rows after prepare_overrides, their arrays read from two uint8 blobs, params and "
       "results, at the byte offsets of layout: the counts (rows, logprob_columns, n, seen_width, "
-      "masked_width), then each field's offset, a multiple of 16, in the order, with the dtypes and "
+      "masked_width, bias_width), then each field's offset, a multiple of 16, in the order, with the dtypes and "
       "shapes, that sample_packed_layout() gives. logits [rows, vocab] bf16 or float32 (rows may "
       "be strided); overrides [n, vocab] float32 scratch when n > 0, else None. n = 0: no "
       "overrides (override_rows is not read); logprob_columns = 0: no logprobs, else 1 + the most "

@@ -2,10 +2,10 @@
 from ._core import CORE_ERROR, core_available, gpu_available
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
-           "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob",
+           "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob",
            "RequestMetrics"]

@@ -1,8 +1,9 @@
 """Per-request sampling parameters: vLLM's names, defaults and validation messages."""
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -11,6 +12,49 @@ MIN_TEMPERATURE = 1e-2  # lower positive temperatures are raised to this (vLLM's
 # it stays finite (|logit| / 1e-6 / 1e-2 is far below float32's 3e38), and a token's chance stays well defined.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 MAX_N = 128  # completions per request (OpenAI's limit for n)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100], as OpenAI's
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's names); exactly one of json (a JSON schema, as a dict or its JSON
+    text), regex, choice (the output is one of these strings), grammar (Lark or GBNF) or json_object=True (any
+    JSON object)."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [field.name for field in fields(self) if getattr(self, field.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
+                             f"json_object=True; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(choice, str) for choice in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict, or its JSON text), got "
+                             f"{type(self.json).__name__}")
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): the grammar as llguidance's grammar_from takes it, also the key of its compiled form."""
+        if self.json is not None:
+            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.json_object:
+            return "json_schema", '{"type": "object"}'
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 @dataclass
@@ -32,9 +76,26 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     logprobs: int | None = None  # top logprobs per generated token, the sampled token always included; -1: all
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # every other token is masked
+    bad_words: list[str] | None = None  # words never generated (each with and without a leading space)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
 
     def __post_init__(self):
         _check_float("temperature", self.temperature)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("pass structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.logit_bias, dict):
+            # OpenAI's JSON keys are strings; values are clamped as OpenAI does.
+            self.logit_bias = {_token_id("logit_bias", token_id): _clamped_bias(bias)
+                               for token_id, bias in self.logit_bias.items()}
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
         if isinstance(self.seed, np.integer):
@@ -114,6 +175,20 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(not stop_str for stop_str in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}.")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r}.")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids is not None and empty!")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list) or not all(
+                isinstance(word, str) and word.strip() for word in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
 
@@ -131,3 +206,17 @@ def _check_float(name: str, value):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}.")
+
+
+def _token_id(name: str, token_id) -> int:
+    """A token id given as an int or its decimal text (OpenAI's JSON keys)."""
+    if isinstance(token_id, str) and token_id.lstrip("-").isdigit():
+        return int(token_id)
+    if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)):
+        raise ValueError(f"{name} keys must be token ids (ints), got {token_id!r}.")
+    return int(token_id)
+
+
+def _clamped_bias(bias) -> float:
+    _check_float("logit_bias value", bias)
+    return float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias)))

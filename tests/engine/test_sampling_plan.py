@@ -41,9 +41,9 @@ ROWS = [  # (params, prompt, output)
 ]
 
 
-# The binding's reading of the layout tuple (pyext/bind_sampling.cpp): after the five counts, each field's offset in
+# The binding's reading of the layout tuple (pyext/bind_sampling.cpp): after the six counts, each field's offset in
 # this order, its dtype and its shape from the counts.
-COUNTS = ("rows", "logprob_columns", "num_overrides", "seen_width", "masked_width")
+COUNTS = ("rows", "logprob_columns", "num_overrides", "seen_width", "masked_width", "bias_width")
 PARAM_FIELDS = [("temperatures", np.float32, ("rows",)), ("top_ks", np.int32, ("rows",)),
                 ("top_ps", np.float32, ("rows",)), ("min_ps", np.float32, ("rows",)), ("keys", np.int64, ("rows",)),
                 ("num_logprobs", np.int32, ("rows",)), ("override_rows", np.int32, ("rows",)),
@@ -52,7 +52,9 @@ PARAM_FIELDS = [("temperatures", np.float32, ("rows",)), ("top_ks", np.int32, ("
                 ("output_counts", np.int32, ("num_overrides", "seen_width")),
                 ("presence", np.float32, ("num_overrides",)), ("frequency", np.float32, ("num_overrides",)),
                 ("repetition", np.float32, ("num_overrides",)),
-                ("masked_tokens", np.int32, ("num_overrides", "masked_width"))]
+                ("masked_tokens", np.int32, ("num_overrides", "masked_width")),
+                ("biased_tokens", np.int32, ("num_overrides", "bias_width")),
+                ("biases", np.float32, ("num_overrides", "bias_width")), ("mask_others", np.int32, ("num_overrides",))]
 RESULT_FIELDS = [("token_ids", np.int64, ("rows",)), ("logprobs", np.float32, ("rows", "logprob_columns")),
                  ("logprob_ids", np.int64, ("rows", "logprob_columns"))]
 ALIGNMENT = 16
@@ -106,12 +108,13 @@ def packed(plan: KernelPlan) -> dict[str, np.ndarray]:
 
 
 def test_the_layout_places_every_field_aligned_after_the_one_before():
-    layout = FORMAT.layout(rows=5, logprob_columns=4, num_overrides=2, seen_width=3, masked_width=1)
+    layout = FORMAT.layout(rows=5, logprob_columns=4, num_overrides=2, seen_width=3, masked_width=1, bias_width=2)
     # temperatures 20 bytes, top_ks, top_ps, min_ps, keys 40, num_logprobs, override_rows, override_source 8,
-    # seen_tokens 24, output_counts 24, presence 8, frequency 8, repetition 8, masked_tokens 8.
-    assert layout.layout == (5, 4, 2, 3, 1, 0, 32, 64, 96, 128, 176, 208, 240, 256, 288, 320, 336, 352, 368,
-                             0, 48, 128)
-    assert layout.params_nbytes == 376
+    # seen_tokens 24, output_counts 24, presence 8, frequency 8, repetition 8, masked_tokens 8, biased_tokens 16,
+    # biases 16, mask_others 8.
+    assert layout.layout == (5, 4, 2, 3, 1, 2, 0, 32, 64, 96, 128, 176, 208, 240, 256, 288, 320, 336, 352, 368,
+                             384, 400, 416, 0, 48, 128)
+    assert layout.params_nbytes == 424
     assert layout.results_nbytes == 48 + 80 + 160  # token ids, logprobs float32, their ids int64
     for fields, first in [(PARAM_FIELDS, len(COUNTS)), (RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))]:
         assert len(layout.layout) == len(COUNTS) + len(PARAM_FIELDS) + len(RESULT_FIELDS)
@@ -122,7 +125,7 @@ def test_the_layout_places_every_field_aligned_after_the_one_before():
 
 
 def test_a_layout_without_overrides_or_logprobs_has_empty_fields_for_them():
-    layout = FORMAT.layout(rows=3, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
+    layout = FORMAT.layout(rows=3, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0, bias_width=0)
     params = fields_of(layout.layout, PARAM_FIELDS, len(COUNTS))
     assert params["override_source"][2] == (0,)
     assert params["seen_tokens"][2] == params["masked_tokens"][2] == (0, 0)
@@ -140,6 +143,30 @@ def test_each_row_gets_its_own_parameters():
     assert a["top_ps"].tolist() == np.float32([1, 1, 1, 0.9, 1, 1]).tolist()
     assert a["min_ps"].tolist() == np.float32([0, 0, 0, 0, 0, 0.1]).tolist()
     assert a["num_logprobs"].tolist() == [-1, -1, -1, 3, 0, -1]
+
+
+def test_biased_and_bad_word_rows_read_overrides_with_their_biases_and_masks():
+    """logit_bias: the row's ids and biases; allowed_token_ids: every allowed id, with its logit_bias or 0 (a bias
+    outside them is dropped), and every other token masked; bad_words: the last token of each word whose other
+    tokens end the output, beside min_tokens' masks."""
+    rows = [
+        (SamplingParams(temperature=0), [1], [2]),
+        (SamplingParams(temperature=0.5, logit_bias={5: 2.5, 900: -3.0}), [1], []),
+        (SamplingParams(temperature=0, allowed_token_ids=[10, 11, 12], logit_bias={11: 1.0, 13: 9.0}), [1], []),
+        (SamplingParams(temperature=0.7, min_tokens=3), [1], [4]),
+    ]
+    seqs = [seq(*row) for row in rows]
+    seqs[3].bad_words_token_ids = [[4, 20], [21], [5, 22]]
+    plan = kernel_plan(seqs)
+    a = packed(plan)
+    assert a["override_source"].tolist() == [1, 2, 3]
+    assert a["override_rows"].tolist() == [-1, 0, 1, 2]
+    assert plan.layout.counts["bias_width"] == 3
+    biases = [{t: b for t, b in zip(tokens.tolist(), values.tolist()) if t >= 0}
+              for tokens, values in zip(a["biased_tokens"], a["biases"])]
+    assert biases == [{5: 2.5, 900: -3.0}, {10: 0.0, 11: 1.0, 12: 0.0}, {}]
+    assert a["mask_others"].tolist() == [0, 1, 0]
+    assert [sorted(t for t in row.tolist() if t >= 0) for row in a["masked_tokens"]] == [[], [], [EOS, 20, 21]]
 
 
 def test_keys_come_from_the_row_stream_when_seeded_and_greedy_rows_draw_none():
@@ -261,7 +288,7 @@ def test_pending_logprobs_are_read_from_the_rows_that_asked():
 def test_packed_results_are_read_back_from_one_blob():
     """The kernels' layout: a row per batch row in one results blob, read back through the results buffer of a
     staging slot; token_ids stays a view of the blob (the engine feeds the next step from it)."""
-    layout = FORMAT.layout(rows=3, logprob_columns=3, num_overrides=0, seen_width=0, masked_width=0)
+    layout = FORMAT.layout(rows=3, logprob_columns=3, num_overrides=0, seen_width=0, masked_width=0, bias_width=0)
     blob = np.zeros(layout.results_nbytes, np.uint8)
     results = fields_of(layout.layout, RESULT_FIELDS, len(COUNTS) + len(PARAM_FIELDS))
     read(blob, results["token_ids"])[:] = [5, 8, 2]
@@ -282,7 +309,7 @@ def test_packed_results_are_read_back_from_one_blob():
 def test_results_still_held_when_their_slot_is_reused_keep_their_own_bytes():
     """The slot's next call overwrites its host buffer: reclaiming the slot first gives the results not taken yet a
     copy of their own, so that they read as their call's whenever they are taken; results are taken once."""
-    layout = FORMAT.layout(rows=4, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0)
+    layout = FORMAT.layout(rows=4, logprob_columns=0, num_overrides=0, seen_width=0, masked_width=0, bias_width=0)
     slot = StagingSlot(pin=False)
     slot.reclaim(layout)
     early = slot.hold(torch.full((layout.results_nbytes,), 1, dtype=torch.uint8))

@@ -454,15 +454,16 @@ def test_bad_packed_arguments_are_rejected_with_the_field_named():
     others) before anything runs."""
     rows, vocab, n = 4, 100, 2
     layout = PackedFormat.of(require_core()).layout(rows=rows, logprob_columns=3, num_overrides=n, seen_width=2,
-                                                    masked_width=1)
+                                                    masked_width=1, bias_width=0)
     blob = np.zeros(layout.params_nbytes, np.uint8)
     layout.pack(dict(temperatures=[1, 0, 0.5, 1], top_ks=[0, 0, 5, 0], top_ps=[1, 1, 1, 0.9], min_ps=[0] * 4,
                      keys=[1, 2, 3, 4], num_logprobs=[-1, 2, -1, 0], override_rows=[-1, 0, -1, 1],
                      override_source=[1, 3], seen_tokens=[[5, -1], [6, 7]], output_counts=[[1, 0], [2, 1]],
-                     presence=[0.5, 0], frequency=[0, 0.3], repetition=[1, 1.2], masked_tokens=[[9], [-1]]), blob)
+                     presence=[0.5, 0], frequency=[0, 0.3], repetition=[1, 1.2], masked_tokens=[[9], [-1]],
+                     biased_tokens=np.zeros((n, 0)), biases=np.zeros((n, 0)), mask_others=[0, 0]), blob)
     params = torch.from_numpy(blob).to(DEVICE)
     offsets = list(layout.layout)
-    at = {name: 5 + i for i, name in enumerate([*layout.params, *layout.results])}
+    at = {name: len(layout.counts) + i for i, name in enumerate([*layout.params, *layout.results])}
     good = dict(logits=torch.randn(rows, vocab).to(BF16).to(DEVICE), params=params, layout=tuple(offsets),
                 results=torch.empty(layout.results_nbytes, dtype=torch.uint8, device=DEVICE),
                 overrides=torch.empty(n, vocab, device=DEVICE))

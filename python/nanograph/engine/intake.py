@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import Config
+from ..sampling.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .request import Request
@@ -23,6 +24,8 @@ class ValidRequest:
     prompt: str | None  # the text, when given as text
     token_ids: list[int]
     params: SamplingParams  # the request's own copy, max_tokens resolved
+    bad_words_token_ids: list[list[int]]  # params.bad_words, tokenized
+    grammar: str | None  # params.structured_outputs, compiled
 
 
 def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
@@ -53,11 +56,12 @@ def token_id_list(token_ids) -> list[int]:
 
 
 class Intake:
-    def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer):
+    def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer, eos_token_ids=()):
         self.config = config
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.tokenizer = tokenizer
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids))
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
         if not isinstance(params, SamplingParams):
@@ -96,7 +100,10 @@ class Intake:
                              f"max_model_len")
         if params.max_tokens is None:
             params.max_tokens = room
-        return ValidRequest(text, token_ids, params)
+        self._check_token_ids("logit_bias", params.logit_bias or ())
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
+        return ValidRequest(text, token_ids, params, self._bad_words_token_ids(params.bad_words or []), grammar)
 
     def request(self, request_id: str, valid: ValidRequest, owner: object | None = None) -> Request:
         """The request's n sequences: sibling i has seed + i, so that the completions differ yet each repeats."""
@@ -112,8 +119,32 @@ class Intake:
                 seq.generator = random.Random(seq_params.seed)
             if self.tokenizer is not None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
+            seq.bad_words_token_ids = valid.bad_words_token_ids
+            if valid.grammar is not None:
+                seq.grammar = self.grammars.matcher(valid.grammar)
             seqs.append(seq)
         return Request(request_id, seqs, owner)
+
+    def _check_token_ids(self, field: str, token_ids):
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(f"{field} holds token id {token_id}, outside the vocabulary [0, {self.vocab_size}) "
+                                 f"of {self.vocab_size} tokens")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as vLLM takes them: the word without leading spaces (banned at the start of the
+        text), and with one leading space where that makes another first token of as many tokens (in the middle)."""
+        if bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer, and this model folder has none; use logit_bias")
+        words = []
+        for word in bad_words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            words.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                words.append(spaced)
+        self._check_token_ids("bad_words", [token_id for word in words for token_id in word])
+        return words
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -55,7 +55,8 @@ class LLMEngine:
         self.vocab_size = model_config.vocab_size
         self.runner = runner
         self.tokenizer = tokenizer
-        self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer)
+        self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
+                             model_config.eos_token_ids)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids))
         self.scheduler = Scheduler(config, BlockManager(runner.num_kv_blocks, runner.block_size,
                                                         config.enable_prefix_caching))
@@ -292,12 +293,15 @@ class LLMEngine:
         sampled = pending.result()
         self.stats.device_wait_seconds += time.perf_counter() - start
         now = time.time()
-        requests, invalid = {}, set()
+        requests, invalid, ungrammatical = {}, set(), set()
         for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.is_finished:  # aborted while its token was on its way: the token is dropped
                 continue
             if not 0 <= token_id < self.vocab_size:
                 invalid.add(seq.request_id)
+                continue
+            if seq.grammar is not None and not seq.grammar.advance(token_id):
+                ungrammatical.add(seq.request_id)
                 continue
             seq.token_ids[-1] = token_id
             self.stats.generated_tokens += 1
@@ -310,8 +314,11 @@ class LLMEngine:
                 self._touched[seq.request_id] = None
         finished = self._fail(invalid, RuntimeError(f"a token id outside the vocabulary [0, {self.vocab_size}) "
                                                     "was sampled")) if invalid else []
+        if ungrammatical:
+            finished += self._fail(ungrammatical - invalid, RuntimeError(
+                "a token its structured_outputs grammar does not allow was sampled"))
         for request in requests.values():
-            if request.request_id in invalid:
+            if request.request_id in invalid or request.request_id in ungrammatical:
                 continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
             for sibling in request.held_siblings():  # the prompt's blocks are cached now

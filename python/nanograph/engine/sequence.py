@@ -5,6 +5,8 @@ import random
 from enum import Enum, auto
 
 from ..outputs import Logprob
+from ..sampling.grammar import Grammar
+from ..sampling.logit_bias import sparse_bias
 from ..sampling.table import parameter_row
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -43,6 +45,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.generator: random.Random | None = None  # the request's own random stream, from its seed
         self.detokenizer: IncrementalDetokenizer | None = None  # None when the model has no tokenizer
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized (Intake)
+        self.grammar: Grammar | None = None  # structured outputs: where the output is in its grammar
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
 
@@ -54,6 +58,7 @@ class Sequence:
     def params(self, params: SamplingParams):
         self._params = params
         self.sampling_row = parameter_row(params)  # the sampler reads it every step
+        self.sparse_bias = sparse_bias(params)
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
-"""Token sampling on the logits' device, one row per sequence, in vLLM's order: logprobs of the raw logits →
-penalties and the min_tokens mask → greedy argmax → temperature → min_p, top-k, top-p → a draw.
+"""Token sampling on the logits' device, one row per sequence, in vLLM's order: the grammar mask of structured
+outputs (token_bitmask.py, in place) → logprobs of the logits → allowed_token_ids and logit_bias → penalties and the
+min_tokens and bad_words masks → greedy argmax → temperature → min_p, top-k, top-p → a draw.
 
 Sampler picks its path once: the core's kernels on a GPU with the core (kernel_path.py), torch ops elsewhere
 (torch_path.py). Both read the batch's parameters from the per-row table (table.py) and return a PendingSample
@@ -15,6 +16,7 @@ from .._core import core_available, require_core
 from .kernel_path import KernelPath
 from .outputs import PendingSample, SamplerOutput, TokenLogprobs
 from .table import SampledSequence
+from .token_bitmask import TokenBitmask
 from .torch_path import TorchPath
 
 __all__ = ["PendingSample", "Sampler", "SamplerOutput", "TokenLogprobs"]
@@ -29,8 +31,10 @@ class Sampler:
         device, eos_token_ids = torch.device(device), list(eos_token_ids)
         if device.type == "cuda" and core_available():
             self.path = KernelPath(device, eos_token_ids, seed, require_core())
+            self.bitmask = TokenBitmask(device, require_core())
         else:
             self.path = TorchPath(device, eos_token_ids, seed)
+            self.bitmask = TokenBitmask(device)
 
     def new_generator(self, seed: int) -> random.Random:
         """A request's own random stream, on the host: each of its draws takes one uniform (or key) from it, so a
@@ -38,12 +42,16 @@ class Sampler:
         return random.Random(seed)
 
     def plain_greedy(self, seqs: list[SampledSequence], vocab_size: int) -> bool:
-        """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, min_tokens
-        masks or logprobs). Decided by their parameters alone, so before their logits exist: the core can then take
+        """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, biases,
+        masks, grammars or logprobs). Decided by their parameters alone, so before their logits exist: the core can then take
         the argmax within the step."""
         return self.path.plain_greedy(seqs, vocab_size)
 
     def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> PendingSample:
-        """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence, left
-        unmodified); the token ids on the device come as int64, or int32 from the core's argmax."""
+        """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence; the rows of
+        sequences with a grammar are masked in place, the others left unmodified); the token ids on the device come
+        as int64, or int32 from the core's argmax."""
+        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            self.bitmask.apply(logits, seqs, constrained)
         return self.path.sample(logits, seqs)

@@ -1,5 +1,5 @@
 """What both paths take from a batch on the host: the per-row arrays its parameters decide (BatchRows, kept while the
-batch stays the same), and per call the penalised rows' seen tokens and the tokens min_tokens masks."""
+batch stays the same), and per call the penalised rows' seen tokens and the tokens min_tokens and bad_words mask."""
 from __future__ import annotations
 
 import operator
@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .logit_bias import BiasTable
 from .seen import SeenTokens
 from .table import ALL_LOGPROBS, NO_LOGPROBS, SampledSequence, parameter_table
 
@@ -39,13 +40,16 @@ class BatchRows:
         # float32 [penalised, 3]: presence, frequency, repetition
         self.penalties = row_penalties[self.penalised].astype(np.float32)
         self.with_min_tokens = np.flatnonzero(table["min_tokens"] > 0).tolist()
+        self.with_bad_words = [row for row, seq in enumerate(seqs) if seq.bad_words_token_ids]
+        self.biases = BiasTable.of([seq.sparse_bias for seq in seqs])
+        self.constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         logprobs = table["logprobs"]
         self.logprob_rows = np.flatnonzero(logprobs != NO_LOGPROBS).tolist()
         self.num_top_logprobs = np.where(logprobs == ALL_LOGPROBS, vocab_size,
                                          np.minimum(logprobs, vocab_size))[self.logprob_rows].tolist()
-        # No penalties, masks or logprobs: the argmax of every row.
+        # No penalties, biases, masks, grammars or logprobs: the argmax of every row.
         self.plain_greedy = self.all_greedy and not self.penalised and not self.with_min_tokens \
-            and not self.logprob_rows
+            and not self.logprob_rows and not self.biases.any and not self.with_bad_words and not self.constrained
 
     @classmethod
     def of(cls, seqs: list[SampledSequence], vocab_size: int, last: BatchRows | None) -> BatchRows:
@@ -76,8 +80,9 @@ def penalties(seqs: list[SampledSequence], batch: BatchRows, seen: SeenTokens) -
 
 
 class Masks(NamedTuple):
-    """The tokens min_tokens masks: a (row, token) pair per stop token (EOS included) of each row short of its
-    min_tokens, grouped by row."""
+    """The tokens masked this step, as (row, token) pairs grouped by row: min_tokens masks each stop token (EOS
+    included) of each row short of its min_tokens; bad_words masks the last token of each bad word whose other
+    tokens the row's output ends with (as vLLM, the output only)."""
     rows: np.ndarray  # int64
     tokens: np.ndarray  # int64
 
@@ -86,10 +91,17 @@ class Masks(NamedTuple):
         return len(self.rows) > 0
 
 
-def min_tokens_masks(seqs: list[SampledSequence], batch: BatchRows, eos_token_ids: list[int]) -> Masks:
+def token_masks(seqs: list[SampledSequence], batch: BatchRows, eos_token_ids: list[int]) -> Masks:
     masked = [(row, token_id) for row in batch.with_min_tokens
               if seqs[row].num_completion_tokens < seqs[row].params.min_tokens
               for token_id in seqs[row].params.stop_token_ids + eos_token_ids]
+    for row in batch.with_bad_words:
+        seq = seqs[row]
+        output = seq.token_ids[seq.num_prompt_tokens:]
+        masked += [(row, word[-1]) for word in seq.bad_words_token_ids
+                   if len(word) <= len(output) + 1 and output[len(output) - len(word) + 1:] == word[:-1]]
+    if batch.with_min_tokens and batch.with_bad_words:
+        masked.sort(key=operator.itemgetter(0))
     return Masks(*np.array(masked, dtype=np.int64).reshape(-1, 2).T)
 
 

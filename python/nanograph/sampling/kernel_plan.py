@@ -1,10 +1,10 @@
 """The kernel path's host side for one call: every row's parameters, its draw's key and the rows to override
-(penalties, min_tokens masks), as the fields of the parameters blob (PackedLayout), which the path packs."""
+(biases, penalties, masked tokens), as the fields of the parameters blob (PackedLayout), which the path packs."""
 from __future__ import annotations
 
 import numpy as np
 
-from .batch import BatchRows, min_tokens_masks, padded, penalties
+from .batch import BatchRows, padded, penalties, token_masks
 from .packed_layout import PackedFormat, PackedLayout
 from .seen import SeenTokens
 from .table import SampledSequence
@@ -43,7 +43,7 @@ class KernelPlan:
         batch: the previous call's rows, reused if seqs are the same batch (self.batch is the one used)."""
         self.batch = b = KernelBatchRows.of(seqs, vocab_size, batch)
         self.penalties = penalties(seqs, b, seen)
-        self.masks = min_tokens_masks(seqs, b, eos_token_ids)
+        self.masks = token_masks(seqs, b, eos_token_ids)
         self.plain_greedy = b.plain_greedy
         self.kernel_logprobs = False  # whether the kernel gives the logprobs the rows ask for
         self.layout: PackedLayout | None = None
@@ -53,14 +53,16 @@ class KernelPlan:
     def _fields(self, seqs: list[SampledSequence], keys: np.random.Generator, format: PackedFormat):
         """Per row, temperature (0: greedy), top-k (0: none), top_p, min_p, the draw's key (from the row's own
         stream if it has one), the number of top logprobs (-1: none) and its override (-1: none); per override, the
-        row copied out of the logits (penalised or with masked tokens), its seen tokens (-1 padding), their output
-        counts, its penalties and its masked tokens (-1 padding)."""
+        row copied out of the logits (biased, penalised or with masked tokens), its seen tokens (-1 padding), their
+        output counts, its penalties, its masked tokens (-1 padding), its biased tokens (-1 padding), their biases
+        and whether every other token is masked."""
         b, p, m = self.batch, self.penalties, self.masks
         row_keys = np.zeros(b.num_rows, np.uint64)
         row_keys[b.sampled] = keys.integers(0, 2**64, len(b.sampled), dtype=np.uint64, endpoint=False)
         if b.seeded:
             row_keys[b.seeded] = [seqs[row].generator.getrandbits(64) for row in b.seeded]
-        self.override_source = overridden = np.union1d(np.array(p.rows, np.int64), m.rows)
+        biases = b.biases
+        self.override_source = overridden = np.union1d(np.union1d(np.array(p.rows, np.int64), m.rows), biases.rows)
         num = len(overridden)
         override_rows = np.full(b.num_rows, -1, np.int32)
         override_rows[overridden] = np.arange(num, dtype=np.int32)
@@ -82,12 +84,22 @@ class KernelPlan:
             column = np.arange(len(at)) - np.repeat(firsts, np.diff(np.r_[firsts, len(at)]))  # within its row
             masked_tokens = np.full((num, column.max() + 1), -1, np.int32)
             masked_tokens[at, column] = m.tokens
+        biased_tokens = np.full((num, max(biases.token_ids.shape[1], 1) if num else 0), -1, np.int32)
+        bias_values = np.zeros(biased_tokens.shape, np.float32)
+        mask_others = np.zeros(num, np.int32)
+        if biases.any:
+            at = override_rows[biases.rows]
+            biased_tokens[at, :biases.token_ids.shape[1]] = biases.token_ids
+            bias_values[at, :biases.biases.shape[1]] = biases.biases
+            mask_others[at] = biases.mask_others
         # The kernel gives at most format.max_top_logprobs; the path asks torch when a row wants more.
         self.kernel_logprobs = bool(b.logprob_rows) and max(b.num_top_logprobs) <= format.max_top_logprobs
         logprob_columns = 1 + max(b.num_top_logprobs) if self.kernel_logprobs else 0
         self.layout = format.layout(rows=b.num_rows, logprob_columns=logprob_columns, num_overrides=num,
-                                    seen_width=seen_tokens.shape[1], masked_width=masked_tokens.shape[1])
+                                    seen_width=seen_tokens.shape[1], masked_width=masked_tokens.shape[1],
+                                    bias_width=biased_tokens.shape[1])
         self.arrays = dict(b.row_fields, keys=row_keys.view(np.int64), override_rows=override_rows,
                            override_source=overridden, seen_tokens=seen_tokens, output_counts=output_counts,
                            presence=penalty_values[:, 0], frequency=penalty_values[:, 1],
-                           repetition=penalty_values[:, 2], masked_tokens=masked_tokens)
+                           repetition=penalty_values[:, 2], masked_tokens=masked_tokens,
+                           biased_tokens=biased_tokens, biases=bias_values, mask_others=mask_others)

@@ -10,6 +10,8 @@ from typing import Protocol
 import numpy as np
 
 from ..sampling_params import SamplingParams
+from .grammar import Grammar
+from .logit_bias import SparseBias
 
 NO_LOGPROBS = -2  # the logprobs field of a row that asks for none (SamplingParams.logprobs None)
 ALL_LOGPROBS = -1  # of one that asks for the whole vocabulary
@@ -36,6 +38,9 @@ class SampledSequence(Protocol):
     params: SamplingParams
     sampling_row: bytes  # parameter_row(params)
     generator: random.Random | None  # the request's own random stream, if it has a seed
+    sparse_bias: SparseBias | None  # sparse_bias(params)
+    bad_words_token_ids: list[list[int]]  # each bad word's tokens
+    grammar: Grammar | None  # structured outputs' matcher, if the request has a grammar
     token_ids: list[int]  # the prompt's, then the output's
     num_prompt_tokens: int
 

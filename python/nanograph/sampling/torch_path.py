@@ -67,8 +67,10 @@ class TorchPath:
         return positions, penalised
 
     def _penalised_and_scaled(self, logits: torch.Tensor, plan: TorchPlan, rows: DeviceArrays) -> torch.Tensor:
-        """A new float32 tensor: penalties, then division by the temperature (1 for greedy rows), then -inf at the
-        stop tokens of rows short of min_tokens."""
+        """A new float32 tensor: biases (allowed_token_ids, logit_bias), penalties, then division by the temperature
+        (1 for greedy rows), then -inf at the masked tokens (min_tokens, bad_words)."""
+        if plan.batch.biases.any:
+            logits = _biased(logits, rows)
         scaled = logits.float() / rows.temperatures
         if plan.penalties.rows:
             positions, penalised = self._penalised(logits, rows)
@@ -147,6 +149,15 @@ def with_logprobs(logits: torch.Tensor, logprobs: LogprobRows, token_ids: torch.
     sampled = raw_logprobs.gather(1, _rows(token_ids, logprob_rows)[:, None])
     ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True)
     return CopiedSample(token_ids, logprobs, torch.cat([sampled, top], 1), torch.cat([ranks, top_ids], 1))
+
+
+def _biased(logits: torch.Tensor, rows: DeviceArrays) -> torch.Tensor:
+    """A float32 copy of logits with the biases added, and -inf at every other token of the allowed_token_ids rows."""
+    biased = logits.to(torch.float32, copy=True)
+    listed = biased.take(rows.bias_positions).add_(rows.biases)
+    if len(rows.mask_others_rows):
+        biased.index_fill_(0, rows.mask_others_rows, float("-inf"))
+    return biased.put_(rows.bias_positions, listed)
 
 
 def _rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

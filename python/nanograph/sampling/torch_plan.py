@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch import BatchRows, min_tokens_masks, padded, penalties
+from .batch import BatchRows, padded, penalties, token_masks
 from .seen import SeenTokens
 from .table import SampledSequence
 
@@ -21,8 +21,8 @@ class TorchPlan:
         """batch: the previous call's BatchRows, reused if seqs are the same batch (self.batch is the one used)."""
         self.batch = b = BatchRows.of(seqs, vocab_size, batch)
         self.penalties = p = penalties(seqs, b, seen)
-        self.masks = m = min_tokens_masks(seqs, b, eos_token_ids)
-        self.transforms = not b.all_greedy or bool(p.rows) or m.any  # else the argmax of the raw logits
+        self.masks = m = token_masks(seqs, b, eos_token_ids)
+        self.transforms = not b.all_greedy or bool(p.rows) or m.any or b.biases.any  # else the raw logits' argmax
         self.greedy_rows = b.greedy_rows
         truncated = (b.top_ks < vocab_size) | (b.top_ps < 1) | (b.min_ps > 0)
         self.full_rows = b.sampled[~truncated]
@@ -38,6 +38,9 @@ class TorchPlan:
         self._truncations(vocab_size, b.top_ks[truncated], b.top_ps[truncated], b.min_ps[truncated])
         self._seeds(seqs, sampled_rows)
         self.arrays["masked_positions"] = m.rows * vocab_size + m.tokens
+        if b.biases.any:
+            self.arrays["bias_positions"], self.arrays["biases"] = b.biases.flat(vocab_size)
+            self.arrays["mask_others_rows"] = b.biases.rows[b.biases.mask_others.astype(bool)]
         if p.rows:
             self._penalties(b.table["temperature"][p.rows])
 

@@ -1,0 +1,80 @@
+"""Structured outputs on the host, with llguidance: a request's grammar compiled once per spec (GrammarCompiler), a
+matcher per sequence (Grammar) that says which tokens may come next as a bitmask row and is advanced by each
+sampled token. The bitmask is applied on the device by token_bitmask.py."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling_params import StructuredOutputsParams
+
+FIELDS = {"json_schema": "json", "choice": "choice", "regex": "regex", "grammar": "grammar"}
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row: bit j of word i allows token 32 * i + j."""
+    return -(-vocab_size // 32)
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs against one tokenizer, each spec once (compiled grammars are kept by spec)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        # The model's end-of-text tokens end a grammar (None: the tokenizer's).
+        self._eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size] or None
+        self._tokenizer = None  # llguidance's, made at the first spec
+        self._compiled: dict[tuple[str, str], str] = {}
+
+    def compile(self, spec: StructuredOutputsParams) -> str:
+        """The grammar of spec, checked against the tokenizer; ValueError naming the field for a bad one."""
+        llguidance = _llguidance()
+        key = spec.spec()
+        if key not in self._compiled:
+            if self._hf_tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this model folder has none")
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
+                                                               eos_token=self._eos_token_ids)
+            field = "json" if spec.json_object else FIELDS[key[0]]
+            try:
+                grammar = llguidance.grammar_from(*key)
+                error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                error = str(exc)
+            if error:
+                raise ValueError(f"structured_outputs.{field} is not a valid {key[0].replace('_', ' ')}: {error}")
+            self._compiled[key] = grammar
+        return self._compiled[key]
+
+    def matcher(self, grammar: str) -> Grammar:
+        """A new sequence's matcher for a compiled grammar."""
+        llguidance = _llguidance()
+        return Grammar(llguidance.LLMatcher(self._tokenizer, grammar), llguidance.numpy.fill_next_token_bitmask)
+
+
+class Grammar:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, matcher, fill):
+        self._matcher = matcher
+        self._fill = fill
+
+    def fill(self, bitmask: np.ndarray, row: int):
+        """Writes the tokens that may come next into bitmask[row] (int32 [*, bitmask_words(vocab)])."""
+        self._fill(self._matcher, bitmask, row)
+
+    def advance(self, token_id: int) -> bool:
+        """Moves past a sampled token; False if the grammar does not allow it."""
+        return self._matcher.consume_token(token_id) and not self._matcher.is_error()
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+    except ImportError:
+        raise ImportError("structured_outputs needs the llguidance package: pip install 'nanograph[structured]' "
+                          "(or pip install llguidance)") from None
+    return llguidance

@@ -1,0 +1,72 @@
+"""Structured outputs and bad_words end to end on the torch backend (CPU) with the bundled SmolLM2-135M-Instruct: a
+JSON schema, a regex, a choice and a JSON object come out as asked, per sequence with n > 1, in a batch whose
+unconstrained requests give exactly what they give alone."""
+import json
+import re
+
+import pytest
+
+from nanograph import LLM, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+PHONE = r"\d{3}-\d{4}"
+CHOICES = ["yes", "no"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_model_len=256, max_num_seqs=16)
+
+
+def constrained(spec: StructuredOutputsParams, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 40, **kwargs}, structured_outputs=spec)
+
+
+def assert_person(text: str):
+    person = json.loads(text)
+    assert list(person) == ["name", "age"]  # the schema's order
+    assert isinstance(person["name"], str) and len(person["name"]) <= 12
+    assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
+
+
+def test_a_mixed_batch_follows_each_constraint_and_leaves_the_others_alone(llm):
+    free = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8)]
+    requests = [
+        ("Describe a person as JSON.", constrained(StructuredOutputsParams(json=PERSON))),
+        ("Describe a person as JSON.", constrained(StructuredOutputsParams(json=json.dumps(PERSON)), n=2,
+                                                   temperature=1.0, seed=7)),
+        ("Call me at", constrained(StructuredOutputsParams(regex=PHONE), max_tokens=12)),
+        ("Is the sky blue? Answer:", SamplingParams(temperature=0, max_tokens=4,
+                                                    guided_decoding=GuidedDecodingParams(choice=CHOICES))),
+        ("A JSON object:", constrained(StructuredOutputsParams(json_object=True), max_tokens=64)),
+        ("The capital of France is", SamplingParams(temperature=0, max_tokens=6, bad_words=["Paris"])),
+        ("The capital of France is", free[0]),
+        ("Once upon a time", free[1]),
+    ]
+    outputs = llm.generate([prompt for prompt, _ in requests], [params for _, params in requests], use_tqdm=False)
+    person, people, phone, choice, json_object, no_paris, paris, story = outputs
+    assert_person(person.outputs[0].text)
+    assert person.outputs[0].finish_reason == "stop"  # the grammar ends with the end of the object
+    assert len(people.outputs) == 2
+    for completion in people.outputs:
+        assert_person(completion.text)
+    assert re.fullmatch(PHONE, phone.outputs[0].text)
+    assert choice.outputs[0].text in CHOICES
+    assert isinstance(json.loads(json_object.outputs[0].text), dict)
+    assert "Paris" in paris.outputs[0].text and "Paris" not in no_paris.outputs[0].text
+    alone = llm.generate([requests[-2][0], requests[-1][0]], free, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in alone] == [paris.outputs[0].token_ids, story.outputs[0].token_ids]
+
+
+def test_a_bad_schema_is_refused_naming_the_field(llm):
+    with pytest.raises(ValueError, match="request 1: structured_outputs.json is not a valid json schema"):
+        llm.generate(["a", "b"], [SamplingParams(), constrained(StructuredOutputsParams(json={"type": 5}))],
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs.regex"):
+        llm.engine.add_request("a", constrained(StructuredOutputsParams(regex="[a-")))
+    assert not llm.engine.has_unfinished()
