@@ -10,7 +10,8 @@
 # The serve extra (fastapi, uvicorn, pydantic and their needs) must be importable: on a machine without network,
 # carry their wheels and install them first (README: Serve). NUM_PROMPTS, and the counts of the slower runs
 # (CONCURRENCY_1_PROMPTS, RATE_4_PROMPTS, RATE_16_PROMPTS, RATE_64_PROMPTS), size the runs; RATE_INF_RUNS (default 1)
-# repeats the rate-inf run, each compared with LLM.generate.
+# repeats the rate-inf run, run k on the prompts of seed k - 1 (new prompts, so that none is in the prefix cache), each
+# compared with LLM.generate on the same prompts. The other runs have prompts of their own too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -56,11 +57,12 @@ bench() {  # name, then bench serve arguments
   timeout 600 $PY -m nanograph.cli bench serve --base-url "http://127.0.0.1:$PORT" --prompt-len 1024 \
     --output-len 128 --result-file "$OUT/$name.json" "$@" | tee "$OUT/$name.txt" || echo "bench $name failed"
 }
-for run in $(seq ${RATE_INF_RUNS:-1}); do bench rate_inf_$run --num-prompts $N; done
-bench concurrency_1 --num-prompts ${CONCURRENCY_1_PROMPTS:-200} --max-concurrency 1
-bench rate_4 --num-prompts ${RATE_4_PROMPTS:-400} --request-rate 4
-bench rate_16 --num-prompts ${RATE_16_PROMPTS:-1000} --request-rate 16
-bench rate_64 --num-prompts ${RATE_64_PROMPTS:-1000} --request-rate 64
+RUNS=${RATE_INF_RUNS:-1}
+for run in $(seq $RUNS); do bench rate_inf_$run --num-prompts $N --seed $((run - 1)); done
+bench concurrency_1 --num-prompts ${CONCURRENCY_1_PROMPTS:-200} --max-concurrency 1 --seed 101
+bench rate_4 --num-prompts ${RATE_4_PROMPTS:-400} --request-rate 4 --seed 102
+bench rate_16 --num-prompts ${RATE_16_PROMPTS:-1000} --request-rate 16 --seed 103
+bench rate_64 --num-prompts ${RATE_64_PROMPTS:-1000} --request-rate 64 --seed 104
 timeout 30 $PY -c "import httpx; print(httpx.get('http://127.0.0.1:$PORT/metrics').text)" > "$OUT/metrics.txt"
 grep -E "^nanograph:(num_requests|kv_cache_usage|num_preemptions_total|generation_tokens_total|request_success_total)" \
   "$OUT/metrics.txt" || true
@@ -74,25 +76,26 @@ set +e; wait $SERVER; code=$?; set -e
 echo "server exit code $code (expected 0)"
 tail -5 "$OUT/server.log"
 
-echo "== LLM.generate on the same $N requests"
-timeout 900 $PY - "$MODEL" "$MAX_MODEL_LEN" "$OUT/generate.json" "$N" <<'EOF'
+echo "== LLM.generate on the same $N requests (each rate-inf run's)"
+timeout 900 $PY - "$MODEL" "$MAX_MODEL_LEN" "$OUT" "$N" "$RUNS" <<'EOF'
 import json, sys, time
 from nanograph import LLM, SamplingParams
 from nanograph.bench_serve import random_workload
-model, max_model_len, result_file, num_prompts = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+model, max_model_len, out, num_prompts, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 llm = LLM(model, device="cuda", max_model_len=max_model_len)
-prompts = random_workload(num_prompts, 1024, seed=0)  # bench serve's prompts (its default seed)
-llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-start = time.perf_counter()
-outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
-seconds = time.perf_counter() - start
-tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-result = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
-          "total_tok_s": (tokens + 1024 * len(prompts)) / seconds}
-print(json.dumps(result))
-json.dump(result, open(result_file, "w"))
+for run in range(1, runs + 1):
+    prompts = random_workload(num_prompts, 1024, seed=run - 1)  # bench serve's prompts for --seed run - 1
+    llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    result = {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds,
+              "total_tok_s": (tokens + 1024 * len(prompts)) / seconds}
+    print(json.dumps(result))
+    json.dump(result, open(f"{out}/generate_{run}.json", "w"))
 EOF
-[ -f "$OUT/generate.json" ] || echo "LLM.generate failed"
+[ -f "$OUT/generate_1.json" ] || echo "LLM.generate failed"
 
 echo "== nanograph bench latency (batch 1, the same lengths)"
 timeout 900 $PY -m nanograph.cli bench latency --model "$MODEL" --no-hf --prompt-len 1024 --output-len 128 \
@@ -103,11 +106,11 @@ $PY - "$OUT" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 load = lambda name: json.load(open(f"{out}/{name}.json"))
-one, generate = load("concurrency_1"), load("generate")
+one = load("concurrency_1")
 ms_per_token = float(re.search(r"([\d.]+) ms/token", open(f"{out}/latency.txt").read()).group(1))
 run = 1
 while os.path.exists(f"{out}/rate_inf_{run}.json"):
-    inf = load(f"rate_inf_{run}")
+    inf, generate = load(f"rate_inf_{run}"), load(f"generate_{run}")
     print(f"rate inf, run {run}: server {inf['output_throughput']:.0f} output tok/s ({inf['completed']} completed, "
           f"{inf['failed']} failed), LLM.generate {generate['output_tok_s']:.0f}: "
           f"{inf['output_throughput'] / generate['output_tok_s']:.3f} (target >= 0.90)")
