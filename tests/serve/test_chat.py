@@ -1,5 +1,10 @@
 """POST /v1/chat/completions: the chat template renders the messages, streams equal responses (the role chunk
-first), logprobs with top_logprobs equal LLM.chat's, max_completion_tokens, text parts, usage."""
+first), logprobs with top_logprobs equal LLM.chat's, max_completion_tokens, text parts, usage; response_format,
+vLLM's grammar fields and logit_bias."""
+import json
+import re
+
+import openai
 import pytest
 
 from nanograph import SamplingParams
@@ -79,3 +84,48 @@ def test_chat_template_kwargs_reach_the_template(client, model):
     with pytest.raises(openai.BadRequestError, match="chat template"):
         client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1,
                                        extra_body={"chat_template_kwargs": {"tokenize": False}})
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_json_object_give_json(client, model):
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    response = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    person = json.loads(response.choices[0].message.content)
+    assert list(person) == ["name", "age"] and isinstance(person["name"], str) and isinstance(person["age"], int)
+    chunks = list(client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=40, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == response.choices[0].message.content
+    anything = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=40,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+
+def test_a_choice_a_regex_and_logit_bias_through_the_body(client, model, tokenizer):
+    messages = [{"role": "user", "content": "Is Paris in France?"}]
+    choice = client.chat.completions.create(model=model, messages=messages, temperature=0.8, seed=3, max_tokens=10,
+                                            extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert choice.choices[0].message.content in ("yes", "no", "maybe")
+    regex = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=20,
+                                           extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", regex.choices[0].message.content)
+    [banana] = tokenizer.encode(" banana")
+    biased = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=3,
+                                            logit_bias={str(banana): 100})
+    assert biased.choices[0].message.content == " banana" * 3
+
+
+def test_two_grammars_in_one_request_are_a_400(client, model):
+    with pytest.raises(openai.BadRequestError, match="give one of them"):
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"guided_regex": "a+"})
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema is required"):
+        client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})

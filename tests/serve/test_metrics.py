@@ -86,6 +86,9 @@ def test_prefix_cache_hits_count_the_cached_tokens(server, client, model, tokeni
     assert grew(before, after, "prefix_cache_hits_total") == 16 * ((len(prompt_ids) - 1) // 16)
 
 
+WAIT_SECONDS = 3  # how long the non-streamed requests wait before their clients leave
+
+
 def test_gauges_follow_a_running_request_and_return_to_zero_after_aborts(server, model):
     before = wait_idle(server)
     long = {"model": model, "prompt": "Count with me:", "max_tokens": 400, "ignore_eos": True}
@@ -100,13 +103,17 @@ def test_gauges_follow_a_running_request_and_return_to_zero_after_aborts(server,
 
             async def cut_wait():
                 try:
-                    await http.post("/v1/completions", json=long, timeout=0.5)
+                    await http.post("/v1/completions", json=long, timeout=WAIT_SECONDS)
                 except httpx.TimeoutException:
                     pass
 
             running = asyncio.gather(*(cut_stream() for _ in range(3)), *(cut_wait() for _ in range(2)))
-            await asyncio.sleep(0.3)
-            seen = await asyncio.to_thread(scrape, server)
+            deadline = time.monotonic() + WAIT_SECONDS - 0.5  # while the waiting requests surely run
+            while True:
+                seen = await asyncio.to_thread(scrape, server)
+                if seen["nanograph:num_requests_running", None] > 0 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
             await running
             return seen
 

@@ -9,12 +9,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 # The request fields that SamplingParams takes under the same name.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "skip_special_tokens", "include_stop_str_in_output")
+                   "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words")
+# vLLM's older request fields for a grammar, each one kind of StructuredOutputsParams.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 class Request(BaseModel):
@@ -23,6 +26,29 @@ class Request(BaseModel):
 
 class StreamOptions(Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Request):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    """OpenAI's: text (no constraint), json_object (any JSON object) or json_schema (JSON following its schema)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format.json_schema.schema is required when response_format.type is "
+                             "json_schema")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
 
 
 class SamplingRequest(Request):
@@ -46,12 +72,39 @@ class SamplingRequest(Request):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI's JSON key) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams; the fields it left out (or null) keep SamplingParams' defaults. Raises
         SamplingParams' ValueError on an invalid value."""
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._grammar(), **given)
+
+    def _grammar(self) -> StructuredOutputsParams | None:
+        """The one grammar the request asks for, by whichever field it uses."""
+        grammars = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            grammars["response_format"] = self.response_format.structured_outputs()
+        if self.structured_outputs is not None:
+            unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise ValueError(f"structured_outputs takes json, regex, choice, grammar or json_object; got "
+                                 f"{', '.join(sorted(unknown))}")
+            grammars["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                grammars[name] = StructuredOutputsParams(**{kind: getattr(self, name)})
+        if len(grammars) > 1:
+            raise ValueError(f"{' and '.join(grammars)} each ask for a grammar: give one of them")
+        return next(iter(grammars.values()), None)
 
 
 class CompletionRequest(SamplingRequest):
