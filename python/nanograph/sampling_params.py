@@ -33,6 +33,10 @@ class SamplingParams:
     logprobs: int | None = None  # top logprobs per generated token, the sampled token always included; -1: all
     skip_special_tokens: bool = True
 
+    # Prompt logprobs: computed in the prefill; the request then takes no prefix-cache hits (as in vLLM).
+    prompt_logprobs: int | None = None  # top logprobs per prompt token after the first, the token itself always
+                                        # included; -1: all
+
     def __post_init__(self):
         _check_float("temperature", self.temperature)
         if 0 < self.temperature < MIN_TEMPERATURE:
@@ -71,7 +75,7 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         _check_int("min_tokens", self.min_tokens)
-        for name in ("max_tokens", "logprobs"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -104,8 +108,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
-        if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < -1:
+                raise ValueError(f"{name} must be non-negative or -1, got {getattr(self, name)}.")
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.stop_token_ids):
