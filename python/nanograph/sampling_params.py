@@ -136,3 +136,29 @@ def _check_float(name: str, value):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}.")
+
+
+# Beam search (LLM.beam_search, beam_search.py).
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's names and defaults)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0: each beam's sampled candidate is its most likely token
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep a final EOS token's text in BeamSearchSequence.text
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            _check_int(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("temperature", "length_penalty"):
+            _check_float(name, getattr(self, name))
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
