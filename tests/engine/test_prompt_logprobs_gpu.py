@@ -11,7 +11,8 @@ from ..hf_models import make_random_model
 
 pytestmark = pytest.mark.gpu
 
-TOL = 0.08  # bf16 logits of a 2-layer model (|logit| up to ~8) against HF's bf16 forward
+MAX_ERROR, MEAN_ERROR = 0.25, 0.03  # |logprob - HF's|, both in bf16 (test_cuda_backend.py's bounds)
+SWAP = 2 * MAX_ERROR  # two tokens whose HF logprobs are further apart keep their order
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +47,22 @@ def generate_on_cuda(folder, calls, **config):
 
 
 def check_against_hf(prompt_logprobs, reference: torch.Tensor, prompt: list[int], k: int):
-    """Values within TOL; the prompt token's rank and the top tokens agree wherever the gaps exceed TOL."""
+    """Values within bf16 tolerance of HF's (as tests/engine/test_cuda_backend.py bounds the sampled logits); the
+    prompt token's rank and the top tokens agree wherever the gaps exceed what two such errors can swap."""
     assert len(prompt_logprobs) == len(prompt) and prompt_logprobs[0] is None
+    errors = []
     for position, entry in enumerate(prompt_logprobs[1:], start=1):
         row, target = reference[position - 1], prompt[position]
-        assert entry[target].logprob == pytest.approx(row[target].item(), abs=TOL), position
-        assert int((row > row[target] + TOL).sum()) + 1 <= entry[target].rank <= int((row > row[target] - TOL).sum()) + 1
-        top = sorted(((info.rank, token_id) for token_id, info in entry.items() if info.rank <= k))
+        errors.append(abs(entry[target].logprob - row[target].item()))
+        assert int((row > row[target] + SWAP).sum()) + 1 <= entry[target].rank <= \
+            int((row > row[target] - SWAP).sum()) + 1, position
+        top = sorted((info.rank, token_id) for token_id, info in entry.items() if info.rank <= k)
         assert [rank for rank, _ in top] == list(range(1, k + 1)), position
         kth = row.topk(k).values[-1].item()
-        for rank, token_id in top:
-            assert row[token_id].item() >= kth - TOL
-            assert entry[token_id].logprob == pytest.approx(row[token_id].item(), abs=TOL)
+        for _, token_id in top:
+            assert row[token_id].item() >= kth - SWAP, position
+            errors.append(abs(entry[token_id].logprob - row[token_id].item()))
+    assert max(errors) < MAX_ERROR and sum(errors) / len(errors) < MEAN_ERROR, (max(errors), sum(errors) / len(errors))
 
 
 def test_long_chunks_match_hf(folder):

@@ -263,11 +263,11 @@ class LLMEngine:
         self._prompt_logprobs_in_flight = None
         logprobs = pending.result().logprobs
         offset = 0
-        for seq, first_target, count in spans:
-            for target, token_logprobs in enumerate(logprobs[offset:offset + count], start=first_target):
+        for seq, first_target, num_targets in spans:
+            for target, token_logprobs in enumerate(logprobs[offset:offset + num_targets], start=first_target):
                 if target == len(seq.prompt_logprobs) and not seq.is_finished:
                     seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs))
-            offset += count
+            offset += num_targets
 
     def _queue_sampling(self, batch: ScheduledBatch) -> list[tuple[object, RequestOutput]]:
         """Queue the sampling of the batch's rows that reach their sequence's end (prompts cut short by the token
