@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+from tqdm.auto import tqdm
+
 from .engine.intake import Prompt
 from .outputs import Logprob
 from .sampling_params import BeamSearchParams, SamplingParams
@@ -35,8 +37,10 @@ def beam_search_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_
     return beam.cum_logprob / length ** length_penalty
 
 
-def beam_search(engine, prompts: list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The beam_width best beams of each prompt (any form that generate() takes), best first."""
+def beam_search(engine, prompts: list[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+                ) -> list[BeamSearchOutput]:
+    """The beam_width best beams of each prompt (any form that generate() takes), best first; use_tqdm shows the
+    steps (an upper bound: every beam may end early)."""
     if not isinstance(params, BeamSearchParams):
         raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     num_candidates = 2 * params.beam_width
@@ -50,7 +54,7 @@ def beam_search(engine, prompts: list[Prompt], params: BeamSearchParams) -> list
     score = partial(beam_search_score, eos_token_ids=eos_token_ids, length_penalty=params.length_penalty)
     beams = [[BeamSearchSequence(engine.intake.validate(prompt, step_params).token_ids)] for prompt in prompts]
     completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
+    for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
         for live, done in zip(beams, completed):  # a beam as long as max_model_len cannot take another token
             done += [_finished(beam, "length") for beam in live if len(beam.tokens) >= engine.config.max_model_len]
             live[:] = [beam for beam in live if len(beam.tokens) < engine.config.max_model_len]

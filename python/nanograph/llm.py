@@ -31,9 +31,10 @@ class LLM:
         texts of one completion's deltas concatenate to its final text."""
         return self.engine.stream(*_requests(prompts, sampling_params))
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """For each prompt (any form generate() takes), its params.beam_width best beams, best first."""
-        return beam_search(self.engine, _prompt_list(prompts), params)
+        return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
