@@ -119,3 +119,16 @@ def test_slices_of_tokens_give_what_one_slice_gives():
         assert token_logprobs.token_ids[0] == target
         assert token_logprobs.logprobs[0] == pytest.approx(reference[row, target].item(), abs=1e-5)
         assert token_logprobs.token_ids[1:] == reference[row].topk(3).indices.tolist()
+
+
+def test_preempted_prompts_keep_each_prompt_logprob_once(model):
+    """A KV cache of 16 blocks for three 60-token sequences: prompts are preempted mid-prefill and after it, and
+    recomputed; each prompt token's logprobs are still there once, and right."""
+    llm = LLM(str(model[0]), device="cpu", block_size=4, num_kv_blocks=16, max_num_batched_tokens=7, max_num_seqs=3,
+              max_model_len=64)
+    prompts = [random_prompt(40, seed=30 + i) for i in range(3)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=20, ignore_eos=True, prompt_logprobs=2), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        check_against_hf(output.prompt_logprobs, model[1], prompt, 2)

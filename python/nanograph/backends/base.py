@@ -2,7 +2,9 @@
 sampled once the host knows the tokens before it: forward() queues the step's forward pass as soon as the batch is
 scheduled; the engine then applies the previous step's tokens; sample() queues the sampling of the rows that reach
 their sequence's end. The tokens stay where the runner keeps them, where the next step's forward reads them
-(ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them."""
+(ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them.
+Prompt logprobs are a third call, after forward(): prompt_logprobs() applies the head to the final hidden states of
+the forward's prompt tokens."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
