@@ -110,6 +110,13 @@ class Model {
   // the slots alternate.
   const int32_t* greedy_tokens(int slot);
   const bf16* logits() const { return logits_; }  // [max_num_seqs, vocab]
+  // The last step's tokens, until the next step: the last layer's output (hidden) and the residual
+  // stream, [max_num_tokens, hidden_size] each, rows [0, num_tokens). A prefill step's final norm
+  // runs on gathered copies of each sequence's last token, leaving both as they were: the final
+  // norm's input is bf16(hidden + residual). A decode step's runs in place, leaving that sum in
+  // residual (and the normalised rows in hidden).
+  const bf16* hidden() const { return hidden_; }
+  const bf16* residual() const { return residual_; }
   int32_t* sampled_tokens() const { return sampled_tokens_; }  // [max_num_seqs], see StepLayout
 
   // Decode graphs: capture every bucket (largest first), each without and with the greedy

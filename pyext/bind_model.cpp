@@ -1,5 +1,6 @@
 // Bindings for the decoder Model: construction from packed torch weights, KV cache sizing, the
-// per-step metadata views (numpy over pinned memory), step(), decode graphs and the logits buffer.
+// per-step metadata views (numpy over pinned memory), step(), decode graphs, the logits buffer and
+// the last step's hidden states.
 #include <pybind11/numpy.h>
 
 #include "../csrc/model.h"
@@ -107,6 +108,12 @@ NANOGRAPH_BINDINGS(bind_model) {
       })
       .def_property_readonly("logits_ptr", [](const Model& self) {
         return reinterpret_cast<uintptr_t>(self.logits());
+      })
+      .def_property_readonly("hidden_ptr", [](const Model& self) {
+        return reinterpret_cast<uintptr_t>(self.hidden());
+      })
+      .def_property_readonly("residual_ptr", [](const Model& self) {
+        return reinterpret_cast<uintptr_t>(self.residual());
       })
       .def_property_readonly("sampled_tokens_ptr", [](const Model& self) {
         return reinterpret_cast<uintptr_t>(self.sampled_tokens());

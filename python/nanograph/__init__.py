@@ -1,11 +1,13 @@
 """nanograph: a small, fast LLM inference engine with a C++/CUDA core."""
 from ._core import CORE_ERROR, core_available, gpu_available
+from .beam_search import BeamSearchOutput, BeamSearchSequence
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from .sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
 __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
-           "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob",
-           "RequestMetrics"]
+           "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics", "BeamSearchOutput",
+           "BeamSearchSequence"]

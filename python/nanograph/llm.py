@@ -1,15 +1,16 @@
-"""LLM: the offline-inference entry point (vLLM's interface): generate(), chat() and stream()."""
+"""LLM: the offline-inference entry point (vLLM's interface): generate(), chat(), stream() and beam_search()."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import numpy as np
 
+from .beam_search import BeamSearchOutput, beam_search
 from .config import Config
 from .engine.intake import Prompt
 from .engine.llm_engine import LLMEngine
 from .outputs import CompletionDelta, RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -29,6 +30,11 @@ class LLM:
         """Like generate(), but yields each step's new text and token ids of every completion as they come; the
         texts of one completion's deltas concatenate to its final text."""
         return self.engine.stream(*_requests(prompts, sampling_params))
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """For each prompt (any form generate() takes), its params.beam_width best beams, best first."""
+        return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -56,11 +62,7 @@ def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | 
     """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length. A
     prompt is a string, a list of token ids (numpy integers too), or vLLM's {"prompt": str} /
     {"prompt_token_ids": [...]}; the engine checks each."""
-    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)):
-        raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
-                        f"or a list of those; got {type(prompts).__name__}")
+    prompts = _prompt_list(prompts)
     if sampling_params is None:
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
@@ -71,7 +73,17 @@ def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | 
     if len(sampling_params) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
                          "pass one SamplingParams, or one per prompt")
-    return list(prompts), list(sampling_params)
+    return prompts, list(sampling_params)
+
+
+def _prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """One prompt or many as a list of prompts."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a list of token ids, a dict with 'prompt' or 'prompt_token_ids', "
+                        f"or a list of those; got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _is_token_ids(prompts) -> bool:

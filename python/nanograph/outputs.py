@@ -39,6 +39,8 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, summed over completions
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when a failure inside a step ended the request (its finish_reason is "abort")
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token the token and the top ones
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

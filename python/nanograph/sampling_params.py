@@ -82,6 +82,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # a grammar the output follows
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name for structured_outputs
 
+    # Prompt logprobs: computed in the prefill; the request then takes no prefix-cache hits (as in vLLM).
+    prompt_logprobs: int | None = None  # top logprobs per prompt token after the first, the token itself always
+                                        # included; -1: all
+
     def __post_init__(self):
         _check_float("temperature", self.temperature)
         if self.guided_decoding is not None:
@@ -132,7 +136,7 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
         _check_int("min_tokens", self.min_tokens)
-        for name in ("max_tokens", "logprobs"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name))
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p"):
@@ -165,8 +169,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                              f"got {self.min_tokens}.")
-        if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
-            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < -1:
+                raise ValueError(f"{name} must be non-negative or -1, got {getattr(self, name)}.")
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in self.stop_token_ids):
@@ -220,3 +225,29 @@ def _token_id(name: str, token_id) -> int:
 def _clamped_bias(bias) -> float:
     _check_float("logit_bias value", bias)
     return float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, bias)))
+
+
+# Beam search (LLM.beam_search, beam_search.py).
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search's parameters (vLLM's names and defaults)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0  # 0: each beam's sampled candidate is its most likely token
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # keep a final EOS token's text in BeamSearchSequence.text
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            _check_int(name, getattr(self, name))
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("temperature", "length_penalty"):
+            _check_float(name, getattr(self, name))
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")

@@ -2,15 +2,19 @@
 sampled once the host knows the tokens before it: forward() queues the step's forward pass as soon as the batch is
 scheduled; the engine then applies the previous step's tokens; sample() queues the sampling of the rows that reach
 their sequence's end. The tokens stay where the runner keeps them, where the next step's forward reads them
-(ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them."""
+(ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them.
+Prompt logprobs are a third call, after forward(): prompt_logprobs() applies the head to the final hidden states of
+the forward's prompt tokens."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..sampling import SamplerOutput
+from .prompt_logprobs import prompt_logprobs
 
 
 class Pending(Protocol):
@@ -34,6 +38,8 @@ class Runner(ABC):
     device: torch.device
     block_size: int
     num_kv_blocks: int
+    model_config: object  # a ModelConfig
+    weights: dict[str, torch.Tensor]  # the packed weights (models/weights.py)
 
     @abstractmethod
     def forward(self, batch, seqs: list) -> None:
@@ -43,3 +49,14 @@ class Runner(ABC):
     @abstractmethod
     def sample(self, rows: list[int], seqs: list) -> PendingTokens:
         """Queue the sampling of the last forward's rows `rows` (ascending), whose sequences are seqs."""
+
+    def final_hidden(self) -> torch.Tensor:
+        """[num_tokens, hidden_size]: the final norm's input (the last layer's output plus residual) at every token
+        the last forward fed, valid until the next forward is queued, ordered after that forward."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no hidden states, so it gives no prompt logprobs")
+
+    def prompt_logprobs(self, token_rows: np.ndarray, target_ids: list[int], num_top: list[int]) -> Pending:
+        """Queue the logprobs of target_ids[j] at the last forward's token token_rows[j] (the token just before it),
+        with the num_top[j] most likely tokens; result() brings them to the host (one TokenLogprobs per token)."""
+        hidden = self.final_hidden()[torch.from_numpy(token_rows).to(self.device)]
+        return prompt_logprobs(hidden, self.weights, self.model_config.rms_norm_eps, target_ids, num_top)

@@ -68,9 +68,13 @@ class CudaRunner(Runner):
             device=self.device).view(torch.bfloat16)
         self.sampled_tokens = torch.as_tensor(
             _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
+        self.hidden, self.residual = (torch.as_tensor(
+            _DeviceArray(ptr, (config.max_num_batched_tokens, mc.hidden_size), "<i2"), device=self.device
+        ).view(torch.bfloat16) for ptr in (self.model.hidden_ptr, self.model.residual_ptr))
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed)
         self.in_step_argmax = True
         self._greedy, self._num_seqs, self._slot = False, 0, -1  # the last forward's
+        self._num_tokens, self._is_decode = 0, False  # the last forward's
         self._torch_stream_used = True  # since the last step: whether torch's stream may have written its inputs
         self.use_graphs = False  # until they are captured
         self.num_kv_blocks = self._size_kv_cache()
@@ -128,6 +132,7 @@ class CudaRunner(Runner):
         memory, and torch's stream is left alone. Otherwise the sampler reads the logits on torch's stream."""
         self._greedy = self.in_step_argmax and self.sampler.plain_greedy(seqs, self.model_config.vocab_size)
         self._num_seqs = batch.num_seqs
+        self._num_tokens, self._is_decode = batch.num_tokens, batch.is_decode
         if self._greedy:
             self._slot = self.queue_step(batch, greedy=True)
         else:
@@ -140,6 +145,14 @@ class CudaRunner(Runner):
         pending = self.sampler.sample(logits if len(rows) == self._num_seqs else logits[rows], seqs)
         self.sampled_tokens[:len(rows)].copy_(pending.token_ids)  # where the next step's input_src points
         return PendingTokens(pending, range(len(rows)))
+
+    def final_hidden(self) -> torch.Tensor:
+        """The final norm's input at the last step's tokens, where the core left it (Model::hidden, residual), read
+        on torch's stream after the step; the next step waits for torch's stream before it overwrites them."""
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._torch_stream_used = True
+        residual = self.residual[:self._num_tokens]
+        return residual if self._is_decode else self.hidden[:self._num_tokens] + residual
 
     def run(self, batch) -> torch.Tensor:
         """Queues the batch's step; its logits [num_seqs, vocab], bf16: a view of the core's logits buffer, valid

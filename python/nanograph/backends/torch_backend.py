@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model_config import ModelConfig
-from ..models import load_weights, rope_cos_sin
+from ..models import head_logits, load_weights, rms_norm, rope_cos_sin
 from ..sampling import Sampler
 from .base import PendingTokens, Runner
 
@@ -44,6 +44,7 @@ class TorchRunner(Runner):
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
         self.sampler = Sampler(self.device, mc.eos_token_ids, seed)
         self._logits: torch.Tensor | None = None  # the last forward's
+        self._hidden: torch.Tensor | None = None  # the last forward's final hidden states, every token
         self._sampled: torch.Tensor | None = None  # the last sampled tokens, where input_src points
 
     def forward(self, batch, seqs: list):
@@ -65,10 +66,13 @@ class TorchRunner(Runner):
         h = w["embed_tokens"][self._input_ids(batch)]
         for i in range(mc.num_layers):
             p = f"layers.{i}."
-            h = h + self._attention(i, _rms_norm(h, w[p + "input_layernorm"], mc.rms_norm_eps), cos, sin, meta)
-            h = h + self._mlp(i, _rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
-        last = _rms_norm(h[meta.last_token_rows], w["norm"], mc.rms_norm_eps)
-        return F.linear(last, w["lm_head"]).float()
+            h = h + self._attention(i, rms_norm(h, w[p + "input_layernorm"], mc.rms_norm_eps), cos, sin, meta)
+            h = h + self._mlp(i, rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
+        self._hidden = h
+        return head_logits(h[meta.last_token_rows], w, mc.rms_norm_eps)
+
+    def final_hidden(self) -> torch.Tensor:
+        return self._hidden
 
     def _input_ids(self, batch) -> torch.Tensor:
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
@@ -84,7 +88,7 @@ class TorchRunner(Runner):
         qkv = F.linear(x, w[p + "qkv_proj"], w.get(p + "qkv_bias"))
         q, k, v = (t.view(len(x), -1, hd) for t in qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1))
         if mc.qk_norm:
-            q, k = _rms_norm(q, w[p + "q_norm"], mc.rms_norm_eps), _rms_norm(k, w[p + "k_norm"], mc.rms_norm_eps)
+            q, k = rms_norm(q, w[p + "q_norm"], mc.rms_norm_eps), rms_norm(k, w[p + "k_norm"], mc.rms_norm_eps)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         k_cache, v_cache = self.k_caches[layer].view(-1, nkv, hd), self.v_caches[layer].view(-1, nkv, hd)
         k_cache[meta.slot_mapping] = k
@@ -137,11 +141,6 @@ class _AttentionMetadata:
                    query_seq=tensor(query_seq),
                    query_offset=tensor(np.arange(cu[-1]) - cu[query_seq]),
                    kv_slots=tensor(kv_slots), mask=tensor(mask[:, None]), last_token_rows=tensor(cu[1:] - 1))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

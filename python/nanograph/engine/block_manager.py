@@ -49,9 +49,10 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def allocate_prefix(self, seq: Sequence):
-        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix."""
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix; none to one whose
+        prompt logprobs are still to be computed (its blocks are cached once computed, for others to use)."""
         assert not seq.block_table
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
             prev_hash = None
             # The last token is never taken from the cache, so that its step yields logits.
             for i in range((seq.num_tokens - 1) // self.block_size):

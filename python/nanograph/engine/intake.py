@@ -89,10 +89,12 @@ class Intake:
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {self.vocab_size})")
         max_logprobs = self.config.max_logprobs
-        if params.logprobs is not None and max_logprobs != -1 and not 0 <= params.logprobs <= max_logprobs:
-            asked = "all (-1)" if params.logprobs == -1 else params.logprobs
-            raise ValueError(f"logprobs={asked} is more than max_logprobs={max_logprobs}; ask for at most "
-                             f"{max_logprobs}, or raise the engine's max_logprobs (-1: no limit)")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and max_logprobs != -1 and not 0 <= asked <= max_logprobs:
+                raise ValueError(f"{name}={'all (-1)' if asked == -1 else asked} is more than "
+                                 f"max_logprobs={max_logprobs}; ask for at most {max_logprobs}, or raise the "
+                                 "engine's max_logprobs (-1: no limit)")
         room = max(1, max_model_len - len(token_ids))
         if params.max_tokens is None and params.min_tokens > room:
             raise ValueError(f"min_tokens={params.min_tokens} does not fit: the {len(token_ids)}-token prompt "

@@ -20,11 +20,12 @@ from dataclasses import replace
 from itertools import count
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from ..backends import make_runner
-from ..backends.base import PendingTokens, Runner
+from ..backends.base import Pending, PendingTokens, Runner
 from ..config import Config
 from ..default_model import default_model_path
 from ..model_config import ModelConfig
@@ -64,6 +65,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
         self._in_flight: tuple[list[Sequence], PendingTokens] | None = None  # sampled, not read yet
+        # Prompt logprobs queued by the last step, not read yet: each sequence with its first target position and
+        # count, in the order of the pending result's tokens.
+        self._prompt_logprobs_in_flight: tuple[list[tuple[Sequence, int, int]], Pending] | None = None
         self._unclaimed: list[RequestOutput] = []  # step()'s, finished while generate() or stream() ran the steps
         self._open_streams: set[_Stream] = set()
         self._streamed: dict[str, Request] = {}  # add_request(stream=True)'s, until their last delta is taken
@@ -213,14 +217,17 @@ class LLMEngine:
         """One step; the requests it finished, each with its owner, and the batch it queued (empty when only the
         previous step's tokens were left to apply)."""
         batch = self.scheduler.schedule()
-        failure = None
+        failure = prompt_logprobs = None
         if batch.seqs:
             forward_batch = build_forward_batch(batch, self.scheduler.block_manager)
             self.stats.record_step(batch.num_tokens, batch.is_prefill, int(forward_batch.context_lens.sum()))
             try:
                 self.runner.forward(forward_batch, batch.seqs)
+                prompt_logprobs = self._queue_prompt_logprobs(batch, forward_batch.cu_seqlens_q)
             except Exception as exc:  # the forward of these requests failed: they end, the others go on
                 failure = exc
+        self._apply_prompt_logprobs()
+        self._prompt_logprobs_in_flight = prompt_logprobs
         finished = self._apply_sampled()
         if batch.seqs:
             if failure is not None:
@@ -229,6 +236,42 @@ class LLMEngine:
                 finished += self._queue_sampling(batch)
                 self.scheduler.advance(batch)
         return finished, batch
+
+    def _queue_prompt_logprobs(self, batch: ScheduledBatch, cu_seqlens_q: np.ndarray
+                               ) -> tuple[list[tuple[Sequence, int, int]], Pending] | None:
+        """Queue the logprobs of the prompt tokens that this step's chunks predict, for the sequences still missing
+        some: token i of a chunk predicts token i + 1 of the prompt; the prompt's last token predicts the first
+        sampled one, not a prompt token. A recomputed prompt (after a preemption) skips the targets it has."""
+        spans, token_rows, target_ids, num_top = [], [], [], []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            first, end = max(start, len(seq.prompt_logprobs) - 1), min(start + num_new, seq.num_prompt_tokens - 1)
+            if first >= end:
+                continue
+            k = seq.params.prompt_logprobs
+            spans.append((seq, first + 1, end - first))
+            token_rows.append(np.arange(first, end) - start + cu_seqlens_q[i])
+            target_ids += seq.token_ids[first + 1:end + 1]
+            num_top += [self.vocab_size if k == -1 else min(k, self.vocab_size)] * (end - first)
+        if not spans:
+            return None
+        return spans, self.runner.prompt_logprobs(np.concatenate(token_rows), target_ids, num_top)
+
+    def _apply_prompt_logprobs(self):
+        """Read the prompt logprobs the last step queued and append them to their sequences, in prompt order."""
+        if self._prompt_logprobs_in_flight is None:
+            return
+        spans, pending = self._prompt_logprobs_in_flight
+        self._prompt_logprobs_in_flight = None
+        logprobs = pending.result().logprobs
+        offset = 0
+        for seq, first_target, num_targets in spans:
+            for target, token_logprobs in enumerate(logprobs[offset:offset + num_targets], start=first_target):
+                if target == len(seq.prompt_logprobs) and not seq.is_finished:
+                    seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs))
+            offset += num_targets
 
     def _queue_sampling(self, batch: ScheduledBatch) -> list[tuple[object, RequestOutput]]:
         """Queue the sampling of the batch's rows that reach their sequence's end (prompts cut short by the token
@@ -329,13 +372,17 @@ class LLMEngine:
                 finished.append((request.owner, request.output()))
         return finished
 
+    def _record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs):
+        seq.logprobs.append(self._logprob_dict(seq, logprobs))
+        seq.cumulative_logprob += logprobs.logprobs[0]
+
     @staticmethod
-    def _record_logprobs(seq: Sequence, logprobs: TokenLogprobs):
+    def _logprob_dict(seq: Sequence, logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """One token's logprobs as vLLM gives them: the token first, then the top ones, each with its text."""
         decoded = seq.detokenizer.decode_each(logprobs.token_ids) if seq.detokenizer else \
             [None] * len(logprobs.token_ids)
-        seq.logprobs.append({t: Logprob(lp, rank, text) for t, lp, rank, text in
-                             zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, decoded)})
-        seq.cumulative_logprob += logprobs.logprobs[0]
+        return {t: Logprob(lp, rank, text) for t, lp, rank, text in
+                zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, decoded)}
 
     # Queueing and ending.
 

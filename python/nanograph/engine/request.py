@@ -42,7 +42,7 @@ class Request:
                                       stop_reason=seq.stop_reason)
                      for seq in self.seqs],
             finished=self.finished, num_cached_tokens=sum(cached) if cached else None, metrics=self.metrics,
-            error=self.error)
+            error=self.error, prompt_logprobs=first.prompt_logprobs)
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What each sequence produced since the last call; a finished sequence reports once more, finished."""

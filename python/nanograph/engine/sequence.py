@@ -49,6 +49,10 @@ class Sequence:
         self.grammar: Grammar | None = None  # structured outputs: where the output is in its grammar
         self.logprobs: list[dict[int, Logprob]] | None = None if params.logprobs is None else []
         self.cumulative_logprob: float | None = None if params.logprobs is None else 0.0
+        # The request's prompt logprobs, kept by its first completion: None for the first prompt token, then one
+        # dict per prompt token, appended as the prefill's chunks compute them.
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] if params.prompt_logprobs is not None and index == 0 else None
 
     @property
     def params(self) -> SamplingParams:
@@ -75,6 +79,11 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still missing: the prompt must be computed, not cached."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def has_pending_token(self) -> bool:
