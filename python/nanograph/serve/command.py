@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser, model_help: str):
                         "model's name)")
     parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY"),
                         help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY)")
-    parser.add_argument("--max-model-len", type=int, default=Config.max_model_len)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's own length, capped by what the KV "
+                        "cache holds")
     parser.add_argument("--max-num-seqs", type=int, default=Config.max_num_seqs)
     parser.add_argument("--gpu-memory-utilization", type=float, default=Config.gpu_memory_utilization)
     parser.add_argument("--enforce-eager", action="store_true", help="run decode without CUDA graphs")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from ..llm import chat_prompt_token_ids
+from ..chat_template import chat_prompt_token_ids
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
