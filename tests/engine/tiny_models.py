@@ -1,6 +1,9 @@
 """Tiny random Hugging Face models (hidden 64, 2 layers) of every supported architecture, saved as model folders."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -23,7 +26,27 @@ TINY_CONFIGS = {
     "qwen2-yarn-short": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                              rope_theta=1e4, max_position_embeddings=64,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+    # SmolLM2's vocabulary and positions, for SmolLM2's real tokenizer (make_tiny_chat_model).
+    "llama-smollm2-vocab": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True,
+                                rope_theta=1e4, vocab_size=49152, max_position_embeddings=8192, bos_token_id=1,
+                                eos_token_id=2),
 }
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_tiny_chat_model(folder, seed: int = 0):
+    """A tiny random model with SmolLM2-135M-Instruct's real tokenizer and chat template (from the default model's
+    folder). Returns the HF model."""
+    from nanograph.default_model import default_model_path
+
+    model = make_tiny_model(folder, "llama-smollm2-vocab", seed)
+    copy_tokenizer(default_model_path(), folder)
+    return model
+
+
+def copy_tokenizer(source, folder):
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(source) / name, Path(folder) / name)
 
 
 def make_tiny_model(folder, name: str, seed: int = 0, **save_kwargs):
