@@ -35,14 +35,15 @@ class Config:
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
-            raise ValueError(f"model must be a Hugging Face model folder, or None for the default model; "
+            raise ValueError(f"model must be a Hugging Face model folder or Hub id, or None for the default model; "
                              f"got {self.model!r}")
         for name in ("model", "tokenizer", "download_dir", "generation_config"):
             if isinstance(getattr(self, name), PathLike):
                 setattr(self, name, str(getattr(self, name)))
         for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
-            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or not getattr(self, name)):
-                raise ValueError(f"{name} must be a non-empty string or None, got {getattr(self, name)!r}.")
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}.")

@@ -150,8 +150,9 @@ class LLMEngine:
             return outputs
 
     def take_deltas(self) -> list[CompletionDelta]:
-        """What the steps since the last call added to each request queued with add_request(stream=True); a
-        finished (or aborted) request reports once more, finished, and is then forgotten here."""
+        """What the steps since the last call added to each request queued with add_request(stream=True) (or all of
+        it so far, as its SamplingParams.output_kind asks); a finished (or aborted) request reports once more,
+        finished, and is then forgotten here."""
         with self._lock:
             deltas = []
             for request_id, request in list(self._streamed.items()):

@@ -31,7 +31,7 @@ class ServedModel:
         self.name = name
         self.path = async_llm.engine.config.model
         self.max_model_len = async_llm.engine.config.max_model_len
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.engine.config.tokenizer or self.path)
 
     def check_model(self, model: str | None):
         if model is not None and model != self.name:
