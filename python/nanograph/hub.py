@@ -39,8 +39,9 @@ def tokenizer_folder(name: str, revision: str | None = None, download_dir: str |
 def _snapshot(name: str, revision: str | None, download_dir: str | None, patterns: list[str]) -> str:
     """The Hub snapshot of name (a repository id) holding the files that match patterns."""
     if not _REPO_ID.fullmatch(name) or name.startswith(".") or Path(name).exists():
-        raise FileNotFoundError(f"model folder {name!r} does not exist; pass a Hugging Face model folder (holding "
-                                f"config.json and *.safetensors) or a Hub id such as 'Qwen/Qwen3-0.6B'")
+        raise FileNotFoundError(f"model folder {name!r} does not exist, nor is it a Hub id; pass a Hugging Face "
+                                "model folder (holding config.json and *.safetensors) or a Hub id such as "
+                                "'Qwen/Qwen3-0.6B'")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
