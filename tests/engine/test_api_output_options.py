@@ -93,6 +93,8 @@ def test_extra_args_are_kept(llm):
 
 def test_best_of_and_use_beam_search(llm):
     assert SamplingParams(n=3, best_of=3).best_of == 3 and SamplingParams(best_of=None).best_of is None
+    [out] = llm.generate(PROMPT, SamplingParams(n=2, best_of=2, seed=1, max_tokens=4), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1]
     with pytest.raises(ValueError, match=r"best_of=4 is not supported: nanograph does not sample extra completions"):
         SamplingParams(n=2, best_of=4)
     with pytest.raises(ValueError, match="best_of must be greater than or equal to n, got n=3 and best_of=2."):

@@ -129,7 +129,7 @@ class Intake:
         seqs = []
         for index in range(params.n):
             seq_params = params if params.n == 1 else \
-                replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+                replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + index)
             seq = Sequence(request_id, valid.prompt, token_ids, seq_params, index, max_num_tokens)
             if seq_params.seed is not None:
                 seq.generator = random.Random(seq_params.seed)
