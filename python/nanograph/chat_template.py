@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
-                add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-                chat_template_kwargs: dict | None = None) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
     """One conversation as prompt text: the assistant's turn opened (add_generation_prompt), or the last message
     left open for the model to continue (continue_final_message). A content is a string or a list of text parts."""
     if add_generation_prompt and continue_final_message:
