@@ -1,13 +1,15 @@
 """nanograph: a small, fast LLM inference engine with a C++/CUDA core."""
 from ._core import CORE_ERROR, core_available, gpu_available
 from .beam_search import BeamSearchOutput, BeamSearchSequence
+from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .sampling_params import BeamSearchParams, GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
+                              StructuredOutputsParams)
 
 __version__ = "0.1.0"
 
 __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
            "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
-           "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics", "BeamSearchOutput",
-           "BeamSearchSequence"]
+           "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
+           "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt"]

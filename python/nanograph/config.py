@@ -7,11 +7,11 @@ from os import PathLike
 
 @dataclass
 class Config:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    model: str | None = None  # a model folder or a Hugging Face Hub id; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # or a torch.dtype, kept as its name
-    # Capped at the model's positions (ModelConfig.max_context) when the engine loads it, with a warning when a
-    # larger value was asked for.
-    max_model_len: int = 4096
+    # None: the model's own length (ModelConfig.max_context), capped by what the KV cache holds. A given length is
+    # capped at the model's positions with a warning, and one the KV cache cannot hold is an error.
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     gpu_memory_utilization: float = 0.9
@@ -22,19 +22,37 @@ class Config:
     num_kv_blocks: int | None = None  # None: the runner sizes the KV cache
     seed: int = 0
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default); -1: no limit
+    # Where the model, its tokenizer and its sampling defaults come from.
+    revision: str | None = None  # the Hub revision (branch, tag or commit) of a Hub id
+    download_dir: str | None = None  # the Hub cache to use instead of HF_HUB_CACHE
+    tokenizer: str | None = None  # a tokenizer folder or Hub id; None: the model's
+    tokenizer_revision: str | None = None
+    skip_tokenizer_init: bool = False  # no tokenizer: prompts are token ids and outputs have no text
+    trust_remote_code: bool = False  # passed to the tokenizer's loading (the model architectures are built in)
+    # "auto": default sampling parameters from the model folder's generation_config.json; "vllm": none (vLLM's own
+    # defaults); or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
-            raise ValueError(f"model must be a Hugging Face model folder, or None for the default model; "
+            raise ValueError(f"model must be a Hugging Face model folder or Hub id, or None for the default model; "
                              f"got {self.model!r}")
-        if isinstance(self.model, PathLike):
-            self.model = str(self.model)
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_logprobs",
-                     *(("num_kv_blocks",) if self.num_kv_blocks is not None else ())):
+        for name in ("model", "tokenizer", "download_dir", "generation_config"):
+            if isinstance(getattr(self, name), PathLike):
+                setattr(self, name, str(getattr(self, name)))
+        for name in ("revision", "download_dir", "tokenizer", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                             f"got {self.generation_config!r}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_logprobs",
+                     *(name for name in ("max_model_len", "num_kv_blocks") if getattr(self, name) is not None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):
@@ -46,7 +64,8 @@ class Config:
             if name not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"unsupported dtype {self.dtype}; use 'auto', 'bfloat16', 'float16' or 'float32'")
             self.dtype = name
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                     *(("max_model_len",) if self.max_model_len is not None else ())):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -6,30 +6,61 @@ from collections.abc import Iterator
 import numpy as np
 
 from .beam_search import BeamSearchOutput, beam_search
-from .config import Config
+from .chat_template import render_chat
 from .engine.intake import Prompt
 from .engine.llm_engine import LLMEngine
+from .engine_args import engine_config
+from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
-        """model: a Hugging Face model folder (None: the bundled SmolLM2-135M-Instruct); kwargs: Config fields."""
-        self.engine = LLMEngine.from_config(Config(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
+        """model: a Hugging Face model folder or Hub id (e.g. "Qwen/Qwen3-0.6B", fetched into the Hub cache;
+        revision= picks a branch, tag or commit); None: the bundled SmolLM2-135M-Instruct.
+
+        kwargs: vLLM's engine arguments. Config's fields (max_model_len, dtype, max_num_seqs, gpu_memory_utilization,
+        enforce_eager, enable_prefix_caching, seed, tokenizer, generation_config, ...) take effect; the rest of vLLM's
+        (tensor_parallel_size, quantization, kv_cache_dtype, swap_space, ...) are listed in engine_args.VLLM_ARGS with
+        the values nanograph implements or ignores, and any other value is a ValueError naming the argument."""
+        self.engine = LLMEngine.from_config(engine_config(model, **kwargs))
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine."""
+        return self.engine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def set_tokenizer(self, tokenizer):
+        """Encode and decode requests queued from now on with tokenizer."""
+        self.engine.set_tokenizer(tokenizer)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams that generate(), chat() and stream() use when given none: the model folder's
+        generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+        max_tokens) over SamplingParams' defaults, as vLLM does (generation_config="vllm": the defaults alone)."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, or token-id lists. Outputs come back in input order."""
-        return self.engine.generate(*_requests(prompts, sampling_params), use_tqdm)
+        """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
+        in input order."""
+        return self.engine.generate(*self._requests(prompts, sampling_params), use_tqdm)
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[CompletionDelta]:
         """Like generate(), but yields each step's new text and token ids of every completion as they come; the
-        texts of one completion's deltas concatenate to its final text."""
-        return self.engine.stream(*_requests(prompts, sampling_params))
+        texts of one completion's deltas concatenate to its final text (SamplingParams.output_kind: CUMULATIVE
+        yields all so far each time, FINAL_ONLY only the finished completion)."""
+        return self.engine.stream(*self._requests(prompts, sampling_params))
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -37,34 +68,39 @@ class LLM:
         return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them; a content is a string
-        or a list of OpenAI-style text parts ({"type": "text", "text": ...}). chat_template_kwargs go to the chat
-        template (e.g. Qwen3's enable_thinking=False)."""
+        or a list of OpenAI-style text parts ({"type": "text", "text": ...}). As in vLLM: chat_template replaces the
+        tokenizer's; add_generation_prompt opens the assistant's turn; continue_final_message (with
+        add_generation_prompt=False) leaves the last message open for the model to continue; tools and
+        chat_template_kwargs (e.g. Qwen3's enable_thinking=False) go to the template. Each output's prompt is the
+        rendered text."""
         if self.tokenizer is None:
             raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
                              "files, or call generate() with token-id prompts")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt_token_ids(self.tokenizer, conversation, chat_template_kwargs)
-                   for conversation in conversations]
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
+                               continue_final_message, tools, chat_template_kwargs)
+            prompts.append(TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False),
+                                        prompt=text))
         return self.generate(prompts, sampling_params, use_tqdm)
 
-
-def chat_prompt_token_ids(tokenizer, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-    """One conversation rendered by the tokenizer's chat template, the assistant's turn opened, as token ids."""
-    return tokenizer.apply_chat_template([_text_message(m) for m in conversation], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
+    def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+                  ) -> tuple[list[Prompt], list[SamplingParams]]:
+        return _requests(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params)
 
 
-def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams]
               ) -> tuple[list[Prompt], list[SamplingParams]]:
     """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length. A
-    prompt is a string, a list of token ids (numpy integers too), or vLLM's {"prompt": str} /
-    {"prompt_token_ids": [...]}; the engine checks each."""
+    prompt is a string, a list of token ids (numpy integers too), or vLLM's TextPrompt {"prompt": str} /
+    TokensPrompt {"prompt_token_ids": [...]}; the engine checks each."""
     prompts = _prompt_list(prompts)
-    if sampling_params is None:
-        sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params] * len(prompts)
     if not isinstance(sampling_params, (list, tuple)) or \
@@ -92,13 +128,3 @@ def _is_token_ids(prompts) -> bool:
         return prompts.ndim == 1
     return isinstance(prompts, (list, tuple)) and bool(prompts) and \
         isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool)
-
-
-def _text_message(message: dict) -> dict:
-    """A chat message whose content is a list of text parts, with the parts joined into one string."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-        raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
-    return {**message, "content": "".join(part["text"] for part in content)}

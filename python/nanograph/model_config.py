@@ -39,7 +39,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model folder {str(path)!r} does not exist; pass a local folder "
-                                    "holding config.json and *.safetensors (models are not downloaded)")
+                                    "holding config.json and *.safetensors")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{str(path)!r} has no config.json; pass a Hugging Face model folder")
         try:

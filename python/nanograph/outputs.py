@@ -32,7 +32,7 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt: str | None  # None when the request was given as token ids
+    prompt: str | None  # the text given, or rendered by chat(); None for token ids given without their text
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # one per completion (SamplingParams.n), by index
     finished: bool
@@ -45,7 +45,8 @@ class RequestOutput:
 
 @dataclass
 class CompletionDelta:
-    """What one step added to one completion: the stream's unit. Its texts concatenate to the final text."""
+    """What one step added to one completion: the stream's unit. Its texts concatenate to the final text (with
+    SamplingParams.output_kind CUMULATIVE each holds everything so far instead; FINAL_ONLY: one, at the end)."""
     request_id: str
     index: int
     text: str

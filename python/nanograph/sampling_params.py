@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, fields
+from enum import Enum
 
 import numpy as np
 
@@ -57,6 +58,13 @@ class StructuredOutputsParams:
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
+class RequestOutputKind(Enum):
+    """What each item of LLM.stream() (and the engine's take_deltas) holds for a completion."""
+    CUMULATIVE = 0  # everything so far: text and token_ids from the first token on
+    DELTA = 1  # only what the step added (the default: a completion's deltas concatenate to its output)
+    FINAL_ONLY = 2  # nothing until it finishes, then everything at once
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # completions per prompt; they share the prompt's KV blocks through the prefix cache
@@ -85,6 +93,17 @@ class SamplingParams:
     # Prompt logprobs: computed in the prefill; the request then takes no prefix-cache hits (as in vLLM).
     prompt_logprobs: int | None = None  # top logprobs per prompt token after the first, the token itself always
                                         # included; -1: all
+
+    # vLLM's options around the output, apart from sampling.
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens; -1: the last max_model_len
+    detokenize: bool = True  # False: token ids only, no text (stop strings then need detokenize=True)
+    spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode (slow tokenizers use it)
+    # LLM.stream()'s unit. vLLM's default, CUMULATIVE, is for its AsyncLLM; nanograph's streams are deltas by
+    # default. generate() and chat() return final outputs whatever it says, as vLLM's LLM does.
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    extra_args: dict | None = None  # the caller's own data, carried along; nanograph reads none of it
+    best_of: int | None = None  # None or n: nanograph returns every completion it samples
+    use_beam_search: bool = False  # vLLM's removed flag, refused: beam search is LLM.beam_search()
 
     def __post_init__(self):
         _check_float("temperature", self.temperature)
@@ -196,6 +215,37 @@ class SamplingParams:
                              f"{type(self.structured_outputs).__name__}.")
         if self.n > 1 and self.temperature == 0:
             raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        self._verify_output_options()
+
+    def _verify_output_options(self):
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got "
+                                 f"{self.truncate_prompt_tokens}")
+        for name in ("detokenize", "spaces_between_special_tokens", "use_beam_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use "
+                             "stop.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
+                             f"{self.output_kind!r}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}.")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and "
+                                 f"best_of={self.best_of}.")
+            if self.best_of > self.n:
+                raise ValueError(f"best_of={self.best_of} is not supported: nanograph does not sample extra "
+                                 f"completions to return the best n; leave best_of unset (or equal to n), or ask "
+                                 f"for n={self.best_of} with logprobs=0 and keep the highest cumulative_logprob")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not a sampling option: beam search is "
+                             "LLM.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))")
 
 
 def _check_int(name: str, value):

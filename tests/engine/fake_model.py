@@ -69,7 +69,7 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % (VOCAB_SIZE - 1) + 1 for c in text]
 
-    def decode(self, token_ids, skip_special_tokens=False) -> str:
+    def decode(self, token_ids, skip_special_tokens=False, spaces_between_special_tokens=True) -> str:
         return "".join(f" {t}" for t in token_ids if not (skip_special_tokens and t == EOS))
 
 

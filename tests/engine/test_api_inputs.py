@@ -31,8 +31,13 @@ def test_vllm_prompt_dicts_equal_their_plain_forms(tiny):
     plain = tokens(llm.generate([ids], GREEDY, use_tqdm=False))
     assert tokens(llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)) == plain
     assert tokens(llm.generate([{"prompt_token_ids": ids}, ids], GREEDY, use_tqdm=False)) == plain * 2
-    with pytest.raises(ValueError, match=r"takes exactly one of 'prompt' .* got keys \['prompt', 'prompt_token_ids'\]"):
-        llm.generate({"prompt": "hi", "prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    # vLLM's TokensPrompt may carry its text: the ids are generated from, the text is reported.
+    [out] = llm.generate({"prompt": "hi", "prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert out.prompt == "hi" and out.prompt_token_ids == ids and tokens([out]) == plain
+    with pytest.raises(ValueError, match=r"multi_modal_data is not supported: nanograph's models take text only"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": object()}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"got unknown key\(s\) \['prompt_ids'\]"):
+        llm.generate({"prompt_ids": ids}, GREEDY, use_tqdm=False)
 
 
 def test_wrong_argument_types_say_what_is_accepted(tiny):

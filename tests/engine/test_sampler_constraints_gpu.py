@@ -205,7 +205,7 @@ def folder_with_tokenizer(tmp_path_factory):
 def test_a_mixed_batch_through_the_cuda_runner(folder_with_tokenizer):
     """Constrained requests (regex, choice, a JSON schema, bias, allowed ids, bad words) follow their constraints;
     unconstrained ones give exactly what they give alone."""
-    phone = r"[0-9]{3}-[0-9]{4}"  # \\d would allow any script's digits, several tokens each
+    phone = r"[0-9]{3}-[0-9]{4}"  # \d would allow any script's digits, several tokens each
     free = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=12)]
     requests = [
         SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(regex=phone)),

@@ -1,6 +1,9 @@
 """Tiny random Hugging Face models (hidden 64, 2 layers) of every supported architecture, saved as model folders."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -24,14 +27,33 @@ TINY_CONFIGS = {
                              rope_theta=1e4, max_position_embeddings=64,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
 }
+# SmolLM2's vocabulary and positions, for SmolLM2's real tokenizer (make_tiny_chat_model).
+SMOLLM2_SHAPED = dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=True, rope_theta=1e4,
+                      vocab_size=49152, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def make_tiny_chat_model(folder, seed: int = 0):
+    """A tiny random model with SmolLM2-135M-Instruct's real tokenizer and chat template (from the default model's
+    folder). Returns the HF model."""
+    from nanograph.default_model import default_model_path
+
+    model = _save_random_model(folder, {**_COMMON, **SMOLLM2_SHAPED}, seed)
+    for name in TOKENIZER_FILES:
+        shutil.copy(Path(default_model_path()) / name, Path(folder) / name)
+    return model
 
 
 def make_tiny_model(folder, name: str, seed: int = 0, **save_kwargs):
     """Saves a float32 model with weights large enough to give peaked logits (HF's 0.02 init is near flat) and
     non-unit norms, so a swapped or missing tensor changes the output. Returns the HF model (eval mode)."""
+    return _save_random_model(folder, {**_COMMON, **TINY_CONFIGS[name]}, seed, **save_kwargs)
+
+
+def _save_random_model(folder, spec: dict, seed: int, **save_kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = {**_COMMON, **TINY_CONFIGS[name]}
+    spec = dict(spec)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -96,12 +96,13 @@ class CudaRunner(Runner):
         used = total - free - warm_blocks * self.model.kv_bytes_per_block
         budget = total * cfg.gpu_memory_utilization - used
         blocks = int(budget // self.model.kv_bytes_per_block)
-        needed = math.ceil(cfg.max_model_len / self.block_size)
-        if blocks < needed:
+        # Fewer blocks than one sequence of max_model_len needs are the engine's to judge (it caps a default length).
+        if blocks < 1:
             raise RuntimeError(
-                f"the KV cache fits {max(blocks, 0) * self.block_size} tokens, fewer than one sequence of "
-                f"max_model_len={cfg.max_model_len}; raise gpu_memory_utilization (now "
-                f"{cfg.gpu_memory_utilization}) or lower max_model_len")
+                f"no room for a KV cache: the weights and activations use {used / 2**30:.1f} GiB of the "
+                f"{total * cfg.gpu_memory_utilization / 2**30:.1f} GiB that gpu_memory_utilization="
+                f"{cfg.gpu_memory_utilization} allows; raise gpu_memory_utilization or lower max_num_seqs / "
+                f"max_num_batched_tokens")
         self.model.allocate_kv_cache(blocks)
         return blocks
 

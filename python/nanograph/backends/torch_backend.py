@@ -35,8 +35,9 @@ class TorchRunner(Runner):
         self.cos = cos_sin[:, :half].repeat(1, 2).to(dtype)
         self.sin = cos_sin[:, half:].repeat(1, 2).to(dtype)
         bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
-        # The budget bends to hold at least one full-length sequence.
-        kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), max_model_len)
+        # Within the budget; the engine caps a default max_model_len at what it holds (a given one that does not fit
+        # is an error there).
+        kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), block_size)
         self.num_kv_blocks = num_kv_blocks or -(-kv_tokens // block_size)
         # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
         shape = (self.num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim)

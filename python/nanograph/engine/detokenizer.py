@@ -15,7 +15,8 @@ PROMPT_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = params.skip_special_tokens
+        self.decode_options = {"skip_special_tokens": params.skip_special_tokens,
+                               "spaces_between_special_tokens": params.spaces_between_special_tokens}
         # Streamed text stays this far behind, so that a stop string being completed is never streamed.
         self.stop_buffer_length = max(map(len, params.stop)) - 1 \
             if params.stop and not params.include_stop_str_in_output else 0
@@ -61,6 +62,11 @@ class IncrementalDetokenizer:
         new_text, self.num_streamed_chars = text[self.num_streamed_chars:end], end
         return new_text
 
+    @property
+    def streamed_text(self) -> str:
+        """The text take_new_text has handed out so far."""
+        return self._text[:self.num_streamed_chars]
+
     def decode_each(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (logprobs' decoded_token)."""
         return [self.tokenizer.decode([token_id]) for token_id in token_ids]
@@ -68,7 +74,6 @@ class IncrementalDetokenizer:
     def _pending_text(self) -> str:
         """The text of the tokens after read_offset, decoded within the window."""
         decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset],
-                             skip_special_tokens=self.skip_special_tokens)
-        text = decode(self.token_ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset], **self.decode_options)
+        text = decode(self.token_ids[self.prefix_offset:], **self.decode_options)
         return text[len(prefix_text):]

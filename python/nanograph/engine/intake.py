@@ -9,19 +9,21 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import Config
+from ..inputs import PromptType
 from ..sampling.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .request import Request
 from .sequence import Sequence
 
-Prompt = str | list[int] | dict
-PROMPT_FORMS = ("a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}")
+Prompt = PromptType
+PROMPT_FORMS = "a string, a list of token ids, TextPrompt {'prompt': str} or TokensPrompt {'prompt_token_ids': [...]}"
+_MULTI_MODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 
 
 @dataclass
 class ValidRequest:
-    prompt: str | None  # the text, when given as text
+    prompt: str | None  # the text, when given as text (or with its token ids)
     token_ids: list[int]
     params: SamplingParams  # the request's own copy, max_tokens resolved
     bad_words_token_ids: list[list[int]]  # params.bad_words, tokenized
@@ -29,17 +31,36 @@ class ValidRequest:
 
 
 def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids) for one prompt in any of its forms; TypeError for anything else."""
+    """(text, None) for a text prompt, (text or None, token ids) for token ids; TypeError for anything else."""
     if isinstance(prompt, dict):
-        if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
-            return prompt["prompt"], None
-        if set(prompt) == {"prompt_token_ids"}:
-            return None, token_id_list(prompt["prompt_token_ids"])
-        raise ValueError(f"a prompt dict takes exactly one of 'prompt' (a string) or 'prompt_token_ids' (a list of "
-                         f"ids); got keys {sorted(prompt)}")
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", *_MULTI_MODAL_KEYS})
+        if unknown:
+            raise ValueError(f"a prompt dict takes 'prompt' (text), or 'prompt_token_ids' (and optionally their text "
+                             f"as 'prompt'); got unknown key(s) {unknown}")
+        for key in _MULTI_MODAL_KEYS:
+            if prompt.get(key):
+                raise ValueError(f"{key} is not supported: nanograph's models take text only; pass the prompt's text "
+                                 f"or token ids without {key}")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"a prompt dict's 'prompt' is its text (a string); got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            return text, token_id_list(prompt["prompt_token_ids"])
+        if text is None:
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids'; got keys {sorted(prompt)}")
+        return text, None
     if isinstance(prompt, str):
         return prompt, None
     return None, token_id_list(prompt)
+
+
+def _truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
+    """The last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
+    if truncate_prompt_tokens > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={max_model_len}; "
+                         f"keep at most {max_model_len} tokens (-1: max_model_len)")
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return token_ids[-keep:]
 
 
 def token_id_list(token_ids) -> list[int]:
@@ -66,23 +87,25 @@ class Intake:
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # Its own copy, validated again (its fields may have changed since construction).
+        params = replace(params)
         text, token_ids = prompt_parts(prompt)
-        if text is not None:
+        if token_ids is None:
             token_ids = self._encode(text)
         if not token_ids:
             raise ValueError("prompt is empty; give at least one token")
+        max_model_len = self.config.max_model_len
+        if params.truncate_prompt_tokens is not None:
+            token_ids = _truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
         ids = np.asarray(token_ids, dtype=np.int64)
         outside = (ids < 0) | (ids >= self.vocab_size)
         if outside.any():
             position = int(outside.argmax())
             raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the "
                              f"vocabulary [0, {self.vocab_size})")
-        max_model_len = self.config.max_model_len
         if len(token_ids) > max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}: shorten the "
                              f"prompt, or raise max_model_len (the model takes up to {self.max_context} positions)")
-        # Its own copy, validated again (its fields may have changed since construction).
-        params = replace(params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
         for token_id in params.stop_token_ids:
@@ -115,11 +138,11 @@ class Intake:
         seqs = []
         for index in range(params.n):
             seq_params = params if params.n == 1 else \
-                replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+                replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + index)
             seq = Sequence(request_id, valid.prompt, token_ids, seq_params, index, max_num_tokens)
             if seq_params.seed is not None:
                 seq.generator = random.Random(seq_params.seed)
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and seq_params.detokenize:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             seq.bad_words_token_ids = valid.bad_words_token_ids
             if valid.grammar is not None:

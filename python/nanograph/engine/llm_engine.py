@@ -28,6 +28,8 @@ from ..backends import make_runner
 from ..backends.base import Pending, PendingTokens, Runner
 from ..config import Config
 from ..default_model import default_model_path
+from ..generation_defaults import sampling_defaults
+from ..hub import model_folder, tokenizer_folder
 from ..model_config import ModelConfig
 from ..outputs import CompletionDelta, Logprob, RequestOutput
 from ..sampling import TokenLogprobs
@@ -55,7 +57,8 @@ class LLMEngine:
         self.config = config
         self.vocab_size = model_config.vocab_size
         self.runner = runner
-        self.tokenizer = tokenizer
+        # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's.
+        self.sampling_defaults = sampling_defaults(_generation_config_folder(config))
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids))
@@ -76,21 +79,41 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
-        model = config.model or default_model_path()
+        """The engine for a Config: the model and tokenizer found (a folder, a Hub id, or the default model), the
+        runner built, max_model_len settled."""
+        model = model_folder(config.model, config.revision, config.download_dir) if config.model \
+            else default_model_path()
+        tokenizer_path = model if config.tokenizer is None else \
+            tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model)
-        positions = model_config.max_context
-        if config.max_model_len > positions and config.max_model_len != Config.max_model_len:
-            # An explicit length past the model's positions (the default is capped without a word).
-            warnings.warn(f"max_model_len {config.max_model_len} is more than the model's {positions} positions "
-                          f"(max_position_embeddings, or YaRN's scaled context); using {positions}", stacklevel=3)
-        config = replace(config, model=model, max_model_len=min(config.max_model_len, positions))
-        tokenizer = _load_tokenizer(model)
+        tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(tokenizer_path, config.trust_remote_code)
         eos = getattr(tokenizer, "eos_token_id", None)
         if isinstance(eos, int) and 0 <= eos < model_config.vocab_size and eos not in model_config.eos_token_ids:
             # The tokenizer's end-of-text token ends a completion too, as in vLLM: a fine-tune often sets it
             # (e.g. <|im_end|>) while config.json keeps the base model's.
             model_config = replace(model_config, eos_token_ids=[*model_config.eos_token_ids, eos])
-        return cls(config, model_config, make_runner(config, model_config), tokenizer)
+        asked = config.max_model_len
+        config = replace(config, model=model, tokenizer=tokenizer_path,
+                         max_model_len=_model_len(asked, model_config.max_context))
+        runner = make_runner(config, model_config)
+        kv_tokens = runner.num_kv_blocks * runner.block_size
+        if kv_tokens < config.max_model_len and asked is None:
+            # The default length (the model's) is capped; a length asked for is an error (in __init__), as in vLLM.
+            warnings.warn(f"the KV cache holds {kv_tokens} tokens, fewer than the model's {config.max_model_len}; "
+                          f"max_model_len is {kv_tokens} (raise gpu_memory_utilization or num_kv_blocks for more)",
+                          stacklevel=3)
+            config = replace(config, max_model_len=kv_tokens)
+        return cls(config, model_config, runner, tokenizer)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer that encodes text prompts and decodes outputs (None: prompts must be token ids)."""
+        return self.intake.tokenizer
+
+    def set_tokenizer(self, tokenizer):
+        """Use another tokenizer for requests queued from now on."""
+        with self._lock:
+            self.intake.tokenizer = tokenizer
 
     # Requests in and out.
 
@@ -133,8 +156,9 @@ class LLMEngine:
             return outputs
 
     def take_deltas(self) -> list[CompletionDelta]:
-        """What the steps since the last call added to each request queued with add_request(stream=True); a
-        finished (or aborted) request reports once more, finished, and is then forgotten here."""
+        """What the steps since the last call added to each request queued with add_request(stream=True) (or all of
+        it so far, as its SamplingParams.output_kind asks); a finished (or aborted) request reports once more,
+        finished, and is then forgotten here."""
         with self._lock:
             deltas = []
             for request_id in self._touched:
@@ -448,9 +472,33 @@ def _restore(seqs, states):
             seq.generator.setstate(state)
 
 
-def _load_tokenizer(model: str):
+def _model_len(asked: int | None, positions: int) -> int:
+    """max_model_len before the KV cache is sized: the model's positions (max_position_embeddings, or YaRN's scaled
+    context) unless a length was asked for, which is capped at them."""
+    if asked is None:
+        return positions
+    if asked > positions:
+        warnings.warn(f"max_model_len {asked} is more than the model's {positions} positions "
+                      f"(max_position_embeddings, or YaRN's scaled context); using {positions}", stacklevel=4)
+    return min(asked, positions)
+
+
+def _generation_config_folder(config: Config) -> str | None:
+    """Where the default sampling parameters come from: None for "vllm" (none)."""
+    if config.generation_config == "vllm":
+        return None
+    if config.generation_config == "auto":
+        return config.model
+    if not Path(config.generation_config).is_dir():
+        raise FileNotFoundError(f"generation_config={config.generation_config!r} is not a folder; pass 'auto' (the "
+                                "model folder's generation_config.json), 'vllm' (no defaults) or a folder holding a "
+                                "generation_config.json")
+    return config.generation_config
+
+
+def _load_tokenizer(folder: str, trust_remote_code: bool):
     """The folder's tokenizer, or None for a folder without one (prompts must then be token ids)."""
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((Path(model) / name).is_file() for name in files):
+    if not any((Path(folder) / name).is_file() for name in files):
         return None
-    return AutoTokenizer.from_pretrained(model)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from ..outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
+from ..sampling_params import RequestOutputKind
 from .sequence import Sequence, SequenceStatus
 
 
@@ -45,10 +46,13 @@ class Request:
             error=self.error, prompt_logprobs=first.prompt_logprobs)
 
     def take_deltas(self) -> list[CompletionDelta]:
-        """What each sequence produced since the last call; a finished sequence reports once more, finished."""
+        """What each sequence produced since the last call (as its params' output_kind asks: the new part, all of it
+        so far, or all of it once finished); a finished sequence reports once more, finished."""
         deltas = []
         for seq in self.seqs:
-            i = seq.index
+            i, kind = seq.index, seq.params.output_kind
+            if kind is RequestOutputKind.FINAL_ONLY and not seq.is_finished:
+                continue
             known = seq.num_tokens - seq.has_pending_token  # a token on its way from the device is not out yet
             token_ids = seq.token_ids[seq.num_prompt_tokens + self.num_streamed_tokens[i]:known]
             text = seq.detokenizer.take_new_text(seq.is_finished) if seq.detokenizer else ""
@@ -60,6 +64,10 @@ class Request:
                 self.num_streamed_logprobs[i] = len(seq.logprobs)
             self.num_streamed_tokens[i] += len(token_ids)
             self.finish_streamed[i] = seq.is_finished
+            if kind is not RequestOutputKind.DELTA:
+                token_ids = seq.token_ids[seq.num_prompt_tokens:known]
+                text = seq.detokenizer.streamed_text if seq.detokenizer else ""
+                logprobs = None if seq.logprobs is None else list(seq.logprobs)
             deltas.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished, seq.finish_reason,
                                           seq.stop_reason, logprobs, self.error if seq.is_finished else None))
         return deltas

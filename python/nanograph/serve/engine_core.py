@@ -29,6 +29,7 @@ from ..sampling_params import SamplingParams
 class EngineInfo:
     """What the frontend needs to know of the engine, sent once it is built."""
     model: str  # the model folder the engine loaded
+    tokenizer: str | None  # the folder of its tokenizer
     max_model_len: int
     max_num_seqs: int
     vocab_size: int
@@ -51,7 +52,7 @@ class EngineSnapshot:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner = engine.config, engine.runner
-    return EngineInfo(config.model, config.max_model_len, config.max_num_seqs, engine.vocab_size, str(runner.device),
+    return EngineInfo(config.model, config.tokenizer, config.max_model_len, config.max_num_seqs, engine.vocab_size, str(runner.device),
                       runner.num_kv_blocks, runner.block_size)
 
 

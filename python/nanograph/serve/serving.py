@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from ..llm import chat_prompt_token_ids
+from ..chat_template import chat_prompt_token_ids
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
@@ -31,7 +31,7 @@ class ServedModel:
         self.name = name
         self.path = async_llm.info.model
         self.max_model_len = async_llm.info.max_model_len
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path)
 
     def check_model(self, model: str | None):
         if model is not None and model != self.name:

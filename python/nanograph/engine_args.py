@@ -1,0 +1,76 @@
+"""vLLM's engine keyword arguments, as LLM(model, **kwargs) takes them: one table of those that are not Config fields,
+with the values nanograph implements; everything else is a ValueError that names the argument.
+
+Config's own fields (max_model_len, dtype, gpu_memory_utilization, enforce_eager, tokenizer, revision,
+generation_config, ...) carry vLLM's names and meanings and pass straight through; None for any of them means its
+default, as in vLLM."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .config import Config
+
+ANY = None  # an argument accepted at any value: nothing in nanograph depends on it
+
+
+@dataclass(frozen=True)
+class EngineArg:
+    values: tuple | None  # the values nanograph implements (ANY: all of them)
+    meaning: str  # what nanograph does instead, or why other values are not supported
+    field: str | None = None  # the Config field it sets, where it is another name for one
+
+
+VLLM_ARGS = {
+    "tensor_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
+    "pipeline_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
+    "data_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
+    "distributed_executor_backend": EngineArg((None, "uni"), "nanograph runs in the calling process"),
+    "quantization": EngineArg((None,), "weights run in the checkpoint's 16-bit type (float32 on the CPU)"),
+    "kv_cache_dtype": EngineArg(("auto",), "the KV cache holds keys and values in the model's dtype"),
+    "cpu_offload_gb": EngineArg((0,), "weights stay on the device"),
+    "tokenizer_mode": EngineArg(("auto", "hf"), "the tokenizer is transformers' AutoTokenizer"),
+    "load_format": EngineArg(("auto", "safetensors"), "weights are read from *.safetensors"),
+    "task": EngineArg(("auto", "generate"), "nanograph generates text"),
+    "runner": EngineArg(("auto", "generate"), "nanograph generates text"),
+    "enable_lora": EngineArg((False,), "LoRA adapters are not implemented"),
+    "speculative_config": EngineArg((None,), "speculative decoding is not implemented"),
+    "hf_overrides": EngineArg((None,), "config.json is read as it is"),
+    "hf_token": EngineArg((None,), "a Hub token comes from HF_TOKEN (or `hf auth login`)"),
+    "limit_mm_per_prompt": EngineArg((None,), "nanograph's models take text only"),
+    "enable_sleep_mode": EngineArg((False,), "the engine keeps its weights and KV cache on the device"),
+    "num_gpu_blocks_override": EngineArg(ANY, "the KV cache's size in blocks", field="num_kv_blocks"),
+    # Accepted and ignored: nanograph behaves as vLLM does with any of their values.
+    "swap_space": EngineArg(ANY, "nanograph never swaps KV blocks to host memory: a preempted sequence recomputes "
+                                 "its KV (as vLLM's V1 engine does), so no swap space is reserved"),
+    "disable_log_stats": EngineArg(ANY, "LLM logs no periodic stats (the server logs its own)"),
+    "max_seq_len_to_capture": EngineArg(ANY, "decode CUDA graphs are captured per batch size and serve every "
+                                             "context length up to max_model_len"),
+    "enable_chunked_prefill": EngineArg(ANY, "prompts longer than the step's token budget (max_num_batched_tokens) "
+                                             "are always prefilled in chunks; outputs do not change"),
+    "disable_custom_all_reduce": EngineArg(ANY, "one GPU: no all-reduce"),
+    "disable_async_output_proc": EngineArg(ANY, "the step loop always reads step N's tokens while step N + 1 runs"),
+}
+_CONFIG_FIELDS = {field.name for field in fields(Config)}
+
+
+def engine_config(model: str | None, **kwargs) -> Config:
+    """The Config for LLM(model, **kwargs): Config fields and the arguments of VLLM_ARGS at supported values."""
+    config_kwargs = {}
+    for name, value in kwargs.items():
+        if name in _CONFIG_FIELDS:
+            if value is not None:
+                config_kwargs[name] = value
+            continue
+        arg = VLLM_ARGS.get(name)
+        if arg is None:
+            raise ValueError(f"engine argument {name!r} is not supported yet by nanograph; it takes the Config "
+                             f"fields ({', '.join(sorted(_CONFIG_FIELDS))}) and these of vLLM's: "
+                             f"{', '.join(sorted(VLLM_ARGS))}")
+        if arg.values is not ANY and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool) for v in arg.values):
+            supported = " or ".join(repr(v) for v in arg.values)
+            raise ValueError(f"{name}={value!r} is not supported yet: {arg.meaning}; use {name}={supported}, or leave "
+                             f"it out")
+        if arg.field is not None and value is not None:
+            config_kwargs[arg.field] = value
+    return Config(model=model, **config_kwargs)

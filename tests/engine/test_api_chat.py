@@ -1,0 +1,91 @@
+"""LLM.chat with vLLM's options, on a tiny random model with SmolLM2's real tokenizer and chat template (CPU): the
+rendered prompt is the output's prompt, add_generation_prompt / continue_final_message, a custom template, tools
+and template kwargs, TokensPrompt / TextPrompt."""
+import pytest
+from transformers import AutoTokenizer
+
+from nanograph import LLM, SamplingParams, TextPrompt, TokensPrompt
+
+from .tiny_models import make_tiny_chat_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=5)
+CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    make_tiny_chat_model(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return LLM(str(folder), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def ids(outputs):
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+def test_the_output_prompt_is_the_rendered_conversation(llm, tokenizer):
+    text = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    [out] = llm.chat(CONVERSATION, GREEDY, use_tqdm=False)
+    assert out.prompt == text
+    assert out.prompt_token_ids == tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                                                 tokenize=True, return_dict=False)
+    assert ids([out]) == ids(llm.generate(TokensPrompt(prompt_token_ids=out.prompt_token_ids), GREEDY,
+                                          use_tqdm=False))
+    # A batch of conversations, each rendered on its own; text parts are joined.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    outs = llm.chat([CONVERSATION, parts], GREEDY, use_tqdm=False)
+    assert outs[0].prompt == text and outs[1].prompt == tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False)
+
+
+def test_add_generation_prompt_and_continue_final_message(llm, tokenizer):
+    [closed] = llm.chat(CONVERSATION, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert closed.prompt == tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert not closed.prompt.endswith("assistant\n")
+    started = CONVERSATION + [{"role": "assistant", "content": "The colour is"}]
+    [continued] = llm.chat(started, GREEDY, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert continued.prompt.endswith("<|im_start|>assistant\nThe colour is")
+    assert continued.prompt == tokenizer.apply_chat_template(started, continue_final_message=True, tokenize=False)
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                         "True"):
+        llm.chat(started, GREEDY, use_tqdm=False, continue_final_message=True)
+
+
+def test_a_custom_template_with_tools_and_kwargs(llm):
+    template = ("{% for tool in tools %}[tool {{ tool.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{{ greeting }}{% endif %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    [out] = llm.chat(CONVERSATION, GREEDY, use_tqdm=False, chat_template=template, tools=tools,
+                     chat_template_kwargs={"greeting": "Sure:"})
+    assert out.prompt == "[tool get_weather]<system>You are terse.<user>Name a colour.<assistant>Sure:"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
+def test_image_parts_are_refused(llm):
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    with pytest.raises(ValueError, match=r"chat\(\) takes text content parts only"):
+        llm.chat(image, GREEDY, use_tqdm=False)
+
+
+def test_text_and_tokens_prompts(llm, tokenizer):
+    text = "The sky is"
+    [by_text] = llm.generate(TextPrompt(prompt=text), GREEDY, use_tqdm=False)
+    assert by_text.prompt == text and by_text.prompt_token_ids == tokenizer.encode(text)
+    [by_ids] = llm.generate(TokensPrompt(prompt_token_ids=tokenizer.encode(text)), GREEDY, use_tqdm=False)
+    assert by_ids.prompt is None and ids([by_ids]) == ids([by_text])
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        llm.generate(TextPrompt(prompt=text, multi_modal_data={"image": None, "audio": [b"..."]}), GREEDY,
+                     use_tqdm=False)
