@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
+from .chat_template import chat_prompt_token_ids
 from .engine.intake import Prompt
-from .llm import LLM, chat_prompt_token_ids
+from .llm import LLM
 from .sampling_params import SamplingParams
 
 END_COMMANDS = ("", "/exit")  # an empty line or /exit ends a chat, as end of input does

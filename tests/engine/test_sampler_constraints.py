@@ -189,7 +189,7 @@ def intake():
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     except Exception as exc:  # the default model's package is not installed
         pytest.skip(f"no default model: {exc}")
-    return Intake(Config(), len(tokenizer), 4096, tokenizer, [tokenizer.eos_token_id])
+    return Intake(Config(max_model_len=4096), len(tokenizer), 4096, tokenizer, [tokenizer.eos_token_id])
 
 
 @pytest.mark.parametrize("params, field", [
