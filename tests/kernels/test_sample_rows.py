@@ -477,7 +477,7 @@ def test_bad_packed_arguments_are_rejected_with_the_field_named():
            ("params", dict(params=params.view(torch.int32))), ("params", dict(params=params[1:])),
            ("params", dict(params=params.cpu())), ("results", dict(results=good["results"][:-8])),
            ("top_ks", dict(layout=moved("top_ks", offsets[at["top_ks"]] + 4))),
-           ("masked_tokens", dict(params=params[:-16])),
+           ("masked_tokens", dict(params=params[:offsets[at["masked_tokens"]]])),
            ("overlap", dict(layout=moved("top_ps", offsets[at["top_ks"]]))),
            ("logprob_ids", dict(layout=moved("logprob_ids", layout.results_nbytes))),
            ("overrides", dict(overrides=None)), ("overrides", dict(overrides=torch.empty(n, vocab + 1, device=DEVICE)))]
