@@ -132,3 +132,10 @@ def test_preempted_prompts_keep_each_prompt_logprob_once(model):
     assert llm.engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs):
         check_against_hf(output.prompt_logprobs, model[1], prompt, 2)
+
+
+def test_streams_refuse_prompt_logprobs(llm):
+    with pytest.raises(ValueError, match="prompt_logprobs is not reported by streams"):
+        next(iter(llm.stream([[1, 2, 3]], SamplingParams(prompt_logprobs=1, max_tokens=2))))
+    with pytest.raises(ValueError, match="prompt_logprobs is not reported by streams"):
+        llm.llm_engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1, max_tokens=2), stream=True)

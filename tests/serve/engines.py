@@ -6,6 +6,7 @@ from ..engine.fake_model import fake_engine
 
 FAILING_SEED = 666  # a request with this seed fails in sampling
 DYING_SEED = 13  # once a request with this seed has a token, the step loop itself fails
+FAILING_ADD_SEED = 777  # adding a request with this seed raises a RuntimeError
 
 
 def fake(peak: float = 1.0):
@@ -13,7 +14,8 @@ def fake(peak: float = 1.0):
 
 
 def failing_sampler():
-    """Sampling raises for any batch holding a FAILING_SEED request: that request fails, the others go on."""
+    """Sampling raises for any batch holding a FAILING_SEED request: that request fails, the others go on; adding a
+    FAILING_ADD_SEED request raises something other than a ValueError."""
     engine = fake_engine(peak=1.0)
     sample = engine.runner.sample
 
@@ -23,6 +25,14 @@ def failing_sampler():
         return sample(rows, seqs)
 
     engine.runner.sample = failing_sample
+    add_request = engine.add_request
+
+    def failing_add(prompt, params, *args, **kwargs):
+        if params.seed == FAILING_ADD_SEED:
+            raise RuntimeError("injected failure while adding")
+        return add_request(prompt, params, *args, **kwargs)
+
+    engine.add_request = failing_add
     return engine
 
 

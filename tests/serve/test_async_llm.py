@@ -199,3 +199,37 @@ def test_an_invalid_prompt_of_several_queues_none_and_names_its_index(shared):
     assert token_ids == {(0, 0): reference_completion(PROMPTS[1], 2)}
     wait_until_idle(async_llm)
     assert async_llm.metrics.total_prompt_tokens - prompt_tokens == len(PROMPTS[1])
+
+
+def test_an_add_that_fails_otherwise_than_by_validation_is_that_requests_error(shared):
+    async def main():
+        with pytest.raises(RuntimeError, match="injected failure while adding"):
+            await shared.generate([PROMPTS[0]], [SamplingParams(max_tokens=2, seed=engines.FAILING_ADD_SEED)])
+        return await collect(shared, [PROMPTS[2]], SamplingParams(max_tokens=3, temperature=0))
+
+    token_ids, _ = asyncio.run(main())
+    assert token_ids == {(0, 0): reference_completion(PROMPTS[2], 3)} and shared.is_running
+    wait_until_idle(shared)
+
+
+def test_a_defect_in_the_output_reader_fails_streams_and_new_requests_instead_of_hanging():
+    async_llm = started(engines.fake)
+    record_deltas = async_llm.metrics.record_deltas
+
+    def failing_record(deltas):
+        async_llm.metrics.record_deltas = record_deltas
+        raise KeyError("injected defect")
+
+    async def main():
+        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=30, ignore_eos=True)])
+        async_llm.metrics.record_deltas = failing_record
+        with pytest.raises(EngineUnavailable, match="injected defect"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(async_llm.generate([PROMPTS[1]], [SamplingParams(max_tokens=2)]), 5)
+
+    asyncio.run(main())
+    assert not async_llm.is_running
+    async_llm.join(10)
+    assert not async_llm._process.is_alive()

@@ -34,3 +34,4 @@ def test_a_model_name_holding_the_marker_takes_the_models_path():
     events = TextEvents(lambda text: completion_chunk(text, model=TextEvents.MARKER))
     assert events.halves is None
     assert events(" x\n") == event(completion_chunk(" x\n", model=TextEvents.MARKER))
+

@@ -81,8 +81,13 @@ class Intake:
         self.config = config
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.eos_token_ids = list(eos_token_ids)
+        self.use_tokenizer(tokenizer)
+
+    def use_tokenizer(self, tokenizer):
+        """The tokenizer for text prompts, bad words and grammars (compiled anew against its vocabulary)."""
         self.tokenizer = tokenizer
-        self.grammars = GrammarCompiler(tokenizer, vocab_size, list(eos_token_ids))
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
         if not isinstance(params, SamplingParams):

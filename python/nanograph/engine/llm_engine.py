@@ -113,7 +113,7 @@ class LLMEngine:
     def set_tokenizer(self, tokenizer):
         """Use another tokenizer for requests queued from now on."""
         with self._lock:
-            self.intake.tokenizer = tokenizer
+            self.intake.use_tokenizer(tokenizer)
 
     # Requests in and out.
 
@@ -126,6 +126,8 @@ class LLMEngine:
             if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
                                            or request_id in self._streamed):
                 raise ValueError(f"request_id must be a string that no unfinished request has; got {request_id!r}")
+            if stream:
+                _check_streamable(params)
             request_id = self._queue(self.intake.validate(prompt, params), None, request_id)
             if stream:
                 self._streamed[request_id] = self.requests[request_id]
@@ -212,6 +214,11 @@ class LLMEngine:
         All are validated before any is queued; closing the iterator early (or dropping it) aborts the unfinished
         ones, and so does a later generate() or stream() call on the engine."""
         owner = _Stream()
+        for i, request_params in enumerate(params):
+            try:
+                _check_streamable(request_params)
+            except ValueError as exc:
+                raise ValueError(f"request {i}: {exc}") from None
         with self._lock:
             request_ids = self._queue_all(prompts, params, owner)
             requests = [self.requests[request_id] for request_id in request_ids]
@@ -464,6 +471,13 @@ class LLMEngine:
         for request in [request for request in self.requests.values() if request.owner in self._open_streams]:
             self._end(request)
         self._open_streams.clear()
+
+
+def _check_streamable(params):
+    """Deltas carry generated tokens only: a streamed request cannot ask for its prompt's logprobs."""
+    if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not reported by streams (stream(), add_request(stream=True)); "
+                         "use generate(), or step()'s outputs of add_request(stream=False)")
 
 
 def _restore(seqs, states):

@@ -78,6 +78,9 @@ class AsyncLLM:
         self.error: BaseException | None = None  # why the engine loop died
         self.stopping = False
         self._send_lock = threading.Lock()  # a pipe takes one writer at a time
+        # Taken to register a request (checking that the engine is there) and to fail everything when it is gone, so
+        # that no request registers after the failure and waits for ever.
+        self._state_lock = threading.Lock()
         self._stream_ids = count()
         # Each open stream, and its completions not yet finished; each add waiting for the engine's word.
         self._streams: dict[int, list] = {}
@@ -123,10 +126,12 @@ class AsyncLLM:
         num_completions = sum(request_params.n for request_params in params)
         stream = RequestStream(self, stream_id, loop, num_completions)
         added = loop.create_future()
-        if self.error is not None or self.stopping:
-            raise self._unavailable()
-        self._streams[stream_id] = [stream, num_completions]
-        self._adds[stream_id] = (added, time.monotonic(), [(len(prompt), p.n) for prompt, p in zip(prompts, params)])
+        with self._state_lock:
+            if not self.is_running:
+                raise self._unavailable()
+            self._streams[stream_id] = [stream, num_completions]
+            self._adds[stream_id] = (added, time.monotonic(),
+                                     [(len(prompt), p.n) for prompt, p in zip(prompts, params)])
         self._send(("add", stream_id, prompts, params))
         try:
             await added
@@ -186,7 +191,7 @@ class AsyncLLM:
                     self.metrics.record_engine(message[2])
                     self._log_stats()
                 elif message[0] == "added":
-                    self._settle(*message[1:])
+                    self._answer_add(*message[1:])
                 elif message[0] == "dead":
                     logger.error("the engine loop died; the server answers 503 from now on: %s: %s",
                                  type(message[1]).__name__, message[1])
@@ -199,10 +204,16 @@ class AsyncLLM:
             self._process.join(5)
             self._die(None if self.stopping else
                       RuntimeError(f"the engine process exited with code {self._process.exitcode}"))
+        except BaseException as exc:  # a defect here: the server must answer 503, not wait for ever
+            logger.exception("the engine's output reader failed; the server answers 503 from now on")
+            self._die(exc)
 
-    def _settle(self, stream_id: int, error: BaseException | None):
+    def _answer_add(self, stream_id: int, error: BaseException | None):
         """The engine's word on an add; the metrics count an API request's prompts once they are queued."""
-        future, arrival, sizes = self._adds.pop(stream_id)
+        add = self._adds.pop(stream_id, None)
+        if add is None:  # the engine is gone meanwhile: _die has answered it
+            return
+        future, arrival, sizes = add
         if error is not None:
             self._streams.pop(stream_id, None)
         else:
@@ -236,16 +247,20 @@ class AsyncLLM:
 
     def _die(self, exc: BaseException | None):
         """The engine is gone (exc: why, or None after a stop): what still waits on it gets EngineUnavailable."""
-        if exc is not None:
-            self.error = exc
+        with self._state_lock:
+            if exc is not None:
+                self.error = exc
+            self.stopping = True  # nothing registers from now on
+            adds, self._adds = self._adds, {}
+            streams, self._streams = self._streams, {}
         unavailable = self._unavailable()
-        for future, *_ in list(self._adds.values()):
+        for future, *_ in adds.values():
             _settle(future, unavailable)
-        self._adds.clear()
-        for stream, _ in list(self._streams.values()):
-            if not stream.loop.is_closed():
+        for stream, _ in streams.values():
+            try:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, unavailable)
-        self._streams.clear()
+            except RuntimeError:  # its event loop has closed: nobody reads that stream
+                pass
 
     def _log_stats(self):
         """One line per interval while there is something to say: running and waiting sequences, prompt and

@@ -31,6 +31,7 @@ class EngineInfo:
     model: str  # the model folder the engine loaded
     tokenizer: str | None  # the folder of its tokenizer
     max_model_len: int
+    sampling_defaults: dict  # SamplingParams fields from the model's generation_config.json (vLLM's defaults)
     max_num_seqs: int
     vocab_size: int
     device: str
@@ -52,7 +53,7 @@ class EngineSnapshot:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner = engine.config, engine.runner
-    return EngineInfo(config.model, config.tokenizer, config.max_model_len, config.max_num_seqs, engine.vocab_size, str(runner.device),
+    return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults), config.max_num_seqs, engine.vocab_size, str(runner.device),
                       runner.num_kv_blocks, runner.block_size)
 
 
@@ -64,9 +65,11 @@ def snapshot(engine: LLMEngine) -> EngineSnapshot:
 
 
 def run_engine_process(make_engine: Callable[[], LLMEngine], commands: Connection, outputs: Connection):
-    """The engine process's entry point. Ctrl-C reaches the whole process group: the frontend alone handles it and
-    stops this loop with a command. A frontend gone (its end of the pipe closed) stops it too."""
+    """The engine process's entry point. Ctrl-C (or a SIGTERM sent to the process group) reaches this process too:
+    the frontend alone handles them and stops this loop with a command. A frontend gone (its end of the pipe
+    closed) stops it too."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = make_engine()
     except BaseException as exc:
@@ -149,17 +152,17 @@ class EngineCore:
 
     def _add(self, stream_id: int, prompts: list[list[int]], params: list[SamplingParams]):
         """All of an API request's prompts, or none: an invalid one aborts those queued before it (their last
-        deltas go to a stream the frontend has dropped)."""
+        deltas go to a stream the frontend has dropped). Any error in an add is that request's, never the loop's."""
         request_ids = self._streams[stream_id] = []
         for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
                 request_id = self.engine.add_request(prompt, request_params, stream=True)
-            except (ValueError, TypeError) as exc:
+            except Exception as exc:
                 self._abort(request_ids)
                 if not request_ids:
                     del self._streams[stream_id]
-                self._send(("added", stream_id, type(exc)(f"prompt {prompt_index}: {exc}") if len(prompts) > 1
-                            else exc))
+                self._send(("added", stream_id, _portable(_prefixed(exc, f"prompt {prompt_index}: ")
+                                                          if len(prompts) > 1 else exc)))
                 return
             request_ids.append(request_id)
             self._origin[request_id] = (stream_id, prompt_index, request_params.n)
@@ -196,7 +199,11 @@ class EngineCore:
 
     def _write(self):
         while (message := self._outbox.get()) is not None:
-            _send(self.outputs, message)
+            try:
+                _send(self.outputs, message)
+            except Exception as exc:  # a message that cannot be sent: the frontend must not wait for it
+                _send(self.outputs, ("dead", RuntimeError(f"the engine could not send its {message[0]!r} message: "
+                                                          f"{type(exc).__name__}: {exc}")))
 
 
 def _send(outputs: Connection, message: tuple):
@@ -213,6 +220,14 @@ def widen_pipe(end: Connection):
         fcntl.fcntl(end.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
     except OSError:
         pass  # the system's limit is lower: the default size works, with the writer waiting more often
+
+
+def _prefixed(exc: Exception, prefix: str) -> Exception:
+    """The same kind of error with its message prefixed (a ValueError where the kind takes other arguments)."""
+    try:
+        return type(exc)(prefix + str(exc))
+    except Exception:
+        return ValueError(prefix + str(exc))
 
 
 def _portable(exc: BaseException) -> BaseException:

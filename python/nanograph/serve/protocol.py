@@ -82,11 +82,16 @@ class SamplingRequest(Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams; the fields it left out (or null) keep SamplingParams' defaults. Raises
-        SamplingParams' ValueError on an invalid value."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+                        ) -> SamplingParams:
+        """The request's SamplingParams; the fields it left out (or null) take the model's defaults (its
+        generation_config.json's, as vLLM's server does; max_tokens only when the request's is null), then
+        SamplingParams' own. Raises SamplingParams' ValueError on an invalid value."""
+        defaults = dict(defaults or {})
+        default_max_tokens = defaults.pop("max_tokens", None)
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=self._grammar(), **given)
+        return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
+                              structured_outputs=self._grammar(), **{**defaults, **given})
 
     def _grammar(self) -> StructuredOutputsParams | None:
         """The one grammar the request asks for, by whichever field it uses."""

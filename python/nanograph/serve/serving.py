@@ -31,6 +31,7 @@ class ServedModel:
         self.name = name
         self.path = async_llm.info.model
         self.max_model_len = async_llm.info.max_model_len
+        self.sampling_defaults = async_llm.info.sampling_defaults
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path)
 
     def check_model(self, model: str | None):
@@ -66,7 +67,7 @@ class ServedModel:
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
         try:
-            return request.sampling_params(max_tokens, logprobs)
+            return request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
         except (ValueError, TypeError) as exc:
             raise invalid_value(exc, request) from None
 
@@ -79,6 +80,8 @@ class ServedModel:
             raise invalid_value(exc, request) from None
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
+        except Exception as exc:  # the engine failed to take this request (and goes on with the others)
+            raise engine_failure(f"{type(exc).__name__}: {exc}") from None
 
     @staticmethod
     async def collect(stream: RequestStream, n: int) -> list[Completion]:
