@@ -159,8 +159,8 @@ class AsyncLLM:
         if self._process is not None:
             self._process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._process.is_alive():
-                logger.warning("the engine process did not end within %s s: terminating it", timeout)
-                self._process.terminate()
+                logger.warning("the engine process did not end within %s s: killing it", timeout)
+                self._process.kill()  # it ignores SIGTERM, which the frontend handles
                 self._process.join(5)
 
     def _send(self, command: tuple):
@@ -253,6 +253,7 @@ class AsyncLLM:
             self.stopping = True  # nothing registers from now on
             adds, self._adds = self._adds, {}
             streams, self._streams = self._streams, {}
+        self._send(("stop",))  # an engine process still running (the reader failed) aborts all and exits
         unavailable = self._unavailable()
         for future, *_ in adds.values():
             _settle(future, unavailable)
