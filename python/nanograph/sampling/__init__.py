@@ -1,6 +1,6 @@
 """Token sampling on the logits' device, one row per sequence, in vLLM's order: the grammar mask of structured
-outputs (token_bitmask.py, in place) → logprobs of the logits → allowed_token_ids and logit_bias → penalties and the
-min_tokens and bad_words masks → greedy argmax → temperature → min_p, top-k, top-p → a draw.
+outputs (token_bitmask.py, in place) → logprobs of the logits → allowed_token_ids and logit_bias → penalties and
+the min_tokens and bad_words masks → greedy argmax → temperature → min_p, top-k, top-p → a draw.
 
 Sampler picks its path once: the core's kernels on a GPU with the core (kernel_path.py), torch ops elsewhere
 (torch_path.py). Both read the batch's parameters from the per-row table (table.py) and return a PendingSample
@@ -43,8 +43,8 @@ class Sampler:
 
     def plain_greedy(self, seqs: list[SampledSequence], vocab_size: int) -> bool:
         """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, biases,
-        masks, grammars or logprobs). Decided by their parameters alone, so before their logits exist: the core can then take
-        the argmax within the step."""
+        masks, grammars or logprobs). Decided by their parameters alone, so before their logits exist: the core can
+        then take the argmax within the step."""
         return self.path.plain_greedy(seqs, vocab_size)
 
     def sample(self, logits: torch.Tensor, seqs: list[SampledSequence]) -> PendingSample:

@@ -53,8 +53,9 @@ class EngineSnapshot:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner = engine.config, engine.runner
-    return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults), config.max_num_seqs, engine.vocab_size, str(runner.device),
-                      runner.num_kv_blocks, runner.block_size)
+    return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
+                      config.max_num_seqs, engine.vocab_size, str(runner.device), runner.num_kv_blocks,
+                      runner.block_size)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics: vLLM's names under the "nanograph:" prefix, each labelled with model_name.
 
 AsyncLLM's reader thread records everything: the gauges and the engine's counters from the state the engine
-process reports after each step, the latencies and token counts from the deltas it hands out. Latencies are per request (its n completions together); finish reasons
-are per completion, as each has its own."""
+process reports after each step, the latencies and token counts from the deltas it hands out. Latencies are per
+request (each prompt of an API request, its n completions together); finish reasons are per completion, as each
+has its own."""
 from __future__ import annotations
 
 import time
