@@ -8,7 +8,7 @@ from nanograph import SamplingParams, StructuredOutputsParams
 from nanograph.config import Config
 from nanograph.engine.intake import Intake
 from nanograph.sampling import Sampler
-from nanograph.sampling.grammar import bitmask_words
+from nanograph.sampling.grammar import GrammarCompiler, bitmask_words
 
 from .test_api_sampler import CHI2_CRITICAL_0_001, EOS, chi_square, reference_penalties, sample, seq
 
@@ -234,3 +234,13 @@ def test_bad_words_are_tokenized_with_and_without_a_leading_space(intake):
 def test_guided_decoding_is_structured_outputs():
     spec = StructuredOutputsParams(choice=["a", "b"])
     assert SamplingParams(guided_decoding=spec).structured_outputs == spec
+
+
+def test_the_compiled_grammars_kept_are_the_most_recently_used(intake):
+    compiler = GrammarCompiler(intake.tokenizer, intake.vocab_size, intake.eos_token_ids, max_compiled=2)
+    specs = [StructuredOutputsParams(regex=f"a{{{i}}}") for i in (1, 2, 3)]
+    first = compiler.compile(specs[0])
+    compiler.compile(specs[1])
+    assert compiler.compile(specs[0]) is first  # kept, and now the most recent
+    compiler.compile(specs[2])  # drops specs[1], the least recently used
+    assert list(compiler._compiled) == [specs[0].spec(), specs[2].spec()]

@@ -1,4 +1,5 @@
-"""The request bodies' SamplingParams: the model's generation_config defaults under what a request gives."""
+"""The request bodies' SamplingParams: the model's generation_config defaults under what a request gives, and
+response_format's schema under either of its names."""
 from nanograph.serve.protocol import CompletionRequest
 
 
@@ -9,3 +10,11 @@ def test_the_models_generation_config_defaults_fill_what_a_request_leaves_out():
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 300)
     assert request.sampling_params(7, None, defaults).max_tokens == 7
     assert request.sampling_params(None, None).temperature == 1.0
+
+
+def test_response_format_takes_its_schema_as_schema_or_json_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for key in ("schema", "json_schema"):
+        request = CompletionRequest.model_validate(
+            {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", key: schema}}})
+        assert request.sampling_params(4, None).structured_outputs.json == schema

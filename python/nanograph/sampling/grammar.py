@@ -3,11 +3,14 @@ matcher per sequence (Grammar) that says which tokens may come next as a bitmask
 sampled token. The bitmask is applied on the device by token_bitmask.py."""
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from ..sampling_params import StructuredOutputsParams
 
 FIELDS = {"json_schema": "json", "choice": "choice", "regex": "regex", "grammar": "grammar"}
+MAX_COMPILED = 1024  # compiled grammars kept, the least recently used dropped first (a server sees endless schemas)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -16,15 +19,17 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class GrammarCompiler:
-    """Compiles structured-output specs against one tokenizer, each spec once (compiled grammars are kept by spec)."""
+    """Compiles structured-output specs against one tokenizer, each spec once while it stays among the max_compiled
+    most recently used."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], max_compiled: int = MAX_COMPILED):
         self._hf_tokenizer = tokenizer
         self._vocab_size = vocab_size
         # The model's end-of-text tokens end a grammar (None: the tokenizer's).
         self._eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size] or None
         self._tokenizer = None  # llguidance's, made at the first spec
-        self._compiled: dict[tuple[str, str], str] = {}
+        self._compiled: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._max_compiled = max_compiled
 
     def compile(self, spec: StructuredOutputsParams) -> str:
         """The grammar of spec, checked against the tokenizer; ValueError naming the field for a bad one."""
@@ -45,6 +50,9 @@ class GrammarCompiler:
             if error:
                 raise ValueError(f"structured_outputs.{field} is not a valid {key[0].replace('_', ' ')}: {error}")
             self._compiled[key] = grammar
+            if len(self._compiled) > self._max_compiled:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(key)
         return self._compiled[key]
 
     def matcher(self, grammar: str) -> Grammar:

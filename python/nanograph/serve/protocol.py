@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -31,7 +31,7 @@ class StreamOptions(Request):
 class JsonSchemaFormat(Request):
     name: str | None = None
     description: str | None = None
-    json_schema: dict | None = Field(default=None, alias="schema")
+    json_schema: dict | None = Field(default=None, validation_alias=AliasChoices("schema", "json_schema"))
     strict: bool | None = None
 
 
