@@ -159,8 +159,8 @@ class AsyncLLM:
         if self._process is not None:
             self._process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if self._process.is_alive():
-                logger.warning("the engine process did not end within %s s: killing it", timeout)
-                self._process.kill()  # it ignores SIGTERM, which the frontend handles
+                logger.warning("the engine process did not end within %s s: terminating it", timeout)
+                self._process.terminate()
                 self._process.join(5)
 
     def _send(self, command: tuple):

@@ -66,11 +66,10 @@ def snapshot(engine: LLMEngine) -> EngineSnapshot:
 
 
 def run_engine_process(make_engine: Callable[[], LLMEngine], commands: Connection, outputs: Connection):
-    """The engine process's entry point. Ctrl-C (or a SIGTERM sent to the process group) reaches this process too:
-    the frontend alone handles them and stops this loop with a command. A frontend gone (its end of the pipe
-    closed) stops it too."""
+    """The engine process's entry point. Ctrl-C reaches the whole process group: the frontend alone handles it and
+    stops this loop with a command. A frontend gone (its end of the pipe closed) stops it too. SIGTERM keeps its
+    default action: the frontend's multiprocessing ends a daemon child with it when the frontend exits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = make_engine()
     except BaseException as exc:
