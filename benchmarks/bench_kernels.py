@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODULES = ["basic", "rope", "gemm", "gemv", "decode_attention", "prefill_attention"]
+MODULES = ["basic", "rope", "gemm", "gemv", "gemv_fp8", "decode_attention", "prefill_attention"]
 
 
 def time_ms(fn, launches=20, repeats=15, graph=True):

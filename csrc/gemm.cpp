@@ -89,6 +89,7 @@ Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 
 Gemm::~Gemm() {
   plans_.clear();
+  if (dequantized_) cudaFree(dequantized_);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
@@ -147,15 +148,37 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias) {
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
-void Gemm::linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
+void Gemm::reserve_dequantized(size_t elements) {
+  if (elements <= dequantized_elements_) return;
+  if (dequantized_) CUDA_CHECK(cudaFree(dequantized_));
+  dequantized_ = nullptr;
+  dequantized_elements_ = 0;
+  CUDA_CHECK(cudaMalloc(&dequantized_, elements * sizeof(bf16)));
+  dequantized_elements_ = elements;
+}
+
+void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out, int M, int N,
                   int K, cudaStream_t stream) {
   // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth.
-  if (gemv_supported(M, N, K)) {
-    gemv(x, weight, bias, out, M, N, K, stream);
+  if (w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_supported(M, N, K)) {
+    if (w.fp8()) {
+      gemv_fp8(x, w.data, w.scale, bias, out, M, N, K, stream);
+    } else {
+      gemv(x, w.bf16_data(), bias, out, M, N, K, stream);
+    }
     return;
   }
   require(M >= 0 && N > 0 && K > 0, "gemm: need M >= 0 and N, K > 0, got " + shape_str(M, N, K));
   if (M == 0) return;
+  const bf16* weight = w.bf16_data();
+  if (w.fp8()) {
+    require(static_cast<size_t>(N) * K <= dequantized_elements_,
+            "gemm: an FP8 weight of " + shape_str(M, N, K) + " needs reserve_dequantized(" +
+                std::to_string(static_cast<size_t>(N) * K) + ") first, have " +
+                std::to_string(dequantized_elements_));
+    dequantize_fp8(w.data, w.scale, dequantized_, N, K, stream);
+    weight = dequantized_;
+  }
   require_aligned(x, "x");
   require_aligned(weight, "weight");
   require_aligned(out, "out");

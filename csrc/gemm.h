@@ -3,8 +3,11 @@
 // the weights streaming near bandwidth where cuBLAS does not; the rest goes through cuBLASLt,
 // whose heuristic is chosen once per shape and cached. The workspace is fixed at construction so
 // that calls can be captured into a CUDA graph.
+// FP8 weights (fp8.h) take the GEMV's FP8 path at small M; at larger M they are dequantised into a
+// bf16 buffer reserved beforehand (reserve_dequantized) and go through cuBLASLt.
 #pragma once
 #include "common.h"
+#include "fp8.h"
 
 #include <map>
 #include <memory>
@@ -21,8 +24,12 @@ class Gemm {
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
   // bias: [N] or nullptr.
-  void linear(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-              cudaStream_t stream);
+  void linear(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out, int M, int N,
+              int K, cudaStream_t stream);
+
+  // Room for the largest FP8 weight (elements) that linear() dequantises; allocate it before any
+  // capture. Grows only.
+  void reserve_dequantized(size_t elements);
 
  private:
   struct Plan;
@@ -31,6 +38,8 @@ class Gemm {
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
+  bf16* dequantized_ = nullptr;
+  size_t dequantized_elements_ = 0;
   std::map<std::tuple<int, int, int, bool>, std::unique_ptr<Plan>> plans_;
 };
 

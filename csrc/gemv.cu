@@ -44,9 +44,14 @@
 // after the GEMV has completed.
 #include "gemv.h"
 
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "fp8.h"
 #include "launch.h"
 #include "silu_mul.cuh"
 
+#include <algorithm>
 #include <string>
 
 namespace nanograph {
@@ -55,6 +60,7 @@ namespace {
 
 constexpr int kRowsPerGroup = 8;   // the n of one mma.m16n8k16
 constexpr int kStepK = 32;         // K per warp step: 4 lanes x 8 elements
+constexpr int kStepKFp8 = 64;      // the same 16 bytes per lane of an FP8 weight: 16 elements
 constexpr int kUnroll = 8;         // warp steps whose weight loads are in flight together
 constexpr int kWarpsPerCta = 8;    // the usual CTA; 16 when a row group takes 16 splits
 constexpr int kMaxSplits = 16;
@@ -82,7 +88,7 @@ constexpr int kStreamWaves = 8;   // waves of CTAs at which splitting stops ther
   "}\n"
 
 // The weight is streamed once: kept out of L1 so that x, which every warp reads, stays there.
-__device__ __forceinline__ uint4 load_weight(const bf16* ptr, bool pred) {
+__device__ __forceinline__ uint4 load_weight(const void* ptr, bool pred) {
   uint4 v;
   asm volatile(GEMV_LOAD_16B(".L1::no_allocate")
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -99,6 +105,25 @@ __device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
 }
 
 #undef GEMV_LOAD_16B
+
+// Two e4m3 values (the low byte first) as a bf16x2 (the first in the low half): exact, since
+// every e4m3 value is a bf16 value; through f16, which the hardware converts to directly.
+__device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(__half2(h)));
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = fp8x2_to_bf16x2(words[i]);
+    out[2 * i + 1] = fp8x2_to_bf16x2(words[i] >> 16);
+  }
+}
 
 // d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -183,12 +208,22 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
 // kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
-template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax>
+// kFp8: the weight is e4m3 with block scales (fp8.h). A warp step then covers kStepKFp8 = 64
+// columns, 16 per lane (the same 16-byte load), converted exactly to bf16 for four MMAs into a
+// fresh step sum, which is multiplied by the scale of its rows' block and added to the
+// accumulator: a step never crosses a 128-column scale block. The scale of accumulator column
+// 2c + j is that of its weight row's 8-row group, the same for the whole row group except in the
+// SiLU layout, where even columns are gate rows and odd ones up rows (N a multiple of 8 there).
+template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax, bool kFp8>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
-    gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
-                const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
-                int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
+    gemv_kernel(const bf16* __restrict__ x, const void* __restrict__ weight,
+                const float* __restrict__ scale, const bf16* __restrict__ bias,
+                bf16* __restrict__ out, int M, int N, int K, int splits, int steps_per_split,
+                unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
+  static_assert(!(kFp8 && kArgmax), "lm_head stays bf16");
+  constexpr int kElems = kFp8 ? 16 : 8;  // weight elements per lane per step
+  constexpr int kStep = 4 * kElems;
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
   if constexpr (kArgmax) {
     if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
@@ -207,16 +242,29 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   } else {
     row = min(n0 + g, N - 1);
   }
-  const bf16* w_row = weight + static_cast<int64_t>(row) * K + 8 * c;
-  const int steps = (K + kStepK - 1) / kStepK;
+  const char* w_row = static_cast<const char*>(weight) +
+                     (static_cast<int64_t>(row) * K + kElems * c) * (kFp8 ? 1 : sizeof(bf16));
+  const int steps = (K + kStep - 1) / kStep;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
+  // FP8: the scales of accumulator columns 2c (lo) and 2c + 1 (hi) at each step in flight.
+  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
+  const float* scale_lo = scale + static_cast<int64_t>(n0 / kFp8ScaleRows) * scale_cols;
+  const float* scale_hi =
+      kSiluMul ? scale + static_cast<int64_t>((N + n0) / kFp8ScaleRows) * scale_cols : scale_lo;
   uint4 w[kUnroll];
+  float s_lo[kFp8 ? kUnroll : 1], s_hi[kFp8 && kSiluMul ? kUnroll : 1];
   auto load_weights = [&](int step0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = (step0 + u) * kStepK;
-      w[u] = load_weight(w_row + k, step0 + u < end && k + 8 * c < K);
+      const int k = (step0 + u) * kStep;
+      const bool in_range = step0 + u < end;
+      w[u] = load_weight(w_row + k * (kFp8 ? 1 : sizeof(bf16)), in_range && k + kElems * c < K);
+      if constexpr (kFp8) {
+        const int block = k / kFp8ScaleCols;
+        s_lo[u] = in_range ? __ldg(scale_lo + block) : 0.0f;
+        if constexpr (kSiluMul) s_hi[u] = in_range ? __ldg(scale_hi + block) : 0.0f;
+      }
     }
   };
   // The weight does not come from the previous kernel: its first batch is in flight before the
@@ -228,19 +276,37 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
   float acc[2][4] = {};
   if (n0 < N) {
-    const bf16* x_lo = x + static_cast<int64_t>(g) * K + 8 * c;
+    const bf16* x_lo = x + static_cast<int64_t>(g) * K + kElems * c;
     const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
       if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int k = (step0 + u) * kStepK;
-        const bool in_range = step0 + u < end && k + 8 * c < K;
+        const int k = (step0 + u) * kStep;
+        const bool in_range = step0 + u < end && k + kElems * c < K;
         const uint4 lo = load_x(x_lo + k, in_range && has_lo);
         const uint4 hi = load_x(x_hi + k, in_range && has_hi);
-        mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
-        mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+        if constexpr (kFp8) {
+          // Elements 0-7 of the lane's 16 pair with lo/hi, 8-15 with lo2/hi2, in the same order.
+          const uint4 lo2 = load_x(x_lo + k + 8, in_range && has_lo);
+          const uint4 hi2 = load_x(x_hi + k + 8, in_range && has_hi);
+          uint32_t b[8];
+          fp8x16_to_bf16(w[u], b);
+          float part[4] = {};
+          mma_16x8x16(part, lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
+          mma_16x8x16(part, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
+          mma_16x8x16(part, lo2.x, hi2.x, lo2.y, hi2.y, b[4], b[5]);
+          mma_16x8x16(part, lo2.z, hi2.z, lo2.w, hi2.w, b[6], b[7]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float s = (kSiluMul && (i & 1)) ? s_hi[kSiluMul ? u : 0] : s_lo[u];
+            acc[i % 2][i] += s * part[i];
+          }
+        } else {
+          mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
+          mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+        }
       }
     }
   }
@@ -333,54 +399,123 @@ bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
+bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
+
 namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
-// kArgmax: gemv_argmax's epilogue into argmax_keys.
-template <bool kSiluMul, bool kArgmax = false>
-void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                 int K, cudaStream_t stream, const char* op,
+// kArgmax: gemv_argmax's epilogue into argmax_keys. kFp8: an e4m3 weight with block scales.
+template <bool kSiluMul, bool kArgmax = false, bool kFp8 = false>
+void launch_gemv(const bf16* x, const void* weight, const float* scale, const bf16* bias,
+                 bf16* out, int M, int N, int K, cudaStream_t stream, const char* op,
                  unsigned long long* argmax_keys = nullptr) {
-  require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
-          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
-              std::to_string(kGemvMaxM) +
-              ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
+  const bool supported = kFp8 ? gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K)
+                              : gemv_supported(M, kSiluMul ? 2 * N : N, K);
+  require(supported, std::string(op) + ": unsupported " + shape_str(M, N, K) +
+                         "; it takes 1 <= M <= " + std::to_string(kGemvMaxM) + ", N >= 1 and K a " +
+                         "positive multiple of " + (kFp8 ? "16" : "8") +
+                         " (use Gemm::linear for other shapes)");
   require_aligned(x, "x");
   require_aligned(weight, "weight");
+  if constexpr (kFp8) {
+    require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
+    require(!kSiluMul || N % kFp8ScaleRows == 0,
+            std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
+                " (the up rows' scales start a block), got " + std::to_string(N));
+  }
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
-  const int steps = ceil_div(K, kStepK);
+  const int steps = ceil_div(K, kFp8 ? kStepKFp8 : kStepK);
   const int splits = choose_splits(row_groups, steps);
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
   auto kernel = warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
-                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
-                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
-                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K,
-             splits, steps_per_split, argmax_keys);
+                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax, kFp8>
+                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax, kFp8>)
+                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax, kFp8>
+                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax, kFp8>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, scale, bias, out, M, N,
+             K, splits, steps_per_split, argmax_keys);
 }
 
 }  // namespace
 
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
           cudaStream_t stream) {
-  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv");
+  launch_gemv<false>(x, weight, nullptr, bias, out, M, N, K, stream, "gemv");
 }
 
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
                    cudaStream_t stream) {
-  launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul");
+  launch_gemv<true>(x, gate_up_weight, nullptr, nullptr, out, M, inter, K, stream,
+                    "gemv_silu_mul");
 }
 
 void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
                  int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream) {
   require(keys != nullptr && out != nullptr, "gemv_argmax: keys and out are required");
   auto* key_words = reinterpret_cast<unsigned long long*>(keys);
-  launch_gemv<false, true>(x, weight, bias, logits, M, N, K, stream, "gemv_argmax", key_words);
+  launch_gemv<false, true>(x, weight, nullptr, bias, logits, M, N, K, stream, "gemv_argmax",
+                           key_words);
   launch_pdl(argmax_keys_kernel, dim3(1), dim3(32), 0, stream, key_words, M, out, host_out);
+}
+
+void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
+              int M, int N, int K, cudaStream_t stream) {
+  launch_gemv<false, false, true>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
+}
+
+void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
+                       int M, int inter, int K, cudaStream_t stream) {
+  launch_gemv<true, false, true>(x, gate_up_weight, scale, nullptr, out, M, inter, K, stream,
+                                 "gemv_silu_mul_fp8");
+}
+
+namespace {
+
+// 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
+__global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
+                                      const float* __restrict__ scale, uint4* __restrict__ out,
+                                      int N, int K) {
+  const int chunks_per_row = K / 16;
+  const int64_t chunks = static_cast<int64_t>(N) * chunks_per_row;
+  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int n = static_cast<int>(i / chunks_per_row);
+    const int k = static_cast<int>(i % chunks_per_row) * 16;
+    const float s = scale[static_cast<int64_t>(n / kFp8ScaleRows) * scale_cols + k / kFp8ScaleCols];
+    uint32_t pairs[8];
+    fp8x16_to_bf16(weight[i], pairs);
+    uint32_t scaled[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+      scaled[j] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    out[2 * i] = make_uint4(scaled[0], scaled[1], scaled[2], scaled[3]);
+    out[2 * i + 1] = make_uint4(scaled[4], scaled[5], scaled[6], scaled[7]);
+  }
+}
+
+}  // namespace
+
+void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,
+                    cudaStream_t stream) {
+  require(N >= 1 && K >= 16 && K % 16 == 0,
+          "dequantize_fp8: needs N >= 1 and K a positive multiple of 16, got N=" +
+              std::to_string(N) + " K=" + std::to_string(K));
+  require(scale != nullptr, "dequantize_fp8: scale is required");
+  require_aligned(weight, "weight");
+  require_aligned(out, "out");
+  const int64_t chunks = static_cast<int64_t>(N) * (K / 16);
+  const int threads = 256;
+  const int grid = static_cast<int>(std::min<int64_t>((chunks + threads - 1) / threads, 4096));
+  dequantize_fp8_kernel<<<grid, threads, 0, stream>>>(static_cast<const uint4*>(weight), scale,
+                                                     reinterpret_cast<uint4*>(out), N, K);
+  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace nanograph

@@ -129,6 +129,16 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
   block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;
   qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
+  // FP8 projections run through cuBLASLt above the GEMV's rows from a dequantised copy.
+  size_t dequantized = 0;
+  for (const LayerWeights& w : weights_.layers) {
+    const int64_t H = c.hidden_size, I = c.intermediate_size, q = c.num_q_heads * c.head_dim;
+    for (auto [weight, elements] : {std::pair{w.qkv, qkv_width_ * H}, std::pair{w.o_proj, H * q},
+                                    std::pair{w.gate_up, 2 * I * H}, std::pair{w.down, H * I}}) {
+      if (weight.fp8()) dequantized = std::max(dequantized, static_cast<size_t>(elements));
+    }
+  }
+  if (dequantized > 0) gemm_.reserve_dequantized(dequantized);
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t* event : {&meta_copied_, &tokens_ready_[0], &tokens_ready_[1]}) {
@@ -385,8 +395,10 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     }
     gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
     add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
-    if (gemv_supported(T, 2 * I, H)) {
-      gemv_silu_mul(hidden_, w.gate_up, act_, T, I, H, st);  // one kernel
+    if (w.gate_up.fp8() && gemv_fp8_supported(T, 2 * I, H)) {
+      gemv_silu_mul_fp8(hidden_, w.gate_up.data, w.gate_up.scale, act_, T, I, H, st);
+    } else if (!w.gate_up.fp8() && gemv_supported(T, 2 * I, H)) {
+      gemv_silu_mul(hidden_, w.gate_up.bf16_data(), act_, T, I, H, st);  // one kernel
     } else {
       gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
       silu_mul(gate_up_, act_, T, I, st);

@@ -24,17 +24,18 @@ struct ModelConfig {
   int max_position;  // rows of the cos/sin table
 };
 
-// Device pointers; the caller keeps the memory alive. Optional ones may be nullptr.
+// Device pointers; the caller keeps the memory alive. Optional ones may be nullptr. The four
+// projections are bf16 or FP8 (fp8.h), each on its own.
 struct LayerWeights {
   const bf16* input_norm;  // [H]
-  const bf16* qkv;         // [(nq + 2 nkv) hd, H]
+  LinearWeight qkv;        // [(nq + 2 nkv) hd, H]
   const bf16* qkv_bias;    // [(nq + 2 nkv) hd] or nullptr (Qwen2 has one)
   const bf16* q_norm;      // [hd] or nullptr (Qwen3 has QK-norm)
   const bf16* k_norm;      // [hd] or nullptr
-  const bf16* o_proj;      // [H, nq hd]
+  LinearWeight o_proj;     // [H, nq hd]
   const bf16* post_norm;   // [H]
-  const bf16* gate_up;     // [2 I, H], gate rows first
-  const bf16* down;        // [H, I]
+  LinearWeight gate_up;    // [2 I, H], gate rows first
+  LinearWeight down;       // [H, I]
 };
 
 struct ModelWeights {

@@ -1,4 +1,5 @@
 // Binding for the small-M GEMV (decode-sized linear layers), and its row limit GEMV_MAX_M.
+#include "../csrc/fp8.h"
 #include "../csrc/gemv.h"
 #include "linear_args.h"
 
@@ -61,6 +62,56 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "gemv into out [M, N], and tokens[m] = argmax(out[m]) as torch.argmax gives it (int32 [M]), "
       "also into host_out (pinned CPU int32 [M]) when given. keys: int64 [GEMV_MAX_M] of zeros on "
       "the device, left zeroed (workspace; one call at a time).");
+  m.def(
+      "gemv_fp8",
+      [](py::object x, py::object weight, py::object scale, py::object bias, py::object out) {
+        Tensor ts;
+        LinearArgs a = fp8_linear_args(x, weight, scale, bias, out, "gemv_fp8", &ts);
+        gemv_fp8(a.x.data<bf16>(), a.weight.ptr, ts.data<float>(), a.bias.data<bf16>(),
+                 a.out.data<bf16>(), a.M, a.N, a.K, torch_current_stream());
+      },
+      py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"),
+      "gemv with an FP8 weight: out[M, N] = x[M, K] @ (weight * scale).T (+ bias), weight "
+      "float8_e4m3fn [N, K], scale float32 [ceil(N / 8), ceil(K / 128)] (one per 8 rows x 128 "
+      "columns); K a multiple of 16.");
+  m.def(
+      "gemv_silu_mul_fp8",
+      [](py::object x, py::object gate_up_weight, py::object scale, py::object out) {
+        Tensor tx = cuda_tensor(x, "x", "bfloat16");
+        Tensor tw = cuda_tensor(gate_up_weight, "gate_up_weight", "float8_e4m3fn");
+        Tensor ts = cuda_tensor(scale, "scale", "float32");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        expect_shape(tx, {-1, -1});
+        expect_shape(tw, {-1, tx.size(1)});
+        if (tw.size(0) % 2 != 0) {
+          throw_invalid_argument("gemv_silu_mul_fp8: gate_up_weight must have 2 * inter rows, got " +
+                                 std::to_string(tw.size(0)));
+        }
+        expect_shape(ts, {fp8_scale_rows(tw.size(0)), fp8_scale_cols(tx.size(1))});
+        expect_shape(to, {tx.size(0), tw.size(0) / 2});
+        same_device({&tx, &tw, &ts, &to});
+        gemv_silu_mul_fp8(tx.data<bf16>(), tw.ptr, ts.data<float>(), to.data<bf16>(),
+                          checked_int(tx.size(0), "M"), checked_int(to.size(1), "inter"),
+                          checked_int(tx.size(1), "K"), torch_current_stream());
+      },
+      py::arg("x"), py::arg("gate_up_weight"), py::arg("scale"), py::arg("out"),
+      "gemv_silu_mul with an FP8 gate_up weight and its block scales (as gemv_fp8).");
+  m.def(
+      "dequantize_fp8",
+      [](py::object weight, py::object scale, py::object out) {
+        Tensor tw = cuda_tensor(weight, "weight", "float8_e4m3fn");
+        Tensor ts = cuda_tensor(scale, "scale", "float32");
+        Tensor to = cuda_tensor(out, "out", "bfloat16");
+        expect_shape(tw, {-1, -1});
+        expect_shape(ts, {fp8_scale_rows(tw.size(0)), fp8_scale_cols(tw.size(1))});
+        expect_shape(to, {tw.size(0), tw.size(1)});
+        same_device({&tw, &ts, &to});
+        dequantize_fp8(tw.ptr, ts.data<float>(), to.data<bf16>(), checked_int(tw.size(0), "N"),
+                       checked_int(tw.size(1), "K"), torch_current_stream());
+      },
+      py::arg("weight"), py::arg("scale"), py::arg("out"),
+      "out[N, K] (bfloat16) = weight * scale, each element rounded once (the operand of the "
+      "cuBLASLt path for FP8 weights); K a multiple of 16.");
 }
 
 }  // namespace nanograph::py_ext

@@ -21,6 +21,22 @@ const bf16* weight(const py::dict& weights, const std::string& name,
   return t.data<bf16>();
 }
 
+// A projection: bf16, or float8_e4m3fn with its block scales in `<name>_scale` (fp8.h).
+LinearWeight linear_weight(const py::dict& weights, const std::string& name, int64_t N, int64_t K) {
+  if (!weights.contains(name)) throw_invalid_argument("weights have no tensor named '" + name + "'");
+  const std::string dtype = py::str(weights[name.c_str()].attr("dtype")).cast<std::string>();
+  if (dtype != "torch.float8_e4m3fn") return weight(weights, name, {N, K});
+  Tensor t = cuda_tensor(weights[name.c_str()], name.c_str(), "float8_e4m3fn");
+  expect_shape(t, {N, K});
+  const std::string scale_name = name + "_scale";
+  if (!weights.contains(scale_name)) {
+    throw_invalid_argument("FP8 weight '" + name + "' has no block scales '" + scale_name + "'");
+  }
+  Tensor scale = cuda_tensor(weights[scale_name.c_str()], scale_name.c_str(), "float32");
+  expect_shape(scale, {fp8_scale_rows(N), fp8_scale_cols(K)});
+  return LinearWeight(t.ptr, scale.data<float>());
+}
+
 std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
                                   const py::dict& lim, py::object cos_sin) {
   ModelConfig c{};
@@ -50,17 +66,17 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
     const std::string p = "layers." + std::to_string(l) + ".";
     LayerWeights lw{};
     lw.input_norm = weight(weights, p + "input_layernorm", {H});
-    lw.qkv = weight(weights, p + "qkv_proj", {qkv, H});
+    lw.qkv = linear_weight(weights, p + "qkv_proj", qkv, H);
     lw.qkv_bias = weight(weights, p + "qkv_bias", {qkv}, true);
     lw.q_norm = weight(weights, p + "q_norm", {hd}, true);
     lw.k_norm = weight(weights, p + "k_norm", {hd}, true);
     if ((lw.q_norm == nullptr) != (lw.k_norm == nullptr)) {
       throw_invalid_argument(p + "q_norm and " + p + "k_norm must be given together");
     }
-    lw.o_proj = weight(weights, p + "o_proj", {H, c.num_q_heads * hd});
+    lw.o_proj = linear_weight(weights, p + "o_proj", H, c.num_q_heads * hd);
     lw.post_norm = weight(weights, p + "post_attention_layernorm", {H});
-    lw.gate_up = weight(weights, p + "gate_up_proj", {2 * I, H});
-    lw.down = weight(weights, p + "down_proj", {H, I});
+    lw.gate_up = linear_weight(weights, p + "gate_up_proj", 2 * I, H);
+    lw.down = linear_weight(weights, p + "down_proj", H, I);
     w.layers.push_back(lw);
   }
   cudaSetDevice(table.device);

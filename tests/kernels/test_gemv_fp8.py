@@ -1,0 +1,154 @@
+"""FP8-weight linear layers (e4m3 with one float32 scale per 8 rows x 128 columns) against a float32
+reference of the dequantised weight: the GEMV at every decode shape and M, its SiLU epilogue, the
+dequantiser, Gemm.linear_fp8 on both sides of GEMV_MAX_M, and the arguments they refuse."""
+import functools
+
+import pytest
+import torch
+
+from nanograph import ops
+
+from .linear_reference import poisoned_out, reference
+
+pytestmark = pytest.mark.gpu
+
+SCALE_ROWS, SCALE_COLS = 8, 128  # csrc/fp8.h
+
+# (N, K): Qwen3-8B qkv, o, gate_up, down; Qwen3-0.6B qkv, o, gate_up, down; SmolLM2-135M qkv
+# (576 = 4.5 blocks of K), down; tails: N not a multiple of 8, K a multiple of 16 but not of 64 or
+# 128, the smallest K, and a long K split over several waves.
+SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024), (1024, 2048),
+          (6144, 1024), (1024, 3072), (960, 576), (576, 1536), (1001, 208), (3, 16), (20, 4112),
+          (9001, 2064)]
+MS = [1, 2, 7, 8, 9, 16]
+
+
+def expanded(scale, N, K):
+    """[N, K] float32: each weight element's scale."""
+    return scale.repeat_interleave(SCALE_ROWS, 0)[:N].repeat_interleave(SCALE_COLS, 1)[:, :K]
+
+
+@functools.lru_cache(maxsize=1)
+def fp8_weight(N, K):
+    """Random e4m3 values over their whole range (subnormals included) and block scales spread over
+    four orders of magnitude, so that a scale applied to the wrong block shows."""
+    g = torch.Generator(device="cuda").manual_seed(N * 7919 + K)
+    q = (torch.randn(N, K, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows, cols = -(-N // SCALE_ROWS), -(-K // SCALE_COLS)
+    scale = torch.exp(torch.randn(rows, cols, device="cuda", generator=g) * 2) * (K ** -0.5 / 100)
+    return q, scale, q.float() * expanded(scale, N, K)
+
+
+def make_inputs(M, N, K, with_bias, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + M)
+    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
+    return x, b
+
+
+def assert_close(out, ref):
+    """Products are exact and summed in fp32, then rounded once: well within 1% of the reference."""
+    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or overflowed elements)"
+    err = out.float() - ref
+    rel = (err.norm() / ref.norm()).item()
+    assert rel < 5e-3, f"relative error norm {rel:.3e}"
+    bound = 1e-2 * ref.abs() + 1e-2 * ref.pow(2).mean().sqrt()
+    bad = (err.abs() > bound).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} elements off, first at (m, n) = {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("M", MS)
+def test_gemv_fp8_matches_the_dequantised_reference(N, K, M):
+    q, scale, w = fp8_weight(N, K)
+    for with_bias in (False, True):
+        x, b = make_inputs(M, N, K, with_bias)
+        out = poisoned_out(M, N)
+        ops.gemv_fp8(x, q, scale, b, out)
+        assert_close(out, reference(x, w, b))
+
+
+def silu_reference(x, w):
+    gate, up = (x.float() @ w.float().T).to(torch.bfloat16).float().chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("inter,K", [(3072, 1024), (12288, 4096), (1536, 576), (8, 16), (1000, 208)])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_gemv_silu_mul_fp8_matches_the_reference(inter, K, M):
+    """Gate and up rows sit in different scale blocks: each column's pair takes its own two."""
+    q, scale, w = fp8_weight(2 * inter, K)
+    x, _ = make_inputs(M, 2 * inter, K, False)
+    out = poisoned_out(M, inter)
+    ops.gemv_silu_mul_fp8(x, q, scale, out)
+    assert_close(out, silu_reference(x, w))
+
+
+@pytest.mark.parametrize("N,K", [(4096, 1024), (1001, 208), (960, 576), (3, 16)])
+def test_dequantize_fp8_is_the_reference_rounded_once(N, K):
+    q, scale, w = fp8_weight(N, K)
+    out = torch.full((N, K), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ops.dequantize_fp8(q, scale, out)
+    assert torch.equal(out, w.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("M", [1, 16, 17, 64, 300])
+@pytest.mark.parametrize("N,K", [(6144, 1024), (960, 576), (1001, 208)])
+def test_gemm_linear_fp8_on_both_sides_of_the_gemv_limit(N, K, M):
+    """Up to GEMV_MAX_M rows Gemm takes the FP8 GEMV (bit-equal to it); above, the dequantised
+    weight through cuBLASLt."""
+    gemm = ops.Gemm()
+    q, scale, w = fp8_weight(N, K)
+    x, b = make_inputs(M, N, K, True, seed=3)
+    out = poisoned_out(M, N)
+    gemm.linear_fp8(x, q, scale, b, out)
+    assert_close(out, reference(x, w, b))
+    if M <= ops.GEMV_MAX_M:
+        direct = poisoned_out(M, N)
+        ops.gemv_fp8(x, q, scale, b, direct)
+        assert torch.equal(out, direct)
+
+
+@pytest.mark.parametrize("M", [1, 16])
+def test_gemv_fp8_is_deterministic_and_replays_in_a_graph(M):
+    N, K = 4096, 12288
+    q, scale, w = fp8_weight(N, K)
+    x, b = make_inputs(M, N, K, False, seed=5)
+    first = poisoned_out(M, N)
+    ops.gemv_fp8(x, q, scale, b, first)
+    graph_out = poisoned_out(M, N)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.gemv_fp8(x, q, scale, b, graph_out)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.gemv_fp8(x, q, scale, b, graph_out)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, graph_out)
+    x2, _ = make_inputs(M, N, K, False, seed=6)
+    x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(graph_out, reference(x2, w, b))
+
+
+def test_bad_arguments_name_the_argument_and_the_limit():
+    q, scale, _ = fp8_weight(64, 128)
+    x = torch.randn(1, 128, device="cuda").to(torch.bfloat16)
+    out = poisoned_out(1, 64)
+    with pytest.raises(ValueError, match="scale"):
+        ops.gemv_fp8(x, q, scale[:, :0], None, out)
+    with pytest.raises(TypeError, match="scale must have dtype torch.float32"):
+        ops.gemv_fp8(x, q, scale.to(torch.bfloat16), None, out)
+    with pytest.raises(TypeError, match="weight must have dtype torch.float8_e4m3fn"):
+        ops.gemv_fp8(x, q.to(torch.bfloat16), scale, None, out)
+    q24 = torch.zeros(64, 24, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.gemv_fp8(x[:, :24].contiguous(), q24, scale[:, :1].contiguous(), None, out)
+    with pytest.raises(ValueError, match="inter must be a multiple of 8"):
+        q_odd = torch.zeros(2 * 12, 128, device="cuda").to(torch.float8_e4m3fn)
+        ops.gemv_silu_mul_fp8(x, q_odd, torch.ones(3, 1, device="cuda"), poisoned_out(1, 12))
