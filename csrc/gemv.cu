@@ -247,24 +247,21 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   const int steps = (K + kStep - 1) / kStep;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
-  // FP8: the scales of accumulator columns 2c (lo) and 2c + 1 (hi) at each step in flight.
+  // FP8: the scale rows of accumulator columns 2c (lo) and 2c + 1 (hi), read as each step is
+  // summed (L1 hits: a 128-column block spans two steps).
   const int scale_cols = static_cast<int>(fp8_scale_cols(K));
   const float* scale_lo = scale + static_cast<int64_t>(n0 / kFp8ScaleRows) * scale_cols;
   const float* scale_hi =
       kSiluMul ? scale + static_cast<int64_t>((N + n0) / kFp8ScaleRows) * scale_cols : scale_lo;
   uint4 w[kUnroll];
-  float s_lo[kFp8 ? kUnroll : 1], s_hi[kFp8 && kSiluMul ? kUnroll : 1];
-  auto load_weights = [&](int step0) {
+  // Steps step0 + u for u in [first, last) into w[u].
+  auto load_weights = [&](int step0, int first = 0, int last = kUnroll) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      if (u < first || u >= last) continue;
       const int k = (step0 + u) * kStep;
-      const bool in_range = step0 + u < end;
-      w[u] = load_weight(w_row + k * (kFp8 ? 1 : sizeof(bf16)), in_range && k + kElems * c < K);
-      if constexpr (kFp8) {
-        const int block = k / kFp8ScaleCols;
-        s_lo[u] = in_range ? __ldg(scale_lo + block) : 0.0f;
-        if constexpr (kSiluMul) s_hi[u] = in_range ? __ldg(scale_hi + block) : 0.0f;
-      }
+      const int64_t offset = static_cast<int64_t>(k) * (kFp8 ? 1 : sizeof(bf16));
+      w[u] = load_weight(w_row + offset, step0 + u < end && k + kElems * c < K);
     }
   };
   // The weight does not come from the previous kernel: its first batch is in flight before the
@@ -280,7 +277,10 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
-      if (step0 != begin) load_weights(step0);
+      // FP8 steps take several times the instructions of bf16 ones (the conversions): each half of
+      // the next batch is loaded as soon as its registers are free, so that half a batch is in
+      // flight while the other is converted, rather than none.
+      if (!kFp8 && step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStep;
@@ -291,6 +291,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           // Elements 0-7 of the lane's 16 pair with lo/hi, 8-15 with lo2/hi2, in the same order.
           const uint4 lo2 = load_x(x_lo + k + 8, in_range && has_lo);
           const uint4 hi2 = load_x(x_hi + k + 8, in_range && has_hi);
+          const float s_lo = in_range ? __ldg(scale_lo + k / kFp8ScaleCols) : 0.0f;
+          const float s_hi = kSiluMul && in_range ? __ldg(scale_hi + k / kFp8ScaleCols) : s_lo;
           uint32_t b[8];
           fp8x16_to_bf16(w[u], b);
           float part[4] = {};
@@ -300,9 +302,11 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           mma_16x8x16(part, lo2.z, hi2.z, lo2.w, hi2.w, b[6], b[7]);
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float s = (kSiluMul && (i & 1)) ? s_hi[kSiluMul ? u : 0] : s_lo[u];
-            acc[i % 2][i] += s * part[i];
+            acc[i % 2][i] += (i & 1 ? s_hi : s_lo) * part[i];
           }
+          constexpr int kHalf = kUnroll / 2;
+          if (u == kHalf - 1) load_weights(step0 + kUnroll, 0, kHalf);
+          if (u == kUnroll - 1) load_weights(step0 + kUnroll, kHalf, kUnroll);
         } else {
           mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
           mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);

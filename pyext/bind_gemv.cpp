@@ -84,8 +84,8 @@ NANOGRAPH_BINDINGS(bind_gemv) {
         expect_shape(tx, {-1, -1});
         expect_shape(tw, {-1, tx.size(1)});
         if (tw.size(0) % 2 != 0) {
-          throw_invalid_argument("gemv_silu_mul_fp8: gate_up_weight must have 2 * inter rows, got " +
-                                 std::to_string(tw.size(0)));
+          throw_invalid_argument("gemv_silu_mul_fp8: gate_up_weight must have 2 * inter rows, "
+                                 "got " + std::to_string(tw.size(0)));
         }
         expect_shape(ts, {fp8_scale_rows(tw.size(0)), fp8_scale_cols(tx.size(1))});
         expect_shape(to, {tx.size(0), tw.size(0) / 2});

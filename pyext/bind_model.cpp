@@ -23,7 +23,9 @@ const bf16* weight(const py::dict& weights, const std::string& name,
 
 // A projection: bf16, or float8_e4m3fn with its block scales in `<name>_scale` (fp8.h).
 LinearWeight linear_weight(const py::dict& weights, const std::string& name, int64_t N, int64_t K) {
-  if (!weights.contains(name)) throw_invalid_argument("weights have no tensor named '" + name + "'");
+  if (!weights.contains(name)) {
+    throw_invalid_argument("weights have no tensor named '" + name + "'");
+  }
   const std::string dtype = py::str(weights[name.c_str()].attr("dtype")).cast<std::string>();
   if (dtype != "torch.float8_e4m3fn") return weight(weights, name, {N, K});
   Tensor t = cuda_tensor(weights[name.c_str()], name.c_str(), "float8_e4m3fn");
