@@ -69,15 +69,15 @@ class Config:
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}.")
         if self.quantization not in (None, *SUPPORTED_QUANTIZATION):
-            raise ValueError(f"quantization={self.quantization!r} is not supported; use one of "
-                             f"{list(SUPPORTED_QUANTIZATION)} (weights quantized at load, or an FP8 checkpoint's), or "
-                             f"None for the checkpoint's own format")
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanograph runs FP8 weights "
+                             f"(an FP8 checkpoint's, or quantized at load); use quantization="
+                             f"{' or '.join(map(repr, SUPPORTED_QUANTIZATION))}, or None for the checkpoint's format")
         if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: an FP8 KV cache is not supported yet; use "
-                             f"kv_cache_dtype='auto' (keys and values in the model's dtype)")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the FP8 KV cache is not "
+                             f"implemented; use kv_cache_dtype='auto' (keys and values in the model's dtype)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not a valid value; use one of "
-                             f"{list(KV_CACHE_DTYPES)}")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not a valid value; use kv_cache_dtype="
+                             f"{' or '.join(map(repr, KV_CACHE_DTYPES))}")
         if not isinstance(self.dtype, str):  # a torch.dtype (as vLLM takes): its name
             name = str(self.dtype).removeprefix("torch.")
             if name not in ("float32", "bfloat16", "float16"):
