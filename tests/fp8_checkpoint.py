@@ -33,11 +33,10 @@ def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8, scale_inv
 
 
-def make_fp8_checkpoint(src_folder, dst_folder, modules_to_not_convert=("lm_head",),
-                        quantization_config: dict | None = None) -> Path:
+def make_fp8_checkpoint(src_folder, dst_folder, modules_to_not_convert=("lm_head",)) -> Path:
     """Copies src_folder's files to dst_folder with its linears (model.layers.*.{q,k,v,o,gate,up,down}_proj and an
-    untied lm_head) in FP8, except the modules named in modules_to_not_convert (e.g. "model.layers.0.self_attn.k_proj"). quantization_config
-    replaces the written one's fields (for checkpoints nanograph must refuse)."""
+    untied lm_head) in FP8, except the modules named in modules_to_not_convert (e.g.
+    "model.layers.0.self_attn.k_proj")."""
     src, dst = Path(src_folder), Path(dst_folder)
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
@@ -46,8 +45,7 @@ def make_fp8_checkpoint(src_folder, dst_folder, modules_to_not_convert=("lm_head
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": [BLOCK, BLOCK],
-                                     "modules_to_not_convert": list(modules_to_not_convert),
-                                     **(quantization_config or {})}
+                                     "modules_to_not_convert": list(modules_to_not_convert)}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
     for path in sorted(src.glob("*.safetensors")):

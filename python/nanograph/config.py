@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from os import PathLike
 
-# Weight quantizations nanograph runs: Config.quantization's values, and a checkpoint's quantization_config.quant_method.
+# Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
 SUPPORTED_QUANTIZATION = ("fp8",)
 KV_CACHE_DTYPES = ("auto",)  # vLLM's kv_cache_dtype values that nanograph runs: the model's dtype
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")  # vLLM's, not here yet

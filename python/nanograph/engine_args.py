@@ -2,8 +2,8 @@
 with the values nanograph implements; everything else is a ValueError that names the argument.
 
 Config's own fields (max_model_len, dtype, quantization, kv_cache_dtype, gpu_memory_utilization, enforce_eager,
-tokenizer, revision, generation_config, ...) carry vLLM's names and meanings and pass straight through; None for any of them means its
-default, as in vLLM."""
+tokenizer, revision, generation_config, ...) carry vLLM's names and meanings and pass straight through; None for any
+of them means its default, as in vLLM."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields

@@ -198,6 +198,14 @@ def test_quantization_fp8_quantizes_a_float_checkpoint_at_load(odd_folder):
         load_weights(odd_folder, mc, torch.float32, "cpu", quantization="int8")
 
 
+def test_fused_pieces_must_meet_at_a_multiple_of_8_rows(tmp_path):
+    _save_random_model(tmp_path, {**ODD, "intermediate_size": 300}, seed=0)
+    mc = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="layers.0.gate_up_proj: a fused piece of 300 rows would split a group of 8 "
+                                         "rows that share one FP8 scale"):
+        load_weights(tmp_path, mc, torch.float32, "cpu", quantization="fp8")
+
+
 def test_the_torch_backend_runs_an_fp8_checkpoint_as_transformers_does(tmp_path):
     """transformers (on a CPU it dequantizes FP8 checkpoints) reads the checkpoint as nanograph does: the same
     dequantized weights and the same logits."""

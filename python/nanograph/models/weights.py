@@ -3,6 +3,7 @@ the four linears of each layer in FP8 for an FP8 model (the checkpoint's, or qua
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from safetensors import safe_open
 
 from ..config import SUPPORTED_QUANTIZATION
 from ..model_config import ModelConfig
-from .fp8 import BLOCK_SIZE, FP8_DTYPE, dequantize_fp8, expand_block_scales, quantize_fp8
+from .fp8 import BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales, quantize_fp8
 
 SCALE_SUFFIX = "_scale"  # weights[name + SCALE_SUFFIX]: an FP8 linear's packed scales
 
@@ -42,13 +43,12 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                 raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
 
-        def read(*parts: tuple[str, tuple[int, ...]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        def read(*parts: tuple[str, tuple[int, ...]]) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
             """Each named tensor on device, checked against the shape config.json gives it, with its checkpoint
-            block scales when it is FP8 (else None)."""
+            block scales when it is FP8 (else None); read one at a time as the caller asks."""
             missing = [name for name, _ in parts if name not in file_of]
             if missing:
                 raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
-            tensors = []
             for name, shape in parts:
                 tensor = file_of[name].get_tensor(name)
                 if tuple(tensor.shape) != shape:
@@ -57,9 +57,7 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
                 scale_name = name + "_scale_inv"
                 is_fp8 = tensor.dtype == FP8_DTYPE and scale_name in file_of
-                scales = file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
-                tensors.append((tensor.to(device), scales))
-            return tensors
+                yield tensor.to(device), file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
 
         def get(*parts: tuple[str, tuple[int, ...]]) -> torch.Tensor:
             """The named tensors concatenated in dtype (an FP8 one dequantized)."""
@@ -69,11 +67,15 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
 
         def linear(name: str, *parts: tuple[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
             """weights[name], the pieces concatenated along rows, and for an FP8 model its packed scales."""
-            pieces = read(*parts)
-            if not fp8_model and all(scales is None for _, scales in pieces):
-                return {name: torch.cat([t.to(dtype) for t, _ in pieces])}
+            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, _ in parts):
+                return {name: get(*parts)}
+            split = [shape[0] for _, shape in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
+            if split:
+                raise ValueError(f"{name}: a fused piece of {split[0]} rows would split a group of "
+                                 f"{PACKED_SCALE_ROWS} rows that share one FP8 scale; FP8 needs every piece's rows "
+                                 f"(heads x head_dim, intermediate_size) to be a multiple of {PACKED_SCALE_ROWS}")
             fp8_pieces, scale_pieces = [], []
-            for t, scales in pieces:
+            for t, scales in read(*parts):
                 if scales is None:
                     t, scales = quantize_fp8(t)
                 fp8_pieces.append(t)
