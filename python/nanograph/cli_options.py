@@ -17,6 +17,9 @@ ENGINE_OPTIONS = {
     "max_num_seqs": (int, "sequences in one step at most"),
     "gpu_memory_utilization": (float, "share of the GPU's memory the engine may use, KV cache included"),
     "seed": (int, "the engine's sampling seed"),
+    "quantization": (str, "fp8: quantize the weights' linear layers to FP8 at load (an FP8 checkpoint runs as such "
+                          "without it)"),
+    "kv_cache_dtype": (str, "the KV cache's dtype; auto: the model's"),
 }
 
 

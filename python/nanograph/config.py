@@ -4,11 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from os import PathLike
 
+# Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
+SUPPORTED_QUANTIZATION = ("fp8",)
+KV_CACHE_DTYPES = ("auto",)  # vLLM's kv_cache_dtype values that nanograph runs: the model's dtype
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")  # vLLM's, not here yet
+
 
 @dataclass
 class Config:
     model: str | None = None  # a model folder or a Hugging Face Hub id; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # or a torch.dtype, kept as its name
+    # None: the checkpoint's weights as they are (FP8 for an FP8 checkpoint); "fp8": a 16- or 32-bit checkpoint's
+    # linear layers quantized at load to e4m3 in 128 x 128 blocks (vLLM's flag).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # vLLM's name; "auto": the model's dtype
     # None: the model's own length (ModelConfig.max_context), capped by what the KV cache holds. A given length is
     # capped at the model's positions with a warning, and one the KV cache cannot hold is an error.
     max_model_len: int | None = None
@@ -59,6 +68,16 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be a number, got {self.gpu_memory_utilization!r}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or at least 0, got {self.max_logprobs}.")
+        if self.quantization not in (None, *SUPPORTED_QUANTIZATION):
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanograph runs FP8 weights "
+                             f"(an FP8 checkpoint's, or quantized at load); use quantization="
+                             f"{' or '.join(map(repr, SUPPORTED_QUANTIZATION))}, or None for the checkpoint's format")
+        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the FP8 KV cache is not "
+                             f"implemented; use kv_cache_dtype='auto' (keys and values in the model's dtype)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not a valid value; use kv_cache_dtype="
+                             f"{' or '.join(map(repr, KV_CACHE_DTYPES))}")
         if not isinstance(self.dtype, str):  # a torch.dtype (as vLLM takes): its name
             name = str(self.dtype).removeprefix("torch.")
             if name not in ("float32", "bfloat16", "float16"):

@@ -1,9 +1,9 @@
 """vLLM's engine keyword arguments, as LLM(model, **kwargs) takes them: one table of those that are not Config fields,
 with the values nanograph implements; everything else is a ValueError that names the argument.
 
-Config's own fields (max_model_len, dtype, gpu_memory_utilization, enforce_eager, tokenizer, revision,
-generation_config, ...) carry vLLM's names and meanings and pass straight through; None for any of them means its
-default, as in vLLM."""
+Config's own fields (max_model_len, dtype, quantization, kv_cache_dtype, gpu_memory_utilization, enforce_eager,
+tokenizer, revision, generation_config, ...) carry vLLM's names and meanings and pass straight through; None for any
+of them means its default, as in vLLM."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -25,8 +25,6 @@ VLLM_ARGS = {
     "pipeline_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
     "data_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
     "distributed_executor_backend": EngineArg((None, "uni"), "nanograph runs in the calling process"),
-    "quantization": EngineArg((None,), "weights run in the checkpoint's 16-bit type (float32 on the CPU)"),
-    "kv_cache_dtype": EngineArg(("auto",), "the KV cache holds keys and values in the model's dtype"),
     "cpu_offload_gb": EngineArg((0,), "weights stay on the device"),
     "tokenizer_mode": EngineArg(("auto", "hf"), "the tokenizer is transformers' AutoTokenizer"),
     "load_format": EngineArg(("auto", "safetensors"), "weights are read from *.safetensors"),

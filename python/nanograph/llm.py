@@ -20,9 +20,10 @@ class LLM:
         """model: a Hugging Face model folder or Hub id (e.g. "Qwen/Qwen3-0.6B", fetched into the Hub cache;
         revision= picks a branch, tag or commit); None: the bundled SmolLM2-135M-Instruct.
 
-        kwargs: vLLM's engine arguments. Config's fields (max_model_len, dtype, max_num_seqs, gpu_memory_utilization,
+        kwargs: vLLM's engine arguments. Config's fields (max_model_len, dtype, quantization ("fp8": weights quantized
+        at load; an FP8 checkpoint runs as such without it), kv_cache_dtype, max_num_seqs, gpu_memory_utilization,
         enforce_eager, enable_prefix_caching, seed, tokenizer, generation_config, ...) take effect; the rest of vLLM's
-        (tensor_parallel_size, quantization, kv_cache_dtype, swap_space, ...) are listed in engine_args.VLLM_ARGS with
+        (tensor_parallel_size, cpu_offload_gb, swap_space, ...) are listed in engine_args.VLLM_ARGS with
         the values nanograph implements or ignores, and any other value is a ValueError naming the argument."""
         self.engine = LLMEngine.from_config(engine_config(model, **kwargs))
 

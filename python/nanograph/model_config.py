@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from .config import SUPPORTED_QUANTIZATION
+
 # Configs written from a GGUF (and some hand-made ones) carry model_type but no "architectures".
 _ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_BY_MODEL_TYPE.values())
@@ -31,6 +33,7 @@ class ModelConfig:
     max_position_embeddings: int
     max_context: int  # the longest context the rope serves: max_position_embeddings, or YaRN's scaled length
     dtype: torch.dtype
+    quantization: str | None  # the checkpoint's: "fp8" (e4m3 in 128 x 128 blocks, models/fp8.py) or None
     eos_token_ids: list[int]
     hf_config: PretrainedConfig
 
@@ -66,6 +69,7 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             max_context=_max_context(hf),
             dtype=_torch_dtype(hf),
+            quantization=_quantization(raw.get("quantization_config")),
             eos_token_ids=_eos_token_ids(hf, path),
             hf_config=hf,
         )
@@ -91,6 +95,33 @@ def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
     if rope_type(hf) in ("longrope", "su"):
         raise ValueError("rope_type 'longrope' is not supported: it switches between two frequency tables with the "
                          "sequence length, and nanograph keeps one")
+
+
+def _quantization(config: dict | None) -> str | None:
+    """config.json's quantization_config: Hugging Face's fine-grained FP8 (quant_method "fp8", e4m3 weights with a
+    float32 weight_scale_inv per 128 x 128 block, activations quantized dynamically), or none."""
+    if config is None:
+        return None
+    method = config.get("quant_method")
+    if method not in SUPPORTED_QUANTIZATION:
+        raise ValueError(f"config.json's quantization_config has quant_method {method!r}, which nanograph does not "
+                         f"run; it loads {list(SUPPORTED_QUANTIZATION)} checkpoints (Hugging Face's fine-grained FP8, "
+                         f"weight_block_size [128, 128]): use such a checkpoint or the unquantized model (which "
+                         f"quantization='fp8' quantizes at load)")
+    block_size = config.get("weight_block_size", [128, 128])  # transformers' FineGrainedFP8Config default
+    if block_size is None or list(block_size) != [128, 128]:
+        raise ValueError(f"config.json's quantization_config has weight_block_size {block_size}; nanograph's FP8 "
+                         f"weights have one scale per [128, 128] block: use a checkpoint quantized with "
+                         f"weight_block_size [128, 128], or the unquantized model with quantization='fp8'")
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"config.json's quantization_config has activation_scheme "
+                         f"{config['activation_scheme']!r}; nanograph runs FP8 weights with activation_scheme "
+                         f"'dynamic' only (no static activation scales): use a dynamic checkpoint, or the "
+                         f"unquantized model with quantization='fp8'")
+    if config.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"config.json's quantization_config has fmt {config['fmt']!r}; nanograph's FP8 weights are "
+                         f"e4m3 (float8_e4m3fn): use an e4m3 checkpoint")
+    return method
 
 
 def rope_parameters(hf: PretrainedConfig) -> dict:

@@ -6,9 +6,11 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from nanograph import LLM, SamplingParams
 from nanograph.engine_args import VLLM_ARGS
+from nanograph.models.fp8 import BLOCK_SIZE, dequantize_fp8, quantize_fp8
 
 from .test_api_inputs import save_word_tokenizer
 from .tiny_models import TOKENIZER_FILES, make_tiny_chat_model, make_tiny_model
@@ -34,8 +36,7 @@ def reference(folder):
     ("tensor_parallel_size", 2, "tensor_parallel_size=1"),
     ("pipeline_parallel_size", 4, "pipeline_parallel_size=1"),
     ("data_parallel_size", 2, "data_parallel_size=1"),
-    ("quantization", "fp8", "quantization=None"),
-    ("quantization", "awq", "quantization=None"),
+    ("quantization", "awq", "quantization='fp8'"),
     ("kv_cache_dtype", "fp8", "kv_cache_dtype='auto'"),
     ("cpu_offload_gb", 4, "cpu_offload_gb=0"),
     ("tokenizer_mode", "mistral", "tokenizer_mode='auto' or 'hf'"),
@@ -81,6 +82,18 @@ def test_accepted_arguments_take_effect(folder):
     prompt = list(range(100, 140))
     chunked = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert chunked == LLM(str(folder), **ENGINE).generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_quantization_fp8_runs_the_linears_in_fp8(folder):
+    """quantization="fp8": the torch backend runs the linears at their FP8 values (the original ones otherwise)."""
+    plain = LLM(str(folder), **ENGINE, kv_cache_dtype="auto").engine.runner.weights
+    llm = LLM(str(folder), quantization="fp8", kv_cache_dtype="auto", **ENGINE)
+    assert (llm.engine.config.quantization, llm.engine.config.kv_cache_dtype) == ("fp8", "auto")
+    fp8, scales = quantize_fp8(plain["layers.1.down_proj"])
+    got = llm.engine.runner.weights["layers.1.down_proj"]
+    assert torch.equal(got, dequantize_fp8(fp8, scales, rows_per_scale=BLOCK_SIZE))
+    assert not torch.equal(got, plain["layers.1.down_proj"])
+    assert torch.equal(llm.engine.runner.weights["embed_tokens"], plain["embed_tokens"])
 
 
 def test_a_separate_tokenizer_folder(folder, reference, tmp_path):

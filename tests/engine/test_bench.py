@@ -39,3 +39,27 @@ def test_latency_bench_takes_max_model_len_from_the_command_line(capsys):
     assert exit_info.value.code == 2
     assert "nanograph: error: max_model_len 300 cannot hold the 128-token prompt and 256 output" in \
         capsys.readouterr().err
+
+
+def test_weight_bytes_count_fp8_linears_at_one_byte_and_their_scales(tmp_path):
+    """The roofline's weight bytes are what the runner holds: FP8 linears (the CUDA runner's) at one byte an
+    element, their float32 scales, and the rest in the model dtype; a tied lm_head once."""
+    import types
+
+    import torch
+
+    from nanograph.bench import weight_bytes
+    from nanograph.model_config import ModelConfig
+    from nanograph.models import load_weights
+
+    make_tiny_model(tmp_path, "qwen3-tied")
+    mc = ModelConfig.from_pretrained(tmp_path)
+    weights = load_weights(tmp_path, mc, torch.bfloat16, "cpu", quantization="fp8")
+    llm = types.SimpleNamespace(engine=types.SimpleNamespace(runner=types.SimpleNamespace(weights=weights,
+                                                                                          model_config=mc)))
+    fp8 = {name for name, t in weights.items() if t.dtype == torch.float8_e4m3fn}
+    assert len(fp8) == 4 * mc.num_layers
+    expected = sum(weights[name].numel() + 4 * weights[name + "_scale"].numel() for name in fp8) + sum(
+        2 * t.numel() for name, t in weights.items()
+        if t.dtype == torch.bfloat16 and name != "lm_head")  # lm_head is embed_tokens
+    assert weight_bytes(llm) == expected

@@ -20,3 +20,23 @@ def test_an_invalid_engine_argument_is_one_error_line(capsys):
         main(["serve", "--gpu-memory-utilization", "1.5", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert "gpu_memory_utilization must be in (0, 1], got 1.5." in capsys.readouterr().err
+
+
+def test_quantization_and_kv_cache_dtype_reach_the_config():
+    from nanograph.cli import build_parser
+    from nanograph.cli_options import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "MODEL", "--quantization", "fp8", "--kv-cache-dtype", "auto"])
+    assert engine_kwargs(args) == {"quantization": "fp8", "kv_cache_dtype": "auto"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported yet: the FP8 KV cache is not implemented; "
+                                  "use kv_cache_dtype='auto'"),
+    (["--quantization", "gptq"], "quantization='gptq' is not supported yet: nanograph runs FP8 weights"),
+])
+def test_an_unsupported_quantization_or_kv_cache_dtype_is_one_error_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *argv, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

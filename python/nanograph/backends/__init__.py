@@ -23,7 +23,8 @@ def make_runner(config, model_config: ModelConfig):
     torch_device = _torch_device(device)
     return TorchRunner(model_config, device=torch_device, dtype=resolve_dtype(config.dtype, model_config, torch_device),
                        block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, seed=config.seed)
+                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, seed=config.seed,
+                       quantization=config.quantization)
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:

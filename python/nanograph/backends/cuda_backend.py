@@ -51,7 +51,7 @@ class CudaRunner(Runner):
         self.model_config = mc = model_config
         self.block_size = config.block_size
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device)
+        self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device, quantization=config.quantization)
         self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
         core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
                        "num_layers": mc.num_layers, "num_heads": mc.num_heads,

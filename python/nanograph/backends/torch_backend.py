@@ -23,12 +23,14 @@ KV_CACHE_BUDGET_BYTES = 1 << 30
 class TorchRunner(Runner):
     def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0):
+                 max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0,
+                 quantization: str | None = None):
         self.model_config = mc = model_config
         self.device = torch.device(device)
         self.block_size = block_size
         max_model_len = max_model_len or mc.max_position_embeddings
-        self.weights = load_weights(mc.path, mc, dtype, self.device)
+        # FP8 linears (the checkpoint's, or quantization="fp8") run dequantized: their values, in dtype's matmuls.
+        self.weights = load_weights(mc.path, mc, dtype, self.device, quantization=quantization, dequantize=True)
         cos_sin = rope_cos_sin(mc, max_model_len, self.device)
         half = mc.head_dim // 2
         # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them

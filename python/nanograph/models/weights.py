@@ -1,20 +1,38 @@
-"""load_weights: a safetensors checkpoint as the packed tensors every backend consumes (q|k|v, gate|up fused)."""
+"""load_weights: a safetensors checkpoint as the packed tensors every backend consumes (q|k|v, gate|up fused), with
+the four linears of each layer in FP8 for an FP8 model (the checkpoint's, or quantized at load)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..config import SUPPORTED_QUANTIZATION
 from ..model_config import ModelConfig
+from .fp8 import BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales, quantize_fp8
+
+SCALE_SUFFIX = "_scale"  # weights[name + SCALE_SUFFIX]: an FP8 linear's packed scales
 
 
-def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str, *,
+                 quantization: str | None = None, dequantize: bool = False) -> dict[str, torch.Tensor]:
     """Names: embed_tokens, norm, lm_head and layers.{i}.{input_layernorm, qkv_proj, qkv_bias (Qwen2), q_norm and
-    k_norm (Qwen3), o_proj, post_attention_layernorm, gate_up_proj (gate rows first), down_proj}."""
+    k_norm (Qwen3), o_proj, post_attention_layernorm, gate_up_proj (gate rows first), down_proj}, in dtype.
+
+    The model is FP8 when quantization is "fp8" or the checkpoint is (quantization None: as the checkpoint is). Then
+    qkv_proj, o_proj, gate_up_proj and down_proj are float8_e4m3fn [N, K], each with name + "_scale": float32
+    [ceil(N / 8), ceil(K / 128)], the multiplier of 8 rows by 128 columns (models/fp8.py). A piece the checkpoint
+    holds in 16 or 32 bits (all of them when quantizing at load, a module_to_not_convert of an FP8 checkpoint) is
+    quantized in 128 x 128 blocks on device, one tensor at a time, so that every linear has one format.
+    dequantize: the FP8 linears come back as dtype (float(fp8) * scale), for a backend without FP8 matmuls.
+    Any other tensor an FP8 checkpoint quantized (an lm_head, say) is dequantized to dtype."""
+    if quantization not in (None, *SUPPORTED_QUANTIZATION):
+        raise ValueError(f"quantization={quantization!r} is not supported; use None (the checkpoint's format) or "
+                         f"one of {list(SUPPORTED_QUANTIZATION)}")
+    fp8_model = "fp8" in (quantization, model_config.quantization)
     files = weight_files(Path(path))
     with ExitStack() as stack:
         handles = []
@@ -25,20 +43,47 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                 raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
 
-        def get(*parts: tuple[str, tuple[int, ...]]) -> torch.Tensor:
-            """The named tensors, each checked against the shape config.json gives it, concatenated."""
+        def read(*parts: tuple[str, tuple[int, ...]]) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+            """Each named tensor on device, checked against the shape config.json gives it, with its checkpoint
+            block scales when it is FP8 (else None); read one at a time as the caller asks."""
             missing = [name for name, _ in parts if name not in file_of]
             if missing:
                 raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
-            tensors = []
             for name, shape in parts:
                 tensor = file_of[name].get_tensor(name)
                 if tuple(tensor.shape) != shape:
                     raise ValueError(f"tensor {name} in {str(path)!r} has shape {list(tensor.shape)}, but config.json "
                                      f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
-                tensors.append(tensor)
-            return torch.cat(tensors).to(device=device, dtype=dtype)
+                scale_name = name + "_scale_inv"
+                is_fp8 = tensor.dtype == FP8_DTYPE and scale_name in file_of
+                yield tensor.to(device), file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
+
+        def get(*parts: tuple[str, tuple[int, ...]]) -> torch.Tensor:
+            """The named tensors concatenated in dtype (an FP8 one dequantized)."""
+            return torch.cat([t.to(dtype) if scales is None else
+                              dequantize_fp8(t, scales, rows_per_scale=BLOCK_SIZE).to(dtype)
+                              for t, scales in read(*parts)])
+
+        def linear(name: str, *parts: tuple[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+            """weights[name], the pieces concatenated along rows, and for an FP8 model its packed scales."""
+            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, _ in parts):
+                return {name: get(*parts)}
+            split = [shape[0] for _, shape in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
+            if split:
+                raise ValueError(f"{name}: a fused piece of {split[0]} rows would split a group of "
+                                 f"{PACKED_SCALE_ROWS} rows that share one FP8 scale; FP8 needs every piece's rows "
+                                 f"(heads x head_dim, intermediate_size) to be a multiple of {PACKED_SCALE_ROWS}")
+            fp8_pieces, scale_pieces = [], []
+            for t, scales in read(*parts):
+                if scales is None:
+                    t, scales = quantize_fp8(t)
+                fp8_pieces.append(t)
+                scale_pieces.append(expand_block_scales(scales, t.shape))
+            packed, packed_scales = torch.cat(fp8_pieces), torch.cat(scale_pieces)
+            if dequantize:
+                return {name: dequantize_fp8(packed, packed_scales).to(dtype)}
+            return {name: packed, name + SCALE_SUFFIX: packed_scales}
 
         mc = model_config
         hidden, head_dim, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
@@ -52,17 +97,17 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
             attn = hf + "self_attn."
             rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
             weights[ours + "input_layernorm"] = get((hf + "input_layernorm.weight", (hidden,)))
-            weights[ours + "qkv_proj"] = get(*((attn + p + "_proj.weight", (rows[p], hidden)) for p in "qkv"))
+            weights.update(linear(ours + "qkv_proj", *((attn + p + "_proj.weight", (rows[p], hidden)) for p in "qkv")))
             if mc.qkv_bias:
                 weights[ours + "qkv_bias"] = get(*((attn + p + "_proj.bias", (rows[p],)) for p in "qkv"))
             if mc.qk_norm:
                 weights[ours + "q_norm"] = get((attn + "q_norm.weight", (head_dim,)))
                 weights[ours + "k_norm"] = get((attn + "k_norm.weight", (head_dim,)))
-            weights[ours + "o_proj"] = get((attn + "o_proj.weight", (hidden, q_rows)))
+            weights.update(linear(ours + "o_proj", (attn + "o_proj.weight", (hidden, q_rows))))
             weights[ours + "post_attention_layernorm"] = get((hf + "post_attention_layernorm.weight", (hidden,)))
-            weights[ours + "gate_up_proj"] = get((hf + "mlp.gate_proj.weight", (inter, hidden)),
-                                                 (hf + "mlp.up_proj.weight", (inter, hidden)))
-            weights[ours + "down_proj"] = get((hf + "mlp.down_proj.weight", (hidden, inter)))
+            weights.update(linear(ours + "gate_up_proj", (hf + "mlp.gate_proj.weight", (inter, hidden)),
+                                  (hf + "mlp.up_proj.weight", (inter, hidden))))
+            weights.update(linear(ours + "down_proj", (hf + "mlp.down_proj.weight", (hidden, inter))))
     return weights
 
 

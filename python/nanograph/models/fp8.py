@@ -1,0 +1,56 @@
+"""FP8 weights: Hugging Face's fine-grained format (e4m3 values, one float32 scale per 128x128 block) and the packed
+form the engine consumes, whose scales cover 8 rows each so that fused q|k|v and gate|up pieces stay exact.
+
+A weight w [n, k] is w ≈ float(fp8) * scale, the scale of the block holding each element. HF calls its block scales
+`weight_scale_inv` (they are multipliers all the same); `expand_block_scales` turns them into packed scales."""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+BLOCK_SIZE = 128  # rows and columns of a checkpoint's scale block: weight_block_size [128, 128]
+PACKED_SCALE_ROWS = 8  # rows of a packed scale: the granularity at which fused pieces meet
+PACKED_SCALE_COLS = BLOCK_SIZE  # columns of a packed scale, as in the checkpoint
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [n, k] -> (fp8 [n, k], block scales float32 [ceil(n / 128), ceil(k / 128)]): each block's scale is its
+    largest magnitude / 448 (1 for an all-zero block), computed in float32 on weight's device."""
+    n, k = weight.shape
+    blocks_n, blocks_k = -(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE)
+    padded = torch.zeros(blocks_n * BLOCK_SIZE, blocks_k * BLOCK_SIZE, dtype=torch.float32, device=weight.device)
+    padded[:n, :k] = weight
+    blocks = padded.view(blocks_n, BLOCK_SIZE, blocks_k, BLOCK_SIZE)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    fp8 = blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return fp8.view(blocks_n * BLOCK_SIZE, blocks_k * BLOCK_SIZE)[:n, :k].contiguous(), scale
+
+
+def expand_block_scales(block_scales: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A checkpoint's block scales [ceil(n / 128), ceil(k / 128)] of a weight of shape [n, k], as packed scales
+    [ceil(n / 8), ceil(k / 128)] float32: each repeated 128 / 8 times, trimmed to the weight's rows."""
+    n, k = shape
+    expected = (-(-n // BLOCK_SIZE), -(-k // BLOCK_SIZE))
+    if tuple(block_scales.shape) != expected:
+        raise ValueError(f"block scales of shape {list(block_scales.shape)} do not fit a weight {list(shape)} in "
+                         f"{BLOCK_SIZE} x {BLOCK_SIZE} blocks, which needs {list(expected)}")
+    repeated = block_scales.float().repeat_interleave(BLOCK_SIZE // PACKED_SCALE_ROWS, dim=0)
+    return repeated[:-(-n // PACKED_SCALE_ROWS)].contiguous()
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, rows_per_scale: int = PACKED_SCALE_ROWS) -> torch.Tensor:
+    """float32 [n, k] = float(weight) * the scale of each element's block: rows_per_scale rows (8: packed scales, 128:
+    a checkpoint's) by 128 columns. The reference every FP8 path is checked against."""
+    n, k = weight.shape
+    if scale.shape != (-(-n // rows_per_scale), -(-k // PACKED_SCALE_COLS)):
+        raise ValueError(f"scale of shape {list(scale.shape)} does not fit a weight [{n}, {k}] in blocks of "
+                         f"{rows_per_scale} x {PACKED_SCALE_COLS}")
+    row_scales = scale.float().repeat_interleave(rows_per_scale, dim=0)[:n]  # [n, ceil(k / 128)]
+    out = weight.float()
+    full_blocks = k // PACKED_SCALE_COLS
+    out[:, :full_blocks * PACKED_SCALE_COLS].unflatten(1, (full_blocks, PACKED_SCALE_COLS)).mul_(
+        row_scales[:, :full_blocks, None])
+    out[:, full_blocks * PACKED_SCALE_COLS:].mul_(row_scales[:, full_blocks:])
+    return out
