@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from nanograph import ops
+from nanograph.models.fp8 import PACKED_SCALE_COLS, PACKED_SCALE_ROWS, dequantize_fp8
 
 from .linear_reference import poisoned_out, reference
 
 pytestmark = pytest.mark.gpu
-
-SCALE_ROWS, SCALE_COLS = 8, 128  # csrc/fp8.h
 
 # (N, K): Qwen3-8B qkv, o, gate_up, down; Qwen3-0.6B qkv, o, gate_up, down; SmolLM2-135M qkv
 # (576 = 4.5 blocks of K), down; tails: N not a multiple of 8, K a multiple of 16 but not of 64 or
@@ -23,20 +22,15 @@ SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024)
 MS = [1, 2, 7, 8, 9, 16]
 
 
-def expanded(scale, N, K):
-    """[N, K] float32: each weight element's scale."""
-    return scale.repeat_interleave(SCALE_ROWS, 0)[:N].repeat_interleave(SCALE_COLS, 1)[:, :K]
-
-
 @functools.lru_cache(maxsize=1)
 def fp8_weight(N, K, spread=2.0):
     """Random e4m3 values over their whole range (subnormals included) and block scales spread over
     orders of magnitude (exp(spread * normal)), so that a scale applied to the wrong block shows."""
     g = torch.Generator(device="cuda").manual_seed(N * 7919 + K)
     q = (torch.randn(N, K, device="cuda", generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    rows, cols = -(-N // SCALE_ROWS), -(-K // SCALE_COLS)
+    rows, cols = -(-N // PACKED_SCALE_ROWS), -(-K // PACKED_SCALE_COLS)
     scale = torch.exp(torch.randn(rows, cols, device="cuda", generator=g) * spread) * (K ** -0.5 / 100)
-    return q, scale, q.float() * expanded(scale, N, K)
+    return q, scale, dequantize_fp8(q, scale)
 
 
 def make_inputs(M, N, K, with_bias, seed=0):
