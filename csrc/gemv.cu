@@ -291,8 +291,11 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           // Elements 0-7 of the lane's 16 pair with lo/hi, 8-15 with lo2/hi2, in the same order.
           const uint4 lo2 = load_x(x_lo + k + 8, in_range && has_lo);
           const uint4 hi2 = load_x(x_hi + k + 8, in_range && has_hi);
-          const float s_lo = in_range ? __ldg(scale_lo + k / kFp8ScaleCols) : 0.0f;
-          const float s_hi = kSiluMul && in_range ? __ldg(scale_hi + k / kFp8ScaleCols) : s_lo;
+          // The MMA sums the step over all four lanes of a row: every lane scales it, including one
+          // whose own columns lie past K.
+          const bool step_in_range = step0 + u < end;
+          const float s_lo = step_in_range ? __ldg(scale_lo + k / kFp8ScaleCols) : 0.0f;
+          const float s_hi = kSiluMul && step_in_range ? __ldg(scale_hi + k / kFp8ScaleCols) : s_lo;
           uint32_t b[8];
           fp8x16_to_bf16(w[u], b);
           float part[4] = {};

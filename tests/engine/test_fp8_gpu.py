@@ -76,18 +76,30 @@ def test_fp8_runs_as_the_torch_backend_and_transformers(folders, source):
     del runner
     gc.collect()
     torch.cuda.empty_cache()
-    # The reference: the same FP8 weights dequantized, float32 throughout.
-    reference = teacher_forced_logprobs(
-        TorchRunner(mc, device="cuda", dtype=torch.float32, block_size=BLOCK, num_kv_blocks=128, max_model_len=256,
-                    quantization=quantization), seqs)
-    for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS)):
-        with torch.no_grad():
-            theirs = torch.log_softmax(hf(s[None].cuda()).logits[0].float(), -1)[n - 1:n - 1 + DECODE_STEPS]
+    # The reference: the same FP8 weights dequantized, float32 throughout; the bf16 yardstick: those weights in a
+    # bfloat16 torch forward, whose rounding is what ours may add.
+    reference, bf16 = (teacher_forced_logprobs(
+        TorchRunner(mc, device="cuda", dtype=dtype, block_size=BLOCK, num_kv_blocks=128, max_model_len=256,
+                    quantization=quantization), seqs) for dtype in (torch.float32, torch.bfloat16))
+    for i in range(len(seqs)):
         ours_error = (ours[i] - reference[i]).abs()
-        hf_error = (theirs - reference[i]).abs()
+        bf16_error = (bf16[i] - reference[i]).abs()
         assert torch.isfinite(ours[i]).all()
-        assert ours_error.mean() < 1.5 * hf_error.mean() + 0.03, (
-            f"seq {i}: mean |dlogprob| vs the float32 FP8 reference {ours_error.mean():.4f}, transformers' "
-            f"{hf_error.mean():.4f}")
+        assert ours_error.mean() < 1.5 * bf16_error.mean() + 1e-3, (
+            f"seq {i}: mean |dlogprob| vs the float32 FP8 reference {ours_error.mean():.4f}, a bf16 forward's "
+            f"{bf16_error.mean():.4f}")
+        assert ours_error.max() < 0.25, f"seq {i}: max |dlogprob| {ours_error.max():.3f}"
         top5 = ours[i].topk(5, -1).indices
         assert (top5 == reference[i].argmax(-1, keepdim=True)).any(-1).all(), f"seq {i}: top-1 outside top-5"
+    # transformers' own FP8 forward needs its `kernels` package (fetched from the Hub); where it runs, ours is at
+    # least as close to the reference as it is.
+    try:
+        with torch.no_grad():
+            theirs = [torch.log_softmax(hf(s[None].cuda()).logits[0].float(), -1)[n - 1:n - 1 + DECODE_STEPS]
+                      for s, n in zip(seqs, PROMPT_LENS)]
+    except ImportError as exc:
+        pytest.skip(f"the float32 and bf16 comparisons passed; transformers' FP8 forward is unavailable: {exc}")
+    for i in range(len(seqs)):
+        ours_error, hf_error = (ours[i] - reference[i]).abs(), (theirs[i] - reference[i]).abs()
+        assert ours_error.mean() < 1.5 * hf_error.mean() + 0.03, (
+            f"seq {i}: mean |dlogprob| {ours_error.mean():.4f}, transformers' {hf_error.mean():.4f}")
