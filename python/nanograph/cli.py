@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_arguments(command)
         add_sampling_arguments(command)
     serve_command.add_arguments(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
-    add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU (or a running server's), or plot a sweep"))
+    add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU (or a running server's), or plot "
+                                            "a sweep"))
     return parser
 
 
