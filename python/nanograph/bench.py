@@ -19,24 +19,35 @@ from random import randint, seed
 import numpy as np
 import torch
 
+from .backends.cuda_backend import CudaRunner
 from .engine.batch import storeless_batch
 from .llm import LLM
 from .sampling_params import SamplingParams
 
 
 def copy_bandwidth_gbs(device) -> float:
-    src = torch.randn(1 << 29, dtype=torch.float32, device=device)  # 2 GiB
+    """GB/s read plus written by the fastest of five copies between two buffers: 2 GiB on a GPU, 256 MiB in host
+    memory (far past the CPU's caches, and quick)."""
+    device = torch.device(device)
+    nbytes = 1 << 31 if device.type == "cuda" else 1 << 28
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    synchronize = _synchronizer(device)
     dst.copy_(src)
-    torch.cuda.synchronize(device)
+    synchronize()
     times = []
     for _ in range(5):
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize(device)
+        synchronize()
         times.append(time.perf_counter() - start)
     del src, dst
-    return 2 * (1 << 31) / min(times) / 1e9
+    return 2 * nbytes / min(times) / 1e9
+
+
+def _synchronizer(device: torch.device):
+    """Waits for the work queued on device: a no-op on the host."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def _median_seconds(run, repeats: int) -> float:
@@ -58,24 +69,46 @@ def decode_seconds_per_token(generate, output_len: int, repeats: int = 3) -> flo
 
 def graph_step_seconds(runner, context_len: int, steps: int = 200) -> float | None:
     """GPU time of one batch-1 decode step at context_len: its graph replayed back to back (no KV is stored), the
-    greedy variant that generate runs (the argmax into pinned host memory ends the step)."""
+    greedy variant that generate runs (the argmax into pinned host memory ends the step); None without graphs."""
     if not getattr(runner, "use_graphs", False):
         return None
-    blocks = -(-context_len // runner.block_size)
-    batch = storeless_batch([0], [1], [context_len], np.arange(blocks, dtype=np.int32)[None] % runner.num_kv_blocks)
-    runner.queue_step(batch, greedy=True)
-    torch.cuda.synchronize()
+    return decode_step_seconds(runner, context_len, 1, steps)
+
+
+def decode_step_seconds(runner, context_len: int, batch_size: int, steps: int = 200) -> float:
+    """Seconds of one decode step of batch_size sequences at context_len tokens each, timed over steps of them queued
+    back to back (no KV is stored): on the core, the step that generate queues for an all-greedy batch (its decode
+    graph, unless enforce_eager); on the torch backend, the forward pass."""
+    batch = storeless_decode_batch(runner, context_len, batch_size)
+    if isinstance(runner, CudaRunner):
+        step, synchronize = (lambda: runner.queue_step(batch, greedy=True)), runner.model.synchronize
+    else:
+        step, synchronize = (lambda: runner.run(batch)), _synchronizer(runner.device)
+    step()
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        runner.queue_step(batch, greedy=True)
-    runner.model.synchronize()
+        step()
+    synchronize()
     return (time.perf_counter() - start) / steps
 
 
-def step_bytes(llm: LLM, context_len: float) -> float:
-    """Bytes one decode step must read: every weight once (the embedding table only through the
-    lm_head when tied, one row otherwise) plus K and V of every cached token in every layer."""
-    return weight_bytes(llm) + kv_bytes_per_token(llm) * context_len
+def storeless_decode_batch(runner, context_len: int, batch_size: int):
+    """batch_size sequences feeding token 0 at the end of context_len tokens each, every one over blocks of its own
+    (taken in order, wrapping around the KV cache when it holds fewer)."""
+    blocks = -(-context_len // runner.block_size)
+    block_tables = np.arange(batch_size * blocks, dtype=np.int32).reshape(batch_size, blocks) % runner.num_kv_blocks
+    return storeless_batch(np.zeros(batch_size, np.int32), np.ones(batch_size, np.int32),
+                           np.full(batch_size, context_len, np.int32), block_tables)
+
+
+def step_bytes(llm: LLM, context_len: float, batch_size: int = 1) -> float:
+    """Bytes one decode step of batch_size sequences must move: every weight once (the embedding table only through
+    the lm_head when tied), the batch's embedding rows, K and V of every cached token in every layer, and the
+    batch's logits written (all in the model's dtype)."""
+    mc = llm.engine.runner.model_config
+    rows = batch_size * (mc.hidden_size + mc.vocab_size) * _dtype_bytes(llm)
+    return weight_bytes(llm) + rows + kv_bytes_per_token(llm) * context_len * batch_size
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -91,7 +124,12 @@ def weight_bytes(llm: LLM) -> int:
 
 def kv_bytes_per_token(llm: LLM) -> int:
     mc = llm.engine.runner.model_config
-    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2  # K and V, bfloat16
+    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * _dtype_bytes(llm)  # K and V
+
+
+def _dtype_bytes(llm: LLM) -> int:
+    """Bytes per element of the model's dtype (its weights', and its KV cache's)."""
+    return llm.engine.runner.weights["embed_tokens"].element_size()
 
 
 def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: int) -> float:

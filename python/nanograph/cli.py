@@ -1,16 +1,20 @@
 """The `nanograph` command: `nanograph chat` (a conversation on stdin, or one message), `nanograph generate "prompt"`,
 `nanograph serve` (the OpenAI-compatible server), `nanograph bench latency` (batch-1 decode speed against the
-roofline and HF transformers), `nanograph bench throughput` (nano-vllm's 256-request benchmark) and `nanograph bench
-serve` (a client timing a running server). Chat and generate stream their text as it comes."""
+roofline and HF transformers), `nanograph bench throughput` (nano-vllm's 256-request benchmark), `nanograph bench
+sweep` (decode step time over batch sizes and context lengths beside the roofline, as JSON), `nanograph bench plot`
+(a sweep's JSON as a PNG) and `nanograph bench serve` (a client timing a running server). Chat and generate stream
+their text as it comes."""
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
                           sampling_params)
 from .cli_stream import chat, flushing_writer, read_lines, stream_text
+from .bench_sweep import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, sizes, sweep
 from .config import Config
 from .llm import LLM
 from .serve import command as serve_command
@@ -34,16 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_arguments(command)
         add_sampling_arguments(command)
     serve_command.add_arguments(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
-    add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU, or a running server's"))
+    add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU (or a running server's), or plot "
+                                            "a sweep"))
     return parser
 
 
 def add_bench_arguments(bench: argparse.ArgumentParser):
-    bench.add_argument("workload", choices=["latency", "throughput", "serve"])
-    add_engine_arguments(bench, model_help=f"latency, throughput: {MODEL_HELP}; serve: the served model's name "
+    bench.add_argument("workload", choices=["latency", "throughput", "sweep", "plot", "serve"])
+    bench.add_argument("sweep_json", nargs="?", metavar="SWEEP_JSON", help="plot: the JSON that bench sweep wrote")
+    add_engine_arguments(bench, model_help=f"latency, throughput, sweep: {MODEL_HELP}; serve: the served model's name "
                          "(default: the server's)", defaults={
-                             "device": "cuda", "max_num_seqs": f"{Config.max_num_seqs}; latency: 1",
-                             "max_model_len": "latency: prompt + output + 16; throughput: max input + output",
+                             "device": "cuda",
+                             "max_num_seqs": f"{Config.max_num_seqs}; latency: 1; sweep: the largest batch size",
+                             "max_model_len": "latency: prompt + output + 16; throughput: max input + output; sweep: "
+                                              "the longest context",
                              "seed": "0; serve: the seed of the prompts and their arrivals"})
     bench.add_argument("--prompt-len", type=int, help="latency, serve: prompt tokens (default 128; serve: 1024, "
                        "random ids)")
@@ -55,6 +63,15 @@ def add_bench_arguments(bench: argparse.ArgumentParser):
     bench.add_argument("--max-output-len", type=int, default=1024, help="throughput: longest output")
     bench.add_argument("--compare", choices=["hf"], help="throughput: also run HF transformers batched generate "
                        "on the first 16 requests and print the ratio")
+    bench.add_argument("--batch-sizes", type=_size_list, default=DEFAULT_BATCH_SIZES, metavar="B,B,...",
+                       help=f"sweep: sequences per decode step (default {','.join(map(str, DEFAULT_BATCH_SIZES))})")
+    bench.add_argument("--context-lens", type=_size_list, default=DEFAULT_CONTEXT_LENS, metavar="C,C,...",
+                       help="sweep: tokens each sequence attends (default "
+                            f"{','.join(map(str, DEFAULT_CONTEXT_LENS))})")
+    bench.add_argument("--steps", type=int, default=100, help="sweep: decode steps timed per point")
+    bench.add_argument("--output", help="sweep: write the JSON here (default sweep.json); plot: the PNG (default: "
+                       "the JSON's name with .png)")
+    bench.add_argument("--plot", metavar="PNG", help="sweep: also draw the result here (needs matplotlib)")
     bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="serve: the server")
     bench.add_argument("--num-prompts", type=int, default=1000, help="serve: requests")
     bench.add_argument("--request-rate", type=float, default=float("inf"), help="serve: requests per second, "
@@ -66,7 +83,24 @@ def add_bench_arguments(bench: argparse.ArgumentParser):
     bench.add_argument("--result-file", help="serve: write the results as JSON here")
 
 
+def _size_list(text: str) -> list[int]:
+    """`1,2,4` -> [1, 2, 4]; argparse names the option in front of the error."""
+    try:
+        return sizes("sizes", [int(part) for part in text.split(",")])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers, such as "
+                                         "1,2,4") from None
+
+
 def bench(args: argparse.Namespace):
+    if args.workload == "plot" and args.sweep_json is None:
+        raise ValueError("bench plot needs the JSON that bench sweep wrote: nanograph bench plot sweep.json")
+    if args.workload != "plot" and args.sweep_json is not None:
+        raise ValueError(f"only bench plot takes a file (SWEEP_JSON); got {args.sweep_json!r} for bench "
+                         f"{args.workload}")
+    if args.workload in ("sweep", "plot"):
+        sweep_or_plot(args)
+        return
     if args.workload == "serve":
         try:
             from .bench_serve import bench_serve
@@ -83,6 +117,25 @@ def bench(args: argparse.Namespace):
     else:
         benchmarks.throughput(args.model, args.num_seqs, args.max_input_len, args.max_output_len,
                               compare_hf=args.compare == "hf", **engine_kwargs(args))
+
+
+def sweep_or_plot(args: argparse.Namespace):
+    from .bench_plot import plot_file, plot_sweep, require_matplotlib
+    try:
+        if args.workload == "plot":
+            output = args.output or str(Path(args.sweep_json).with_suffix(".png"))
+            plot_file(args.sweep_json, output)
+            print(f"wrote {output}", flush=True)
+            return
+        if args.plot:
+            require_matplotlib()  # before the sweep, not after it
+    except ImportError as exc:
+        raise SystemExit(f"nanograph: error: {exc}") from None
+    result = sweep(args.model, args.batch_sizes, args.context_lens, args.output or "sweep.json", args.steps,
+                   **engine_kwargs(args))
+    if args.plot:
+        plot_sweep(result, args.plot)
+        print(f"wrote {args.plot}", flush=True)
 
 
 def main(argv: list[str] | None = None):

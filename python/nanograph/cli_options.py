@@ -13,6 +13,7 @@ MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instr
 # (or a benchmark's own) applies.
 ENGINE_OPTIONS = {
     "device": (str, "auto, cuda, cpu, or torch:<torch device>"),
+    "dtype": (str, "auto, bfloat16, float16 or float32 (the cuda device runs bfloat16)"),
     "max_model_len": (int, "the longest prompt plus output, in tokens"),
     "max_num_seqs": (int, "sequences in one step at most"),
     "gpu_memory_utilization": (float, "share of the GPU's memory the engine may use, KV cache included"),
