@@ -25,8 +25,8 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
     The model is FP8 when quantization is "fp8" or the checkpoint is (quantization None: as the checkpoint is). Then
     qkv_proj, o_proj, gate_up_proj and down_proj are float8_e4m3fn [N, K], each with name + "_scale": float32
     [ceil(N / 8), ceil(K / 128)], the multiplier of 8 rows by 128 columns (models/fp8.py). A piece the checkpoint
-    holds in 16 or 32 bits (all of them when quantizing at load, a module_to_not_convert of an FP8 checkpoint) is
-    quantized in 128 x 128 blocks on device, one tensor at a time, so that every linear has one format.
+    holds in 16 or 32 bits (all of them when quantizing at load; one in an FP8 checkpoint's modules_to_not_convert)
+    is quantized in 128 x 128 blocks on device, one tensor at a time, so that every linear has one format.
     dequantize: the FP8 linears come back as dtype (float(fp8) * scale), for a backend without FP8 matmuls.
     Any other tensor an FP8 checkpoint quantized (an lm_head, say) is dequantized to dtype."""
     if quantization not in (None, *SUPPORTED_QUANTIZATION):
