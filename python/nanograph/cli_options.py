@@ -17,6 +17,8 @@ ENGINE_OPTIONS = {
     "max_num_seqs": (int, "sequences in one step at most"),
     "gpu_memory_utilization": (float, "share of the GPU's memory the engine may use, KV cache included"),
     "seed": (int, "the engine's sampling seed"),
+    "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
+                                  "or torch:<torch device>)"),
 }
 
 
