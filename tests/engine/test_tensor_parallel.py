@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from nanograph import LLM, SamplingParams
+from nanograph import LLM, SamplingParams, cli
 from nanograph.backends import make_runner
+from nanograph.cli_options import engine_kwargs
 from nanograph.config import Config
 from nanograph.model_config import ModelConfig
 from nanograph.models import load_weights
@@ -58,7 +59,8 @@ SHARD_CASES = [(name, {}, 2) for name in TINY_CONFIGS] + [
 ]
 
 
-@pytest.mark.parametrize("name, overrides, world", SHARD_CASES)
+@pytest.mark.parametrize("name, overrides, world", SHARD_CASES,
+                         ids=[f"{name}-{'uneven' if overrides else 'even'}-{world}" for name, overrides, world in SHARD_CASES])
 def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tmp_path, name, overrides, world):
     """Column-parallel qkv (whole heads, each rank's query heads those of its KV heads) and gate|up, row-parallel
     o_proj and down_proj, the embedding by vocabulary rows, norms whole, lm_head on rank 0 alone."""
@@ -180,6 +182,12 @@ def test_fewer_kv_heads_than_ranks_are_replicated_and_a_hung_worker_times_out(tm
         llm.generate(prompts, params, use_tqdm=False)
     assert time.monotonic() - start < 8
     shutdown_leaves_no_worker(llm)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat"]])
+def test_the_command_line_takes_vllms_tensor_parallel_size_option(command):
+    args = cli.build_parser().parse_args([*command, "--tensor-parallel-size", "2"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
 
 
 @pytest.mark.parametrize("size", [0, -2, 1.5, "2", True])

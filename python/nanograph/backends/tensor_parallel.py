@@ -14,7 +14,10 @@ product but gather [seqs, vocab] float32 logits to rank 0 every step.
 Failure: rank 0's collectives time out after step_timeout seconds. A worker that dies closes its sockets, so the
 collective fails at once; one that hangs lets it time out. Either way the runner raises a RuntimeError naming the
 rank, ends the workers and refuses later steps. Workers wait for a step without a time limit and end with rank 0:
-at shutdown() (also at interpreter exit or when the runner is collected), or when rank 0's process goes."""
+at shutdown() (also at interpreter exit or when the runner is collected), or when rank 0's process goes.
+
+The ranks share the machine's cores: each takes an equal share of rank 0's torch threads (rank 0's own count is
+lowered to its share until shutdown), as more threads than cores slow every rank down."""
 from __future__ import annotations
 
 import os
@@ -49,11 +52,12 @@ class TensorParallelRunner(Runner):
         store = dist.TCPStore("127.0.0.1", 0, world, True, STARTUP_TIMEOUT, wait_for_workers=False)
         self._workers = _Workers([_start_worker(rank, world, store.port, model_config, step_timeout, runner_kwargs)
                                   for rank in range(1, world)])
-        self._stop = weakref.finalize(self, self._workers.stop, self.step_timeout)
+        self._stop = weakref.finalize(self, _shut_down, self._workers, self.step_timeout, torch.get_num_threads())
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
         try:
             self.rank0 = TorchRunner(model_config, **runner_kwargs, shard=Shard(0, world), all_reduce=self._all_reduce)
         except Exception:  # rank 0's own error (such as an unreadable checkpoint), as it is
-            self._workers.kill()
+            self._stop()
             raise
         try:
             self._workers.check_alive("starting")
@@ -68,7 +72,7 @@ class TensorParallelRunner(Runner):
         if self._error is not None:
             raise RuntimeError(self._error)
         try:
-            input_ids = self.rank0.input_ids(batch).numpy().astype(np.int32)
+            input_ids = self.rank0.input_ids(batch).cpu().numpy().astype(np.int32)
             batch = replace(batch, input_ids=input_ids, input_src=np.full_like(input_ids, -1))
             send_step(self._workers.group, batch, self.step_timeout)
             self.rank0.forward(batch, seqs)
@@ -103,6 +107,11 @@ class TensorParallelRunner(Runner):
             self._error = f"{died}; the engine cannot go on (the rank's own error, if any, is on stderr above)"
         self._workers.kill()
         raise RuntimeError(self._error) from exc
+
+
+def _shut_down(workers: _Workers, timeout: timedelta, num_threads: int):
+    workers.stop(timeout)
+    torch.set_num_threads(num_threads)
 
 
 class _Workers:
@@ -150,6 +159,7 @@ def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, s
     process = subprocess.Popen([sys.executable, "-m", "nanograph.backends.tensor_parallel_worker"],
                                stdin=subprocess.PIPE, env=env)
     pickle.dump(dict(rank=rank, world=world, port=port, parent_pid=os.getpid(), model_config=model_config,
-                     step_timeout=step_timeout, runner_kwargs=runner_kwargs), process.stdin)
+                     step_timeout=step_timeout, runner_kwargs=runner_kwargs,
+                     num_threads=max(1, torch.get_num_threads() // world)), process.stdin)
     process.stdin.close()
     return process

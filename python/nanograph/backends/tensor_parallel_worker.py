@@ -25,7 +25,7 @@ def main():
     args = pickle.load(sys.stdin.buffer)
     _exit_with(args["parent_pid"])
     rank, world = args["rank"], args["world"]
-    torch.set_num_threads(max(1, torch.get_num_threads() // world))
+    torch.set_num_threads(args["num_threads"])
     store = dist.TCPStore("127.0.0.1", args["port"], world, False, STARTUP_TIMEOUT)
     step_timeout = timedelta(seconds=args["step_timeout"])
     group = dist.ProcessGroupGloo(store, rank, world, STARTUP_TIMEOUT)
