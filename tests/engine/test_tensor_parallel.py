@@ -4,14 +4,18 @@ heads replicated, the real SmolLM2), bad sizes, and a worker that dies or hangs.
 import os
 import signal
 import time
+from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 
 from nanograph import LLM, SamplingParams, cli
 from nanograph.backends import make_runner
+from nanograph.backends.step_broadcast import FIRST_INTS, receive_step, send_step
 from nanograph.cli_options import engine_kwargs
 from nanograph.config import Config
+from nanograph.engine.batch import ForwardBatch
 from nanograph.model_config import ModelConfig
 from nanograph.models import load_weights
 from nanograph.models.sharding import Shard
@@ -104,6 +108,55 @@ def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tmp_path, name,
             assert all(torch.equal(s[key], tensor) for s in shards)
 
 
+class RecordedBroadcasts:
+    """Rank 0's broadcasts recorded, then replayed to a receiving rank, in one process."""
+
+    def __init__(self):
+        self.sent, self.replaying = [], False
+
+    def broadcast(self, tensor, root, timeout):
+        assert root == 0
+        if self.replaying:
+            tensor.copy_(self.sent.pop(0))
+        else:
+            self.sent.append(tensor.clone())
+        return self
+
+    def wait(self):
+        pass
+
+
+def replayed(batch):
+    """What a worker receives of send_step(batch), and how many broadcasts it took."""
+    group = RecordedBroadcasts()
+    send_step(group, batch, timedelta(seconds=1))
+    count, group.replaying = len(group.sent), True
+    arrived = receive_step(group, timedelta(days=1), timedelta(seconds=1))
+    assert not group.sent
+    return arrived, count
+
+
+@pytest.mark.parametrize("num_seqs, tokens_per_seq", [(3, 1), (5, 7), (40, 30)])  # the last past FIRST_INTS
+def test_the_step_metadata_arrives_whole(num_seqs, tokens_per_seq):
+    rng = np.random.default_rng(num_seqs)
+    num_tokens, max_blocks = num_seqs * tokens_per_seq, 9
+
+    def ints(*shape):
+        return rng.integers(0, 1 << 30, shape, dtype=np.int32)
+
+    batch = ForwardBatch(input_ids=ints(num_tokens), input_src=np.full(num_tokens, -1, np.int32),
+                         positions=ints(num_tokens), slot_mapping=ints(num_tokens), cu_seqlens_q=ints(num_seqs + 1),
+                         context_lens=ints(num_seqs), block_tables=ints(num_seqs, 2 * max_blocks)[:, :max_blocks],
+                         is_decode=tokens_per_seq == 1)
+    arrived, broadcasts = replayed(batch)
+    assert broadcasts == (2 if 4 + 3 * num_tokens + 2 * num_seqs + 1 + num_seqs * max_blocks > FIRST_INTS else 1)
+    assert arrived.is_decode == batch.is_decode
+    for field in ("input_ids", "input_src", "positions", "slot_mapping", "cu_seqlens_q", "context_lens",
+                  "block_tables"):
+        assert np.array_equal(getattr(arrived, field), getattr(batch, field)), field
+    assert replayed(None) == (None, 1)  # the stop message
+
+
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-tied")
@@ -178,7 +231,8 @@ def test_fewer_kv_heads_than_ranks_are_replicated_and_a_hung_worker_times_out(tm
     [pid] = llm.llm_engine.runner.worker_pids
     os.kill(pid, signal.SIGSTOP)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="no worker rank exited, so one hangs or is too slow .*waits 2 s"):
+    with pytest.raises(RuntimeError, match=r"Timed out .*; no worker rank exited, so one may hang or be slower than "
+                                           r"tensor_parallel_step_timeout \(2 s\)"):
         llm.generate(prompts, params, use_tqdm=False)
     assert time.monotonic() - start < 8
     shutdown_leaves_no_worker(llm)

@@ -100,9 +100,9 @@ class TensorParallelRunner(Runner):
         """End the workers and raise the error that names the rank at fault, where one exited."""
         try:
             self._workers.check_alive(doing, grace_s=0.5)  # a worker that died has closed its sockets: wait for it
-            self._error = (f"tensor parallelism failed while {doing}: no worker rank exited, so one hangs or is too "
-                           f"slow (each collective waits {self.step_timeout.total_seconds():g} s, "
-                           f"tensor_parallel_step_timeout): {type(exc).__name__}: {exc}")
+            self._error = (f"tensor parallelism failed while {doing}: {type(exc).__name__}: {exc}; no worker rank "
+                           f"exited, so one may hang or be slower than tensor_parallel_step_timeout "
+                           f"({self.step_timeout.total_seconds():g} s)")
         except RuntimeError as died:
             self._error = f"{died}; the engine cannot go on (the rank's own error, if any, is on stderr above)"
         self._workers.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -22,6 +23,7 @@ IDLE_TIMEOUT = timedelta(days=365)  # between steps the engine may wait for requ
 
 
 def main():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: rank 0 decides what it ends
     args = pickle.load(sys.stdin.buffer)
     _exit_with(args["parent_pid"])
     rank, world = args["rank"], args["world"]
