@@ -64,7 +64,7 @@ SHARD_CASES = [(name, {}, 2) for name in TINY_CONFIGS] + [
 
 
 @pytest.mark.parametrize("name, overrides, world", SHARD_CASES,
-                         ids=[f"{name}-{'uneven' if overrides else 'even'}-{world}" for name, overrides, world in SHARD_CASES])
+                         ids=[f"{name}-{'uneven' if o else 'even'}-{world}" for name, o, world in SHARD_CASES])
 def test_each_rank_loads_its_slice_and_the_slices_make_the_whole(tmp_path, name, overrides, world):
     """Column-parallel qkv (whole heads, each rank's query heads those of its KV heads) and gate|up, row-parallel
     o_proj and down_proj, the embedding by vocabulary rows, norms whole, lm_head on rank 0 alone."""
@@ -273,6 +273,8 @@ def test_smollm2_greedy_generations_agree_with_one_rank_by_the_top5_rule():
     llm = LLM(device="cpu", max_model_len=128, tensor_parallel_size=2)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     shutdown_leaves_no_worker(llm)
+    with pytest.raises(RuntimeError, match=r"the engine was shut down \(LLM.shutdown\(\)\)"):
+        llm.generate(prompts[:1], params, use_tqdm=False)
     for out, ref in zip(outputs, expected, strict=True):
         ours, theirs = out.outputs[0], ref.outputs[0]
         for i, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)):

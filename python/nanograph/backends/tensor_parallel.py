@@ -87,6 +87,7 @@ class TensorParallelRunner(Runner):
 
     def shutdown(self):
         self._stop()
+        self._error = self._error or "the engine was shut down (LLM.shutdown()); build a new LLM to run more requests"
 
     @property
     def worker_pids(self) -> list[int]:

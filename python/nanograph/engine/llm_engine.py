@@ -158,8 +158,8 @@ class LLMEngine:
             return outputs
 
     def shutdown(self):
-        """Release what the runner holds outside this process (a tensor-parallel runner's worker processes); the
-        engine runs no step afterwards."""
+        """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
+        which its steps fail)."""
         with self._lock:
             self.runner.shutdown()
 

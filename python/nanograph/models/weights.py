@@ -39,8 +39,8 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
             tensors = []
             for name, shape, *index in parts:
                 view = file_of[name].get_slice(name)
-                if tuple(view.get_shape()) != shape:
-                    raise ValueError(f"tensor {name} in {str(path)!r} has shape {list(view.get_shape())}, but config.json "
+                if (found := list(view.get_shape())) != list(shape):
+                    raise ValueError(f"tensor {name} in {str(path)!r} has shape {found}, but config.json "
                                      f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
                 tensors.append(view[index[0]] if index else file_of[name].get_tensor(name))
