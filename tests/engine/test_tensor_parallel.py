@@ -3,6 +3,7 @@ outputs against tensor_parallel_size=1 (greedy, seeded, chunked prefill with pre
 heads replicated, the real SmolLM2), bad sizes, and a worker that dies or hangs."""
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -236,6 +237,14 @@ def test_fewer_kv_heads_than_ranks_are_replicated_and_a_hung_worker_times_out(tm
         llm.generate(prompts, params, use_tqdm=False)
     assert time.monotonic() - start < 8
     shutdown_leaves_no_worker(llm)
+
+
+def test_a_worker_that_fails_to_start_is_an_error_naming_its_rank(tiny_folder, monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the worker process exits with code 1 at once
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"tensor parallel rank 1 \(pid \d+\) exited with code 1 while starting"):
+        LLM(str(tiny_folder), **SMALL, tensor_parallel_size=2)
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "hi"], ["chat"]])

@@ -24,6 +24,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import replace
 from datetime import timedelta
@@ -60,7 +61,7 @@ class TensorParallelRunner(Runner):
             self._stop()
             raise
         try:
-            self._workers.check_alive("starting")
+            self._workers.wait_connected(store)
             self._workers.group = dist.ProcessGroupGloo(store, 0, world, STARTUP_TIMEOUT)
             self._workers.group.allreduce([torch.zeros(1)]).wait()  # every shard is loaded
         except Exception as exc:
@@ -134,6 +135,20 @@ class _Workers:
             raise RuntimeError("; ".join(f"tensor parallel rank {rank} (pid {process.pid}) exited with code "
                                          f"{process.returncode} while {doing}" for rank, process in exited))
 
+    def wait_connected(self, store: dist.TCPStore):
+        """Wait for every worker to reach the store, checking each second that none has exited meanwhile (one
+        that fails to start would otherwise leave rank 0 waiting for the whole STARTUP_TIMEOUT)."""
+        keys = [connected_key(rank) for rank in range(1, len(self.processes) + 1)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+        while True:
+            self.check_alive("starting")
+            try:
+                store.wait(keys, timedelta(seconds=1))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() > deadline:
+                    raise
+
     def stop(self, timeout: timedelta):
         """Tell the workers to stop, then kill any that has not within a few seconds."""
         if self.group is not None and all(process.poll() is None for process in self.processes):
@@ -150,6 +165,11 @@ class _Workers:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def connected_key(rank: int) -> str:
+    """The store key a worker sets once it has reached the store."""
+    return f"worker {rank} connected"
 
 
 def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, step_timeout: float,

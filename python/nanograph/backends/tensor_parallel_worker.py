@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..models.sharding import Shard
 from .step_broadcast import receive_step
-from .tensor_parallel import STARTUP_TIMEOUT
+from .tensor_parallel import STARTUP_TIMEOUT, connected_key
 from .torch_backend import TorchRunner
 
 IDLE_TIMEOUT = timedelta(days=365)  # between steps the engine may wait for requests as long as it likes
@@ -29,6 +29,7 @@ def main():
     rank, world = args["rank"], args["world"]
     torch.set_num_threads(args["num_threads"])
     store = dist.TCPStore("127.0.0.1", args["port"], world, False, STARTUP_TIMEOUT)
+    store.set(connected_key(rank), "1")
     step_timeout = timedelta(seconds=args["step_timeout"])
     group = dist.ProcessGroupGloo(store, rank, world, STARTUP_TIMEOUT)
     runner = TorchRunner(args["model_config"], **_rank_device(args["runner_kwargs"], rank), shard=Shard(rank, world),
