@@ -1,7 +1,8 @@
-"""Shard: which part of each weight one tensor-parallel rank holds (Megatron's split, as vLLM makes it).
+"""Shard: which part of each weight one tensor-parallel rank holds (Megatron's split, as vLLM makes it, except that
+head and row counts the ranks do not divide are split unevenly).
 
 qkv and gate|up are split by output rows (column-parallel): each rank its share of the KV heads with the query
-heads that read them (whole GQA groups, so SmolLM2's 3 KV heads go 2 and 1 over 2 ranks; with fewer KV heads than
+heads that read them (whole GQA groups, so SmolLM2's 3 KV heads go 1 and 2 over 2 ranks; with fewer KV heads than
 ranks, each rank holds the one KV head its query heads share, replicated as vLLM does), and its share of the MLP's
 intermediate rows. o_proj and down_proj are split by input columns to match (row-parallel: each rank's product is
 a partial sum, all-reduced). The embedding is split by vocabulary rows (each rank looks up the tokens in its range,
