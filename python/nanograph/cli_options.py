@@ -21,6 +21,8 @@ ENGINE_OPTIONS = {
     "quantization": (str, "fp8: quantize the weights' linear layers to FP8 at load (an FP8 checkpoint runs as such "
                           "without it)"),
     "kv_cache_dtype": (str, "the KV cache's dtype; auto: the model's"),
+    "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
+                                  "or torch:<torch device>)"),
 }
 
 

@@ -30,6 +30,8 @@ class Config:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: the runner sizes the KV cache
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes that each hold a shard of the model (the torch backend for now)
+    tensor_parallel_step_timeout: float = 60.0  # seconds a rank waits on another in a step before the engine fails
     max_logprobs: int = 20  # the most top logprobs a request may ask for (vLLM's default); -1: no limit
     # Where the model, its tokenizer and its sampling defaults come from.
     revision: str | None = None  # the Hub revision (branch, tag or commit) of a Hub id
@@ -57,6 +59,7 @@ class Config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}.")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "seed", "max_logprobs",
+                     "tensor_parallel_size",
                      *(name for name in ("max_model_len", "num_kv_blocks") if getattr(self, name) is not None)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -83,11 +86,14 @@ class Config:
             if name not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"unsupported dtype {self.dtype}; use 'auto', 'bfloat16', 'float16' or 'float32'")
             self.dtype = name
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
                      *(("max_model_len",) if self.max_model_len is not None else ())):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1 or None, got {self.num_kv_blocks}.")
+        timeout = self.tensor_parallel_step_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"tensor_parallel_step_timeout must be a number of seconds above 0, got {timeout!r}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")

@@ -21,7 +21,6 @@ class EngineArg:
 
 
 VLLM_ARGS = {
-    "tensor_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
     "pipeline_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
     "data_parallel_size": EngineArg((1,), "nanograph runs a model on one GPU"),
     "distributed_executor_backend": EngineArg((None, "uni"), "nanograph runs in the calling process"),

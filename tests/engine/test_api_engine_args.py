@@ -33,7 +33,6 @@ def reference(folder):
 
 
 @pytest.mark.parametrize("name, value, supported", [
-    ("tensor_parallel_size", 2, "tensor_parallel_size=1"),
     ("pipeline_parallel_size", 4, "pipeline_parallel_size=1"),
     ("data_parallel_size", 2, "data_parallel_size=1"),
     ("quantization", "awq", "quantization='fp8'"),

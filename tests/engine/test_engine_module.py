@@ -3,7 +3,7 @@ the runner's attributes."""
 import ast
 import inspect
 
-from nanograph.backends import cuda_backend, torch_backend
+from nanograph.backends import cuda_backend, tensor_parallel, torch_backend
 from nanograph.backends.base import Runner
 from nanograph.engine import llm_engine
 
@@ -19,9 +19,10 @@ def test_the_engine_names_no_backend_and_probes_no_runner_attribute():
     assert not probes, [ast.unparse(probe) for probe in probes]
     runner_calls = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                     and isinstance(node.value, ast.Attribute) and node.value.attr == "runner"}
-    assert runner_calls <= {"forward", "sample", "prompt_logprobs", "num_kv_blocks", "block_size"}, runner_calls
+    assert runner_calls <= {"forward", "sample", "prompt_logprobs", "shutdown", "num_kv_blocks",
+                           "block_size"}, runner_calls
 
 
-def test_both_backends_are_runners():
-    for runner_class in (cuda_backend.CudaRunner, torch_backend.TorchRunner):
+def test_every_backend_is_a_runner():
+    for runner_class in (cuda_backend.CudaRunner, torch_backend.TorchRunner, tensor_parallel.TensorParallelRunner):
         assert issubclass(runner_class, Runner) and not inspect.isabstract(runner_class)

@@ -44,10 +44,12 @@ def make_tiny_chat_model(folder, seed: int = 0):
     return model
 
 
-def make_tiny_model(folder, name: str, seed: int = 0, **save_kwargs):
+def make_tiny_model(folder, name: str, seed: int = 0, config_overrides: dict | None = None, **save_kwargs):
     """Saves a float32 model with weights large enough to give peaked logits (HF's 0.02 init is near flat) and
-    non-unit norms, so a swapped or missing tensor changes the output. Returns the HF model (eval mode)."""
-    return _save_random_model(folder, {**_COMMON, **TINY_CONFIGS[name]}, seed, **save_kwargs)
+    non-unit norms, so a swapped or missing tensor changes the output. config_overrides: config.json fields over
+    TINY_CONFIGS[name]'s. Returns the HF model (eval mode)."""
+    return _save_random_model(folder, {**_COMMON, **TINY_CONFIGS[name], **(config_overrides or {})}, seed,
+                              **save_kwargs)
 
 
 def _save_random_model(folder, spec: dict, seed: int, **save_kwargs):

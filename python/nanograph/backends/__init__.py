@@ -12,19 +12,32 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 def make_runner(config, model_config: ModelConfig):
     """device "cuda": the C++/CUDA core; "cpu" or "torch:<torch device>" (e.g. "torch:cuda", also spelt
-    "torch-cuda"): the plain-PyTorch reference; "auto": cuda when the core sees a GPU, else cpu."""
+    "torch-cuda"): the plain-PyTorch reference, over tensor_parallel_size processes when that is above 1; "auto":
+    cuda when the core sees a GPU, else cpu."""
     device = config.device
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
     if device == "cuda":
+        if config.tensor_parallel_size > 1:
+            raise NotImplementedError(f"tensor_parallel_size={config.tensor_parallel_size} is not implemented on the "
+                                      "CUDA core yet: tensor parallelism runs on the torch backend for now; use "
+                                      "device='cpu' or device='torch:<torch device>', or tensor_parallel_size=1")
         from .cuda_backend import CudaRunner
         return CudaRunner(config, model_config)
-    from .torch_backend import TorchRunner
     torch_device = _torch_device(device)
-    return TorchRunner(model_config, device=torch_device, dtype=resolve_dtype(config.dtype, model_config, torch_device),
-                       block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, seed=config.seed,
-                       quantization=config.quantization)
+    runner_kwargs = dict(device=torch_device, dtype=resolve_dtype(config.dtype, model_config, torch_device),
+                         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+                         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, seed=config.seed,
+                         quantization=config.quantization)
+    if config.tensor_parallel_size > 1:
+        if "fp8" in (config.quantization, model_config.quantization):
+            raise ValueError("FP8 weights (quantization='fp8' or an FP8 checkpoint) do not run with "
+                             f"tensor_parallel_size={config.tensor_parallel_size} yet; use tensor_parallel_size=1")
+        from .tensor_parallel import TensorParallelRunner
+        return TensorParallelRunner(model_config, config.tensor_parallel_size, config.tensor_parallel_step_timeout,
+                                    **runner_kwargs)
+    from .torch_backend import TorchRunner
+    return TorchRunner(model_config, **runner_kwargs)
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -55,6 +55,9 @@ class Runner(ABC):
         the last forward fed, valid until the next forward is queued, ordered after that forward."""
         raise NotImplementedError(f"{type(self).__name__} keeps no hidden states, so it gives no prompt logprobs")
 
+    def shutdown(self):
+        """Release what the runner holds outside this process (a tensor-parallel runner's worker processes)."""
+
     def prompt_logprobs(self, token_rows: np.ndarray, target_ids: list[int], num_top: list[int]) -> Pending:
         """Queue the logprobs of target_ids[j] at the last forward's token token_rows[j] (the token just before it),
         with the num_top[j] most likely tokens; result() brings them to the host (one TokenLogprobs per token)."""

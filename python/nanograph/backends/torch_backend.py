@@ -3,9 +3,13 @@
 Each layer mirrors transformers' rounding in the model dtype (RMSNorm in float32, cast back, then scaled), so
 float32 logits match HF closely. Attention runs as one padded batch: queries [seqs, max_new, heads, head_dim]
 against keys gathered from the cache by block table, with a mask that is causal from the cached-prefix offset.
+
+Under tensor parallelism (backends/tensor_parallel.py) a TorchRunner holds one rank's shard (models/sharding.py)
+and all_reduce sums the partial outputs of the embedding, o_proj and down_proj over the ranks.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +18,7 @@ import torch.nn.functional as F
 
 from ..model_config import ModelConfig
 from ..models import head_logits, load_weights, rms_norm, rope_cos_sin
+from ..models.sharding import Shard
 from ..sampling import Sampler
 from .base import PendingTokens, Runner
 
@@ -24,25 +29,31 @@ class TorchRunner(Runner):
     def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0,
-                 quantization: str | None = None):
+                 quantization: str | None = None, shard: Shard | None = None,
+                 all_reduce: Callable[[torch.Tensor], None] | None = None):
         self.model_config = mc = model_config
         self.device = torch.device(device)
         self.block_size = block_size
         max_model_len = max_model_len or mc.max_position_embeddings
+        self.shard, self.all_reduce = shard, all_reduce
+        self.num_heads = len(shard.q_heads(mc)) if shard else mc.num_heads  # this rank's
+        self.num_kv_heads = len(shard.kv_heads(mc)) if shard else mc.num_kv_heads
         # FP8 linears (the checkpoint's, or quantization="fp8") run dequantized: their values, in dtype's matmuls.
-        self.weights = load_weights(mc.path, mc, dtype, self.device, quantization=quantization, dequantize=True)
+        self.weights = load_weights(mc.path, mc, dtype, self.device, shard, quantization=quantization,
+                                    dequantize=True)
         cos_sin = rope_cos_sin(mc, max_model_len, self.device)
         half = mc.head_dim // 2
         # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them
         self.cos = cos_sin[:, :half].repeat(1, 2).to(dtype)
         self.sin = cos_sin[:, half:].repeat(1, 2).to(dtype)
-        bytes_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * dtype.itemsize
+        kv_heads = shard.most_kv_heads(mc) if shard else mc.num_kv_heads
+        bytes_per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * dtype.itemsize
         # Within the budget; the engine caps a default max_model_len at what it holds (a given one that does not fit
         # is an error there).
         kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), block_size)
         self.num_kv_blocks = num_kv_blocks or -(-kv_tokens // block_size)
         # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
-        shape = (self.num_kv_blocks, block_size, mc.num_kv_heads, mc.head_dim)
+        shape = (self.num_kv_blocks, block_size, self.num_kv_heads, mc.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
         self.sampler = Sampler(self.device, mc.eos_token_ids, seed)
@@ -62,22 +73,30 @@ class TorchRunner(Runner):
     @torch.inference_mode()
     def run(self, batch) -> torch.Tensor:
         """float32 logits [num_seqs, vocab] for each sequence's last new token."""
+        last_token_rows = torch.from_numpy(batch.cu_seqlens_q[1:] - 1).to(self.device, torch.long)
+        return head_logits(self.run_layers(batch)[last_token_rows], self.weights, self.model_config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def run_layers(self, batch) -> torch.Tensor:
+        """The final hidden states [num_tokens, hidden_size] (the final norm's input): the step without the head,
+        which is all that a tensor-parallel rank other than 0 runs."""
         mc, w = self.model_config, self.weights
         meta = _AttentionMetadata.build(batch, self.block_size, self.device)
         positions = torch.from_numpy(batch.positions).to(self.device, torch.long)
         cos, sin = self.cos[positions, None, :], self.sin[positions, None, :]
-        h = w["embed_tokens"][self._input_ids(batch)]
+        h = self._embed(self.input_ids(batch))
         for i in range(mc.num_layers):
             p = f"layers.{i}."
             h = h + self._attention(i, rms_norm(h, w[p + "input_layernorm"], mc.rms_norm_eps), cos, sin, meta)
             h = h + self._mlp(i, rms_norm(h, w[p + "post_attention_layernorm"], mc.rms_norm_eps))
         self._hidden = h
-        return head_logits(h[meta.last_token_rows], w, mc.rms_norm_eps)
+        return h
 
     def final_hidden(self) -> torch.Tensor:
         return self._hidden
 
-    def _input_ids(self, batch) -> torch.Tensor:
+    def input_ids(self, batch) -> torch.Tensor:
+        """The step's input ids, those the host has not read yet taken from the last sampled tokens."""
         input_ids = torch.from_numpy(batch.input_ids).to(self.device, torch.long)
         pending = batch.input_src >= 0
         if pending.any():
@@ -85,9 +104,24 @@ class TorchRunner(Runner):
             input_ids[rows] = self._sampled[torch.from_numpy(batch.input_src[pending]).to(self.device, torch.long)]
         return input_ids
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self.weights["embed_tokens"]
+        if self.shard is None:
+            return table[input_ids]
+        vocab = self.shard.vocab(self.model_config)
+        local = input_ids - vocab.start
+        inside = (local >= 0) & (local < len(vocab))
+        return self._reduce(torch.where(inside[:, None], table[local.clamp(0, len(vocab) - 1)], 0))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's partial (itself on one rank)."""
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
+        return partial
+
     def _attention(self, layer: int, x, cos, sin, meta: _AttentionMetadata) -> torch.Tensor:
         mc, w, p = self.model_config, self.weights, f"layers.{layer}."
-        nq, nkv, hd = mc.num_heads, mc.num_kv_heads, mc.head_dim
+        nq, nkv, hd = self.num_heads, self.num_kv_heads, mc.head_dim
         qkv = F.linear(x, w[p + "qkv_proj"], w.get(p + "qkv_bias"))
         q, k, v = (t.view(len(x), -1, hd) for t in qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1))
         if mc.qk_norm:
@@ -103,12 +137,12 @@ class TorchRunner(Runner):
         values = v_cache[meta.kv_slots].repeat_interleave(group, dim=2).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=meta.mask)
         out = out.transpose(1, 2)[meta.query_seq, meta.query_offset]
-        return F.linear(out.reshape(len(x), nq * hd), w[p + "o_proj"])
+        return self._reduce(F.linear(out.reshape(len(x), nq * hd), w[p + "o_proj"]))
 
     def _mlp(self, layer: int, x) -> torch.Tensor:
         w, p = self.weights, f"layers.{layer}."
         gate, up = F.linear(x, w[p + "gate_up_proj"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w[p + "down_proj"])
+        return self._reduce(F.linear(F.silu(gate) * up, w[p + "down_proj"]))
 
 
 @dataclass
@@ -121,7 +155,6 @@ class _AttentionMetadata:
     query_offset: torch.Tensor    # [num_tokens]: its index among that sequence's new tokens
     kv_slots: torch.Tensor        # [num_seqs, max_context_len]: cache slot of each position (padding reads slot 0)
     mask: torch.Tensor            # bool [num_seqs, 1, max_query_len, max_context_len]: True where attention is allowed
-    last_token_rows: torch.Tensor  # [num_seqs]
 
     @classmethod
     def build(cls, batch, block_size: int, device: torch.device) -> _AttentionMetadata:
@@ -143,7 +176,7 @@ class _AttentionMetadata:
                    slot_mapping=tensor(batch.slot_mapping.astype(np.int64)),
                    query_seq=tensor(query_seq),
                    query_offset=tensor(np.arange(cu[-1]) - cu[query_seq]),
-                   kv_slots=tensor(kv_slots), mask=tensor(mask[:, None]), last_token_rows=tensor(cu[1:] - 1))
+                   kv_slots=tensor(kv_slots), mask=tensor(mask[:, None]))
 
 
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

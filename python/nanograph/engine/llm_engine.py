@@ -157,6 +157,12 @@ class LLMEngine:
                     outputs.append(output)
             return outputs
 
+    def shutdown(self):
+        """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
+        which its steps fail)."""
+        with self._lock:
+            self.runner.shutdown()
+
     def take_deltas(self) -> list[CompletionDelta]:
         """What the steps since the last call added to each request queued with add_request(stream=True) (or all of
         it so far, as its SamplingParams.output_kind asks); a finished (or aborted) request reports once more,

@@ -13,12 +13,15 @@ from safetensors import safe_open
 from ..config import SUPPORTED_QUANTIZATION
 from ..model_config import ModelConfig
 from .fp8 import BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales, quantize_fp8
+from .sharding import Shard
 
 SCALE_SUFFIX = "_scale"  # weights[name + SCALE_SUFFIX]: an FP8 linear's packed scales
+_WHOLE = slice(None)
 
 
-def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str, *,
-                 quantization: str | None = None, dequantize: bool = False) -> dict[str, torch.Tensor]:
+def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: Shard | None = None, *, quantization: str | None = None,
+                 dequantize: bool = False) -> dict[str, torch.Tensor]:
     """Names: embed_tokens, norm, lm_head and layers.{i}.{input_layernorm, qkv_proj, qkv_bias (Qwen2), q_norm and
     k_norm (Qwen3), o_proj, post_attention_layernorm, gate_up_proj (gate rows first), down_proj}, in dtype.
 
@@ -28,11 +31,17 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
     holds in 16 or 32 bits (all of them when quantizing at load; one in an FP8 checkpoint's modules_to_not_convert)
     is quantized in 128 x 128 blocks on device, one tensor at a time, so that every linear has one format.
     dequantize: the FP8 linears come back as dtype (float(fp8) * scale), for a backend without FP8 matmuls.
-    Any other tensor an FP8 checkpoint quantized (an lm_head, say) is dequantized to dtype."""
+    Any other tensor an FP8 checkpoint quantized (an lm_head, say) is dequantized to dtype.
+    shard: the part of each tensor that one tensor-parallel rank holds (models/sharding.py), read from the files
+    alone; lm_head only on rank 0. Not with FP8 weights, whose 128-column blocks a rank's cut would split."""
     if quantization not in (None, *SUPPORTED_QUANTIZATION):
         raise ValueError(f"quantization={quantization!r} is not supported; use None (the checkpoint's format) or "
                          f"one of {list(SUPPORTED_QUANTIZATION)}")
     fp8_model = "fp8" in (quantization, model_config.quantization)
+    if fp8_model and shard is not None:
+        raise ValueError("FP8 weights (quantization='fp8' or an FP8 checkpoint) do not run with "
+                         "tensor_parallel_size > 1 yet; use tensor_parallel_size=1, or a 16-bit checkpoint without "
+                         "quantization")
     files = weight_files(Path(path))
     with ExitStack() as stack:
         handles = []
@@ -43,33 +52,37 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                 raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
 
-        def read(*parts: tuple[str, tuple[int, ...]]) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-            """Each named tensor on device, checked against the shape config.json gives it, with its checkpoint
-            block scales when it is FP8 (else None); read one at a time as the caller asks."""
-            missing = [name for name, _ in parts if name not in file_of]
+        def read(*parts: tuple) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+            """Each named tensor on device, checked against the shape config.json gives it and cut to its index (a
+            part's optional third item: the shard's rows or columns), with its checkpoint block scales when it is
+            FP8 (else None); read one at a time as the caller asks."""
+            missing = [name for name, *_ in parts if name not in file_of]
             if missing:
                 raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
-            for name, shape in parts:
-                tensor = file_of[name].get_tensor(name)
-                if tuple(tensor.shape) != shape:
-                    raise ValueError(f"tensor {name} in {str(path)!r} has shape {list(tensor.shape)}, but config.json "
+            for name, shape, *index in parts:
+                view = file_of[name].get_slice(name)
+                if (found := list(view.get_shape())) != list(shape):
+                    raise ValueError(f"tensor {name} in {str(path)!r} has shape {found}, but config.json "
                                      f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
+                tensor = view[index[0]] if index else file_of[name].get_tensor(name)
                 scale_name = name + "_scale_inv"
                 is_fp8 = tensor.dtype == FP8_DTYPE and scale_name in file_of
+                if is_fp8 and index:
+                    raise ValueError(f"{name} is FP8: a tensor-parallel rank cannot take its part")
                 yield tensor.to(device), file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
 
-        def get(*parts: tuple[str, tuple[int, ...]]) -> torch.Tensor:
+        def get(*parts: tuple) -> torch.Tensor:
             """The named tensors concatenated in dtype (an FP8 one dequantized)."""
             return torch.cat([t.to(dtype) if scales is None else
                               dequantize_fp8(t, scales, rows_per_scale=BLOCK_SIZE).to(dtype)
                               for t, scales in read(*parts)])
 
-        def linear(name: str, *parts: tuple[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        def linear(name: str, *parts: tuple) -> dict[str, torch.Tensor]:
             """weights[name], the pieces concatenated along rows, and for an FP8 model its packed scales."""
-            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, _ in parts):
+            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, *_ in parts):
                 return {name: get(*parts)}
-            split = [shape[0] for _, shape in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
+            split = [shape[0] for _, shape, *_ in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
             if split:
                 raise ValueError(f"{name}: a fused piece of {split[0]} rows would split a group of "
                                  f"{PACKED_SCALE_ROWS} rows that share one FP8 scale; FP8 needs every piece's rows "
@@ -88,27 +101,48 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
         mc = model_config
         hidden, head_dim, inter = mc.hidden_size, mc.head_dim, mc.intermediate_size
         q_rows, kv_rows = mc.num_heads * head_dim, mc.num_kv_heads * head_dim
-        weights = {"embed_tokens": get(("model.embed_tokens.weight", (mc.vocab_size, hidden))),
-                   "norm": get(("model.norm.weight", (hidden,)))}
-        weights["lm_head"] = weights["embed_tokens"] if mc.tie_word_embeddings else \
-            get(("lm_head.weight", (mc.vocab_size, hidden)))
+        cut = _cuts(shard, mc)
+        embed = ("model.embed_tokens.weight", (mc.vocab_size, hidden))
+        weights = {"norm": get(("model.norm.weight", (hidden,)))}
+        if shard is None or shard.rank == 0:
+            weights["lm_head"] = get(embed if mc.tie_word_embeddings else ("lm_head.weight", (mc.vocab_size, hidden)))
+        if mc.tie_word_embeddings and "lm_head" in weights:
+            weights["embed_tokens"] = weights["lm_head"][cut["embed"]] if shard else weights["lm_head"]
+        else:
+            weights["embed_tokens"] = get((*embed, *cut["embed"]))
         for i in range(mc.num_layers):
             hf, ours = f"model.layers.{i}.", f"layers.{i}."
             attn = hf + "self_attn."
             rows = {"q": q_rows, "k": kv_rows, "v": kv_rows}
             weights[ours + "input_layernorm"] = get((hf + "input_layernorm.weight", (hidden,)))
-            weights.update(linear(ours + "qkv_proj", *((attn + p + "_proj.weight", (rows[p], hidden)) for p in "qkv")))
+            weights.update(linear(ours + "qkv_proj",
+                                  *((attn + p + "_proj.weight", (rows[p], hidden), *cut[p]) for p in "qkv")))
             if mc.qkv_bias:
-                weights[ours + "qkv_bias"] = get(*((attn + p + "_proj.bias", (rows[p],)) for p in "qkv"))
+                weights[ours + "qkv_bias"] = get(*((attn + p + "_proj.bias", (rows[p],), *cut[p]) for p in "qkv"))
             if mc.qk_norm:
                 weights[ours + "q_norm"] = get((attn + "q_norm.weight", (head_dim,)))
                 weights[ours + "k_norm"] = get((attn + "k_norm.weight", (head_dim,)))
-            weights.update(linear(ours + "o_proj", (attn + "o_proj.weight", (hidden, q_rows))))
+            weights.update(linear(ours + "o_proj", (attn + "o_proj.weight", (hidden, q_rows), *cut["o"])))
             weights[ours + "post_attention_layernorm"] = get((hf + "post_attention_layernorm.weight", (hidden,)))
-            weights.update(linear(ours + "gate_up_proj", (hf + "mlp.gate_proj.weight", (inter, hidden)),
-                                  (hf + "mlp.up_proj.weight", (inter, hidden))))
-            weights.update(linear(ours + "down_proj", (hf + "mlp.down_proj.weight", (hidden, inter))))
+            weights.update(linear(ours + "gate_up_proj",
+                                  (hf + "mlp.gate_proj.weight", (inter, hidden), *cut["gate_up"]),
+                                  (hf + "mlp.up_proj.weight", (inter, hidden), *cut["gate_up"])))
+            weights.update(linear(ours + "down_proj", (hf + "mlp.down_proj.weight", (hidden, inter), *cut["down"])))
     return weights
+
+
+def _cuts(shard: Shard | None, mc: ModelConfig) -> dict[str, tuple]:
+    """The index into each split tensor of the part that shard holds: (index,), or () for the whole tensor."""
+    if shard is None:
+        return dict.fromkeys(("q", "k", "v", "o", "gate_up", "down", "embed"), ())
+
+    def span(heads_or_rows: range, width: int = 1) -> slice:
+        return slice(heads_or_rows.start * width, heads_or_rows.stop * width)
+
+    q, kv = span(shard.q_heads(mc), mc.head_dim), span(shard.kv_heads(mc), mc.head_dim)
+    inter = span(shard.intermediate(mc))
+    return {"q": (q,), "k": (kv,), "v": (kv,), "o": ((_WHOLE, q),), "gate_up": (inter,), "down": ((_WHOLE, inter),),
+            "embed": (span(shard.vocab(mc)),)}
 
 
 def _shape_fields(mc: ModelConfig) -> str:

@@ -98,6 +98,7 @@ class EngineCore:
         try:
             self._loop()
         finally:
+            self.engine.shutdown()
             self._outbox.put(None)
             self._writer.join()
 

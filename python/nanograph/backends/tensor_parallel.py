@@ -1,0 +1,186 @@
+"""TensorParallelRunner: the torch backend over tensor_parallel_size processes, each holding one shard of the model
+(models/sharding.py), joined by torch.distributed's gloo backend over localhost.
+
+Rank 0 is this process: it runs the scheduler, the sampler and the API, and drives a TorchRunner on its shard. Ranks
+1..N-1 are worker processes (backends/tensor_parallel_worker.py), started with subprocess rather than
+multiprocessing so that a daemonic process (the server's engine process) may start them too. Each step, rank 0
+resolves the sampled tokens the step reads (input_src) into its input ids and broadcasts the step's metadata
+(backends/step_broadcast.py); then every rank runs the same layers on its shard, the partial sums all-reduced.
+
+The head runs on rank 0 alone, over the whole lm_head: the sampler and the prompt logprobs need whole rows of
+logits, and for a small vocabulary (SmolLM2's 49,152 x 576) a vocabulary-parallel head would save half of a small
+product but gather [seqs, vocab] float32 logits to rank 0 every step.
+
+Failure: rank 0's collectives time out after step_timeout seconds. A worker that dies closes its sockets, so the
+collective fails at once; one that hangs lets it time out. Either way the runner raises a RuntimeError naming the
+rank, ends the workers and refuses later steps. Workers wait for a step without a time limit and end with rank 0:
+at shutdown() (also at interpreter exit or when the runner is collected), or when rank 0's process goes.
+
+The ranks share the machine's cores: each takes an equal share of rank 0's torch threads (rank 0's own count is
+lowered to its share until shutdown), as more threads than cores slow every rank down."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..model_config import ModelConfig
+from ..models.sharding import Shard
+from .base import PendingTokens, Runner
+from .step_broadcast import send_step
+from .torch_backend import TorchRunner
+
+# For the workers to start and load their shards: the group's own timeout; each step's collectives pass theirs.
+STARTUP_TIMEOUT = timedelta(minutes=10)
+
+
+class TensorParallelRunner(Runner):
+    def __init__(self, model_config: ModelConfig, world: int, step_timeout: float, **runner_kwargs):
+        Shard.check(model_config, world)
+        self.model_config = model_config
+        self.step_timeout = timedelta(seconds=step_timeout)
+        self._error: str | None = None
+        store = dist.TCPStore("127.0.0.1", 0, world, True, STARTUP_TIMEOUT, wait_for_workers=False)
+        self._workers = _Workers([_start_worker(rank, world, store.port, model_config, step_timeout, runner_kwargs)
+                                  for rank in range(1, world)])
+        self._stop = weakref.finalize(self, _shut_down, self._workers, self.step_timeout, torch.get_num_threads())
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
+        try:
+            self.rank0 = TorchRunner(model_config, **runner_kwargs, shard=Shard(0, world), all_reduce=self._all_reduce)
+        except Exception:  # rank 0's own error (such as an unreadable checkpoint), as it is
+            self._stop()
+            raise
+        try:
+            self._workers.wait_connected(store)
+            self._workers.group = dist.ProcessGroupGloo(store, 0, world, STARTUP_TIMEOUT)
+            self._workers.group.allreduce([torch.zeros(1)]).wait()  # every shard is loaded
+        except Exception as exc:
+            self._fail(exc, "starting")
+        self.device, self.block_size = self.rank0.device, self.rank0.block_size
+        self.num_kv_blocks, self.weights = self.rank0.num_kv_blocks, self.rank0.weights
+
+    def forward(self, batch, seqs: list):
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        try:
+            input_ids = self.rank0.input_ids(batch).cpu().numpy().astype(np.int32)
+            batch = replace(batch, input_ids=input_ids, input_src=np.full_like(input_ids, -1))
+            send_step(self._workers.group, batch, self.step_timeout)
+            self.rank0.forward(batch, seqs)
+        except Exception as exc:
+            self._fail(exc, "running a step")
+
+    def sample(self, rows: list[int], seqs: list) -> PendingTokens:
+        return self.rank0.sample(rows, seqs)
+
+    def final_hidden(self) -> torch.Tensor:
+        return self.rank0.final_hidden()
+
+    def shutdown(self):
+        self._stop()
+        self._error = self._error or "the engine was shut down (LLM.shutdown()); build a new LLM to run more requests"
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of ranks 1..N-1."""
+        return [process.pid for process in self._workers.processes]
+
+    def _all_reduce(self, partial: torch.Tensor):
+        self._workers.group.allreduce([partial], timeout=self.step_timeout).wait()
+
+    def _fail(self, exc: Exception, doing: str):
+        """End the workers and raise the error that names the rank at fault, where one exited."""
+        try:
+            self._workers.check_alive(doing, grace_s=0.5)  # a worker that died has closed its sockets: wait for it
+            self._error = (f"tensor parallelism failed while {doing}: {type(exc).__name__}: {exc}; no worker rank "
+                           f"exited, so one may hang or be slower than tensor_parallel_step_timeout "
+                           f"({self.step_timeout.total_seconds():g} s)")
+        except RuntimeError as died:
+            self._error = f"{died}; the engine cannot go on (the rank's own error, if any, is on stderr above)"
+        self._workers.kill()
+        raise RuntimeError(self._error) from exc
+
+
+def _shut_down(workers: _Workers, timeout: timedelta, num_threads: int):
+    workers.stop(timeout)
+    torch.set_num_threads(num_threads)
+
+
+class _Workers:
+    """Ranks 1..N-1: their processes and, once all have connected, the process group."""
+
+    def __init__(self, processes: list[subprocess.Popen]):
+        self.processes = processes
+        self.group = None
+
+    def check_alive(self, doing: str, grace_s: float = 0.0):
+        """RuntimeError naming each rank that has exited (within grace_s each)."""
+        for process in self.processes:
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        exited = [(rank, process) for rank, process in enumerate(self.processes, 1) if process.poll() is not None]
+        if exited:
+            raise RuntimeError("; ".join(f"tensor parallel rank {rank} (pid {process.pid}) exited with code "
+                                         f"{process.returncode} while {doing}" for rank, process in exited))
+
+    def wait_connected(self, store: dist.TCPStore):
+        """Wait for every worker to reach the store, checking each second that none has exited meanwhile (one
+        that fails to start would otherwise leave rank 0 waiting for the whole STARTUP_TIMEOUT)."""
+        keys = [connected_key(rank) for rank in range(1, len(self.processes) + 1)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+        while True:
+            self.check_alive("starting")
+            try:
+                store.wait(keys, timedelta(seconds=1))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def stop(self, timeout: timedelta):
+        """Tell the workers to stop, then kill any that has not within a few seconds."""
+        if self.group is not None and all(process.poll() is None for process in self.processes):
+            try:
+                send_step(self.group, None, timeout)
+            except RuntimeError:
+                pass  # a worker is gone or hangs: it is killed below
+        self.kill(grace_s=5)
+
+    def kill(self, grace_s: float = 0.0):
+        for process in self.processes:
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def connected_key(rank: int) -> str:
+    """The store key a worker sets once it has reached the store."""
+    return f"worker {rank} connected"
+
+
+def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, step_timeout: float,
+                  runner_kwargs: dict) -> subprocess.Popen:
+    """Rank `rank` in a new process running this very nanograph, its arguments pickled on its stdin."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen([sys.executable, "-m", "nanograph.backends.tensor_parallel_worker"],
+                               stdin=subprocess.PIPE, env=env)
+    pickle.dump(dict(rank=rank, world=world, port=port, parent_pid=os.getpid(), model_config=model_config,
+                     step_timeout=step_timeout, runner_kwargs=runner_kwargs,
+                     num_threads=max(1, torch.get_num_threads() // world)), process.stdin)
+    process.stdin.close()
+    return process
