@@ -179,8 +179,11 @@ def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, s
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     process = subprocess.Popen([sys.executable, "-m", "nanograph.backends.tensor_parallel_worker"],
                                stdin=subprocess.PIPE, env=env)
-    pickle.dump(dict(rank=rank, world=world, port=port, parent_pid=os.getpid(), model_config=model_config,
-                     step_timeout=step_timeout, runner_kwargs=runner_kwargs,
-                     num_threads=max(1, torch.get_num_threads() // world)), process.stdin)
-    process.stdin.close()
+    try:
+        pickle.dump(dict(rank=rank, world=world, port=port, parent_pid=os.getpid(), model_config=model_config,
+                         step_timeout=step_timeout, runner_kwargs=runner_kwargs,
+                         num_threads=max(1, torch.get_num_threads() // world)), process.stdin)
+        process.stdin.close()
+    except BrokenPipeError:  # it has exited already: waiting for it to connect reports its exit code
+        pass
     return process
