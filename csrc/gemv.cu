@@ -5,6 +5,9 @@
 // gemv_silu_mul, the gated MLP's gate_up projection with its activation in the epilogue:
 // out[M, inter] = silu(gate) * up over weight [2 * inter, K] (gate rows, then up rows), gate and
 // up each rounded to bf16 first; see gemv_kernel's kSiluMul for how rows map to lanes.
+// gemv_fp8 and gemv_silu_mul_fp8: the weight is e4m3 with a float32 scale per 8 rows x 128
+// columns (fp8.h), x and out bf16 as above; see gemv_kernel's kFp8. dequantize_fp8 writes such a
+// weight as bf16, for cuBLASLt above 16 rows.
 //
 // Why: at decode the whole weight (4-300 MB) is read once per step and nothing is reused, so the
 // kernel is bound by how many bytes are in flight across all SMs, not by arithmetic. Every weight

@@ -28,6 +28,9 @@ def sweep(model: str | None, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAU
     batch_sizes, context_lens = sizes("batch_sizes", batch_sizes), sizes("context_lens", context_lens)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int (the decode steps timed per point), got {steps!r}")
+    if llm_kwargs.get("tensor_parallel_size", 1) != 1:
+        raise ValueError(f"bench sweep times one process's decode step; tensor_parallel_size="
+                         f"{llm_kwargs['tensor_parallel_size']} is not supported there: leave it at 1")
     llm = LLM(model, **{"max_num_seqs": batch_sizes[-1], "max_model_len": context_lens[-1], "device": "cuda",
                         **llm_kwargs})
     runner, config = llm.engine.runner, llm.engine.config
@@ -41,6 +44,19 @@ def sweep(model: str | None, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAU
     print(f"nanograph bench sweep: {Path(result['model']).name} on {result['device']} ({result['dtype']}), copy "
           f"bandwidth {bandwidth:.1f} GB/s, KV cache {runner.num_kv_blocks} blocks of {runner.block_size} tokens",
           flush=True)
+    try:
+        measure_all(llm, result["points"], batch_sizes, context_lens, bandwidth, steps)
+    finally:
+        llm.shutdown()
+    if output is not None:
+        Path(output).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {output}", flush=True)
+    return result
+
+
+def measure_all(llm: LLM, points: list, batch_sizes, context_lens, bandwidth: float, steps: int):
+    """Appends each (batch, context) point to points: measured, or skipped with the reason."""
+    runner, config = llm.engine.runner, llm.engine.config
     for context in context_lens:
         for batch in batch_sizes:
             point = {"batch": batch, "context": context}
@@ -54,11 +70,7 @@ def sweep(model: str | None, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAU
             else:
                 point["skipped"] = reason
                 print(f"  batch {batch:>4}, context {context:>6}: skipped: {reason}", flush=True)
-            result["points"].append(point)
-    if output is not None:
-        Path(output).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {output}", flush=True)
-    return result
+            points.append(point)
 
 
 def measure(llm: LLM, batch: int, context: int, bandwidth_gbs: float, steps: int) -> dict:

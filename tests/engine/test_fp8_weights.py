@@ -274,3 +274,30 @@ def test_config_rejects_what_it_does_not_run(field, value, message):
     with pytest.raises(ValueError) as info:
         Config(**{field: value})
     assert message in str(info.value)
+
+
+def test_an_fp8_tensor_without_its_block_scales_is_a_value_error_naming_them(odd_fp8_folder, tmp_path):
+    """Read without its scales, an e4m3 tensor would run as if every scale were 1."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "unscaled"
+    folder.mkdir()
+    (folder / "config.json").write_text((odd_fp8_folder / "config.json").read_text())
+    missing = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    save_file({name: t for name, t in checkpoint_tensors(odd_fp8_folder).items() if name != missing},
+              str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"model.layers.1.mlp.down_proj.weight in FP8 without its block scales "
+                                         f"{missing}"):
+        load_weights(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("field, change", [("hidden_size", dict(hidden_size=200)),
+                                           ("intermediate_size", dict(intermediate_size=296)),
+                                           ("num_attention_heads x head_dim", dict(num_heads=3, head_dim=12))])
+def test_the_cuda_core_names_a_width_its_fp8_gemv_cannot_read(field, change):
+    from nanograph.models.fp8 import check_core_shapes
+
+    widths = dict(hidden_size=256, intermediate_size=512, num_heads=4, head_dim=64)
+    check_core_shapes(types.SimpleNamespace(**widths))  # multiples of 16: no error
+    with pytest.raises(ValueError, match=f"need {field} to be a multiple of 16.*without quantization"):
+        check_core_shapes(types.SimpleNamespace(**{**widths, **change}))

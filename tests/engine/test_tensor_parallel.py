@@ -13,6 +13,7 @@ import torch
 
 from nanograph import LLM, SamplingParams, cli
 from nanograph.backends import make_runner
+from nanograph.backends.tensor_parallel import TensorParallelRunner
 from nanograph.backends.step_broadcast import FIRST_INTS, receive_step, send_step
 from nanograph.cli_options import engine_kwargs
 from nanograph.config import Config
@@ -137,8 +138,9 @@ def replayed(batch):
     return arrived, count
 
 
-@pytest.mark.parametrize("num_seqs, tokens_per_seq", [(3, 1), (5, 7), (40, 30)])  # the last past FIRST_INTS
-def test_the_step_metadata_arrives_whole(num_seqs, tokens_per_seq):
+@pytest.mark.parametrize("num_seqs, tokens_per_seq, broadcasts", [(3, 1, 1), (5, 7, 1), (40, 30, 1), (40, 40, 2)])
+def test_the_step_metadata_arrives_whole(num_seqs, tokens_per_seq, broadcasts):
+    """(40, 30): 4,045 ints, within FIRST_INTS; (40, 40): 5,285, past it, so a second broadcast."""
     rng = np.random.default_rng(num_seqs)
     num_tokens, max_blocks = num_seqs * tokens_per_seq, 9
 
@@ -149,8 +151,10 @@ def test_the_step_metadata_arrives_whole(num_seqs, tokens_per_seq):
                          positions=ints(num_tokens), slot_mapping=ints(num_tokens), cu_seqlens_q=ints(num_seqs + 1),
                          context_lens=ints(num_seqs), block_tables=ints(num_seqs, 2 * max_blocks)[:, :max_blocks],
                          is_decode=tokens_per_seq == 1)
-    arrived, broadcasts = replayed(batch)
-    assert broadcasts == (2 if 4 + 3 * num_tokens + 2 * num_seqs + 1 + num_seqs * max_blocks > FIRST_INTS else 1)
+    size = 4 + 3 * num_tokens + 2 * num_seqs + 1 + num_seqs * max_blocks
+    assert (size > FIRST_INTS) == (broadcasts == 2)
+    arrived, sent = replayed(batch)
+    assert sent == broadcasts
     assert arrived.is_decode == batch.is_decode
     for field in ("input_ids", "input_src", "positions", "slot_mapping", "cu_seqlens_q", "context_lens",
                   "block_tables"):
@@ -198,7 +202,8 @@ def test_prompt_logprobs_equal_one_rank(tp_llm, tiny_folder):
         assert all(mine[t].logprob == pytest.approx(ref[t].logprob, abs=1e-4) for t in ref)
 
 
-def test_a_worker_killed_mid_generation_fails_the_engine_with_the_rank_named(tp_llm):
+def test_a_worker_killed_mid_generation_fails_the_engine_with_the_rank_named(tiny_folder):
+    tp_llm = LLM(str(tiny_folder), **SMALL, tensor_parallel_size=2)  # its own: this test ends it
     engine = tp_llm.llm_engine
     request_id = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     engine.step()
@@ -290,3 +295,50 @@ def test_smollm2_greedy_generations_agree_with_one_rank_by_the_top5_rule():
             if a != b:
                 assert a in theirs.logprobs[i] and b in ours.logprobs[i], (out.prompt, i)
                 break
+
+
+def test_an_interrupted_step_ends_the_workers_at_once_and_later_steps_fail(tiny_folder, monkeypatch):
+    """Ctrl-C inside a step leaves the workers inside its collectives: they are killed, not told to stop (the message
+    would meet their all-reduce and wait for the step timeout)."""
+    llm = LLM(str(tiny_folder), **SMALL, tensor_parallel_size=2)
+    runner = llm.llm_engine.runner
+    pids = runner.worker_pids
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.rank0, "forward", interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - start < 10
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="a step was interrupted"):
+        llm.llm_engine.runner.forward(None, [])
+
+
+def test_an_engine_that_fails_after_its_runner_is_built_ends_the_workers(tiny_folder, monkeypatch):
+    """max_model_len beyond what the KV cache holds is an error raised once the runner (and its workers) exist."""
+    started = []
+    real_init = TensorParallelRunner.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.extend(self.worker_pids)
+
+    monkeypatch.setattr(TensorParallelRunner, "__init__", recording_init)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(tiny_folder), **{**SMALL, "num_kv_blocks": 2}, tensor_parallel_size=2)
+    assert started
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bench_sweep_refuses_tensor_parallelism(tiny_folder):
+    from nanograph.bench_sweep import sweep
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported there: leave it at 1"):
+        sweep(str(tiny_folder), [1], [16], tensor_parallel_size=2, device="cpu")

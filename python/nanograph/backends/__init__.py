@@ -33,6 +33,10 @@ def make_runner(config, model_config: ModelConfig):
         if "fp8" in (config.quantization, model_config.quantization):
             raise ValueError("FP8 weights (quantization='fp8' or an FP8 checkpoint) do not run with "
                              f"tensor_parallel_size={config.tensor_parallel_size} yet; use tensor_parallel_size=1")
+        if torch_device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} puts rank r on cuda:r, but "
+                             f"{torch.cuda.device_count()} GPU(s) are visible; use a tensor_parallel_size of at most "
+                             f"{torch.cuda.device_count()}")
         from .tensor_parallel import TensorParallelRunner
         return TensorParallelRunner(model_config, config.tensor_parallel_size, config.tensor_parallel_step_timeout,
                                     **runner_kwargs)

@@ -16,6 +16,7 @@ import torch
 
 from .._core import require_core
 from ..engine.batch import storeless_batch
+from ..models.fp8 import check_core_shapes
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
 from ..sampling import Sampler, SamplerOutput
@@ -51,6 +52,8 @@ class CudaRunner(Runner):
         self.model_config = mc = model_config
         self.block_size = config.block_size
         self.device = torch.device("cuda", torch.cuda.current_device())
+        if "fp8" in (config.quantization, mc.quantization):
+            check_core_shapes(mc)
         self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device, quantization=config.quantization)
         self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
         core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,

@@ -28,6 +28,7 @@ import time
 import weakref
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,10 @@ class TensorParallelRunner(Runner):
         self._stop = weakref.finalize(self, _shut_down, self._workers, self.step_timeout, torch.get_num_threads())
         torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
         try:
-            self.rank0 = TorchRunner(model_config, **runner_kwargs, shard=Shard(0, world), all_reduce=self._all_reduce)
+            # The all-reduce closes over the workers, not self: the runner is collected (and its workers ended)
+            # as soon as nothing holds it.
+            self.rank0 = TorchRunner(model_config, **runner_kwargs, shard=Shard(0, world),
+                                     all_reduce=partial(_all_reduce, self._workers, self.step_timeout))
         except Exception:  # rank 0's own error (such as an unreadable checkpoint), as it is
             self._stop()
             raise
@@ -79,6 +83,11 @@ class TensorParallelRunner(Runner):
             self.rank0.forward(batch, seqs)
         except Exception as exc:
             self._fail(exc, "running a step")
+        except BaseException:  # KeyboardInterrupt: the workers are inside the step's collectives, out of step
+            self._error = "a step was interrupted, leaving the ranks out of step; build a new LLM"
+            self._workers.kill()  # not told to stop: they would take the message for the step's collectives
+            self._stop()
+            raise
 
     def sample(self, rows: list[int], seqs: list) -> PendingTokens:
         return self.rank0.sample(rows, seqs)
@@ -95,9 +104,6 @@ class TensorParallelRunner(Runner):
         """The process ids of ranks 1..N-1."""
         return [process.pid for process in self._workers.processes]
 
-    def _all_reduce(self, partial: torch.Tensor):
-        self._workers.group.allreduce([partial], timeout=self.step_timeout).wait()
-
     def _fail(self, exc: Exception, doing: str):
         """End the workers and raise the error that names the rank at fault, where one exited."""
         try:
@@ -108,7 +114,12 @@ class TensorParallelRunner(Runner):
         except RuntimeError as died:
             self._error = f"{died}; the engine cannot go on (the rank's own error, if any, is on stderr above)"
         self._workers.kill()
+        self._stop()  # gives rank 0 its threads back
         raise RuntimeError(self._error) from exc
+
+
+def _all_reduce(workers: _Workers, timeout: timedelta, tensor: torch.Tensor):
+    workers.group.allreduce([tensor], timeout=timeout).wait()
 
 
 def _shut_down(workers: _Workers, timeout: timedelta, num_threads: int):
@@ -150,13 +161,16 @@ class _Workers:
                     raise
 
     def stop(self, timeout: timedelta):
-        """Tell the workers to stop, then kill any that has not within a few seconds."""
+        """Tell the workers to stop, then kill any that has not within a few seconds; at once when none was told
+        (the group never formed, or a worker is gone)."""
+        told = False
         if self.group is not None and all(process.poll() is None for process in self.processes):
             try:
                 send_step(self.group, None, timeout)
+                told = True
             except RuntimeError:
                 pass  # a worker is gone or hangs: it is killed below
-        self.kill(grace_s=5)
+        self.kill(grace_s=5 if told else 0)
 
     def kill(self, grace_s: float = 0.0):
         for process in self.processes:

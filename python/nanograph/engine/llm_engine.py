@@ -103,7 +103,11 @@ class LLMEngine:
                           f"max_model_len is {kv_tokens} (raise gpu_memory_utilization or num_kv_blocks for more)",
                           stacklevel=3)
             config = replace(config, max_model_len=kv_tokens)
-        return cls(config, model_config, runner, tokenizer)
+        try:
+            return cls(config, model_config, runner, tokenizer)
+        except BaseException:
+            runner.shutdown()  # a tensor-parallel runner's workers end with it
+            raise
 
     @property
     def tokenizer(self):

@@ -54,3 +54,16 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, rows_per_scale: in
         row_scales[:, :full_blocks, None])
     out[:, full_blocks * PACKED_SCALE_COLS:].mul_(row_scales[:, full_blocks:])
     return out
+
+
+def check_core_shapes(mc) -> None:
+    """The CUDA core reads an FP8 weight 16 columns at a time: every linear's input width (hidden_size,
+    num_attention_heads x head_dim, intermediate_size) must be a multiple of 16. A ValueError naming the first that
+    is not, and the fix."""
+    widths = {"hidden_size": mc.hidden_size, "num_attention_heads x head_dim": mc.num_heads * mc.head_dim,
+              "intermediate_size": mc.intermediate_size}
+    for field, width in widths.items():
+        if width % 16:
+            raise ValueError(f"FP8 weights on the CUDA core need {field} to be a multiple of 16, got {width}; run "
+                             f"this model without quantization, or on the torch backend (device='cpu' or "
+                             f"'torch:cuda')")

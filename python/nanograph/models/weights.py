@@ -67,9 +67,13 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
                 tensor = view[index[0]] if index else file_of[name].get_tensor(name)
                 scale_name = name + "_scale_inv"
-                is_fp8 = tensor.dtype == FP8_DTYPE and scale_name in file_of
+                is_fp8 = tensor.dtype == FP8_DTYPE
+                if is_fp8 and scale_name not in file_of:
+                    raise ValueError(f"checkpoint in {str(path)!r} holds {name} in FP8 without its block scales "
+                                     f"{scale_name}; save the checkpoint with its weight_scale_inv tensors")
                 if is_fp8 and index:
-                    raise ValueError(f"{name} is FP8: a tensor-parallel rank cannot take its part")
+                    raise ValueError(f"{name} is FP8, whose 128-column blocks a tensor-parallel rank's part would "
+                                     f"split; use tensor_parallel_size=1")
                 yield tensor.to(device), file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
 
         def get(*parts: tuple) -> torch.Tensor:
