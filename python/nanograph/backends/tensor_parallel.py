@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import replace
@@ -51,9 +53,11 @@ class TensorParallelRunner(Runner):
         self.model_config = model_config
         self.step_timeout = timedelta(seconds=step_timeout)
         self._error: str | None = None
-        store = dist.TCPStore("127.0.0.1", 0, world, True, STARTUP_TIMEOUT, wait_for_workers=False)
-        self._workers = _Workers([_start_worker(rank, world, store.port, model_config, step_timeout, runner_kwargs)
-                                  for rank in range(1, world)])
+        # The rendezvous is a file, not a TCP store: no port is opened (a TCP store listens on every interface).
+        store_path = Path(tempfile.mkdtemp(prefix="nanograph-tp-")) / "store"
+        store = new_store(store_path, world)
+        self._workers = _Workers([_start_worker(rank, world, store_path, model_config, step_timeout, runner_kwargs)
+                                  for rank in range(1, world)], store_path.parent)
         self._stop = weakref.finalize(self, _shut_down, self._workers, self.step_timeout, torch.get_num_threads())
         torch.set_num_threads(max(1, torch.get_num_threads() // world))  # the ranks share the cores
         try:
@@ -66,7 +70,7 @@ class TensorParallelRunner(Runner):
             raise
         try:
             self._workers.wait_connected(store)
-            self._workers.group = dist.ProcessGroupGloo(store, 0, world, STARTUP_TIMEOUT)
+            self._workers.group = loopback_group(store, 0, world)
             self._workers.group.allreduce([torch.zeros(1)]).wait()  # every shard is loaded
         except Exception as exc:
             self._fail(exc, "starting")
@@ -124,14 +128,16 @@ def _all_reduce(workers: _Workers, timeout: timedelta, tensor: torch.Tensor):
 
 def _shut_down(workers: _Workers, timeout: timedelta, num_threads: int):
     workers.stop(timeout)
+    shutil.rmtree(workers.store_dir, ignore_errors=True)
     torch.set_num_threads(num_threads)
 
 
 class _Workers:
     """Ranks 1..N-1: their processes and, once all have connected, the process group."""
 
-    def __init__(self, processes: list[subprocess.Popen]):
+    def __init__(self, processes: list[subprocess.Popen], store_dir: Path):
         self.processes = processes
+        self.store_dir = store_dir  # the rendezvous file's folder, removed at shutdown
         self.group = None
 
     def check_alive(self, doing: str, grace_s: float = 0.0):
@@ -146,19 +152,16 @@ class _Workers:
             raise RuntimeError("; ".join(f"tensor parallel rank {rank} (pid {process.pid}) exited with code "
                                          f"{process.returncode} while {doing}" for rank, process in exited))
 
-    def wait_connected(self, store: dist.TCPStore):
-        """Wait for every worker to reach the store, checking each second that none has exited meanwhile (one
-        that fails to start would otherwise leave rank 0 waiting for the whole STARTUP_TIMEOUT)."""
+    def wait_connected(self, store: dist.FileStore):
+        """Wait for every worker to reach the store, checking meanwhile that none has exited (one that fails to
+        start would otherwise leave rank 0 waiting for the whole STARTUP_TIMEOUT)."""
         keys = [connected_key(rank) for rank in range(1, len(self.processes) + 1)]
         deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
-        while True:
+        while not store.check(keys):
             self.check_alive("starting")
-            try:
-                store.wait(keys, timedelta(seconds=1))
-                return
-            except dist.DistStoreError:
-                if time.monotonic() > deadline:
-                    raise
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor parallel workers did not start within {STARTUP_TIMEOUT}")
+            time.sleep(0.05)
 
     def stop(self, timeout: timedelta):
         """Tell the workers to stop, then kill any that has not within a few seconds; at once when none was told
@@ -181,12 +184,26 @@ class _Workers:
                 process.wait()
 
 
+def new_store(path: Path, world: int) -> dist.FileStore:
+    store = dist.FileStore(str(path), world)
+    store.set_timeout(STARTUP_TIMEOUT)
+    return store
+
+
+def loopback_group(store: dist.FileStore, rank: int, world: int) -> dist.ProcessGroupGloo:
+    """The ranks' gloo group, its sockets on 127.0.0.1 (gloo's default device binds the host name's address)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    options._timeout = STARTUP_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, world, options)
+
+
 def connected_key(rank: int) -> str:
     """The store key a worker sets once it has reached the store."""
     return f"worker {rank} connected"
 
 
-def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, step_timeout: float,
+def _start_worker(rank: int, world: int, store_path: Path, model_config: ModelConfig, step_timeout: float,
                   runner_kwargs: dict) -> subprocess.Popen:
     """Rank `rank` in a new process running this very nanograph, its arguments pickled on its stdin."""
     package_root = str(Path(__file__).resolve().parents[2])
@@ -194,7 +211,7 @@ def _start_worker(rank: int, world: int, port: int, model_config: ModelConfig, s
     process = subprocess.Popen([sys.executable, "-m", "nanograph.backends.tensor_parallel_worker"],
                                stdin=subprocess.PIPE, env=env)
     try:
-        pickle.dump(dict(rank=rank, world=world, port=port, parent_pid=os.getpid(), model_config=model_config,
+        pickle.dump(dict(rank=rank, world=world, store_path=store_path, parent_pid=os.getpid(), model_config=model_config,
                          step_timeout=step_timeout, runner_kwargs=runner_kwargs,
                          num_threads=max(1, torch.get_num_threads() // world)), process.stdin)
         process.stdin.close()

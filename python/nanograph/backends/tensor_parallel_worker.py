@@ -12,11 +12,10 @@ import time
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from ..models.sharding import Shard
 from .step_broadcast import receive_step
-from .tensor_parallel import STARTUP_TIMEOUT, connected_key
+from .tensor_parallel import connected_key, loopback_group, new_store
 from .torch_backend import TorchRunner
 
 IDLE_TIMEOUT = timedelta(days=365)  # between steps the engine may wait for requests as long as it likes
@@ -28,10 +27,10 @@ def main():
     _exit_with(args["parent_pid"])
     rank, world = args["rank"], args["world"]
     torch.set_num_threads(args["num_threads"])
-    store = dist.TCPStore("127.0.0.1", args["port"], world, False, STARTUP_TIMEOUT)
+    store = new_store(args["store_path"], world)
     store.set(connected_key(rank), "1")
     step_timeout = timedelta(seconds=args["step_timeout"])
-    group = dist.ProcessGroupGloo(store, rank, world, STARTUP_TIMEOUT)
+    group = loopback_group(store, rank, world)
     runner = TorchRunner(args["model_config"], **_rank_device(args["runner_kwargs"], rank), shard=Shard(rank, world),
                          all_reduce=lambda partial: group.allreduce([partial], timeout=step_timeout).wait())
     group.allreduce([torch.zeros(1)]).wait()  # this shard is loaded
