@@ -7,7 +7,7 @@ import torch
 
 from nanograph import ops
 
-from .linear_reference import poisoned_out, reference
+from .linear_reference import assert_close, make_inputs, poisoned_out, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -32,27 +32,9 @@ def weight(N, K):
     return (torch.randn(N, K, device="cuda", generator=g) * K**-0.5).to(torch.bfloat16)
 
 
-def make_inputs(M, N, K, with_bias, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed * 1000 + M)
-    x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-    b = torch.randn(N, device="cuda", generator=g).to(torch.bfloat16) if with_bias else None
-    return x, b
-
-
 def misaligned_out(M, N):
     """A NaN-filled [M, N] view 2 bytes into its buffer: cuBLASLt's path rejects it, the GEMV not."""
     return torch.full((M * N + 1,), float("nan"), device="cuda", dtype=torch.bfloat16)[1:].view(M, N)
-
-
-def assert_close(out, ref):
-    assert torch.isfinite(out).all(), "output has NaN/inf (unwritten or overflowed elements)"
-    err = out.float() - ref
-    rel = (err.norm() / ref.norm()).item()
-    assert rel < 1e-2, f"relative error norm {rel:.3e}"
-    # Elementwise too, so that a few wrong columns (e.g. the N tail) cannot hide in the norm.
-    bound = 1e-2 * ref.abs() + 1e-2 * ref.pow(2).mean().sqrt()
-    bad = (err.abs() > bound).nonzero()
-    assert bad.numel() == 0, f"{bad.shape[0]} elements off, first at (m, n) = {bad[0].tolist()}"
 
 
 @pytest.mark.parametrize("N,K,M,with_bias", CASES)
