@@ -2,6 +2,7 @@
 // and prefill (causal, variable length, tensor cores).
 #pragma once
 #include "common.h"
+#include "launch.h"
 #include "rope.h"
 
 namespace nanograph {
@@ -25,15 +26,17 @@ struct DecodeAttentionArgs {
   bf16* out;  // [num_seqs, num_q_heads * head_dim]
   int num_seqs;
   int num_q_heads;
-  // Upper bound on context_lens: sizes the grid. A graph captured with a bound replays for any
-  // lengths up to it, because the kernels read the actual lengths from device memory.
+  // Upper bound on context_lens, the plan's. A graph captured with a bound replays for any
+  // lengths up to it, because the kernel reads the actual lengths from device memory.
   int max_context_len;
   float scale;
-  float* workspace;  // decode_attention_workspace_bytes(...) bytes
+  // The plan's workspace_bytes, zero-filled before its first use; every launch leaves it so
+  // (its counters at zero) for the next.
+  float* workspace;
   // Optional [num_seqs]: a permutation of the sequences, longest first (order_by_length), in which
-  // large grids take them up, so that the last CTAs to start are short ones rather than a long
-  // sequence that leaves the GPU part-idle while it finishes. Written by a kernel of the chain
-  // before this one; small grids (batch 1 to 4 of Qwen3) do not read it.
+  // large grids (DecodeAttentionPlan::reads_order) take them up, so that the last CTAs to start
+  // are short ones rather than a long sequence that leaves the GPU part-idle while it finishes.
+  // Written by a kernel of the chain before this one; small grids do not read it.
   const int32_t* seq_order = nullptr;
   // Optional, for a decode step (rope.qkv set): q is the step's raw qkv rows (rope.qkv == q,
   // one token per sequence), and the kernel does what qk_norm_rope_kv_store(rope) would do before
@@ -44,16 +47,47 @@ struct DecodeAttentionArgs {
   // before this kernel can launch (small grids read them before the PDL wait): written before
   // the chain, or by a kernel that completes before any later one launches (launch.h).
   RopeKvArgs rope{};
-  // The batch size the splits are planned for (0: num_seqs; otherwise at least num_seqs): a decode
-  // graph's bucket, so that a step run eagerly with fewer sequences divides every sequence's keys
-  // as the graph would, and gives the same bits.
-  int plan_num_seqs = 0;
-  // Small grids (batch 1 to 4 of Qwen3 at a max_context_len of up to 8192) of 2 to 8 splits
-  // per sequence merge them inside a thread block cluster on sm_90 (no combine kernel); false
-  // keeps the combine kernel. Both give the same bits.
-  bool cluster_merge = true;
 };
 
+// How paged_decode_attention divides each (sequence, kv head)'s keys over CTAs, made once per
+// decode graph bucket by plan_decode_attention. It depends on the batch size it is planned for,
+// the heads, head_dim, the bound on the lengths and the device, never on the lengths themselves:
+// those are read on the device, and a sequence uses as many of the plan's CTAs as its length
+// fills. A launch with fewer sequences than planned divides every sequence's keys as the planned
+// batch would, and gives the same bits.
+struct DecodeAttentionPlan {
+  int num_seqs = 0;  // the batch size planned for; launches take up to this many sequences
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int max_context_len = 0;
+  // A sequence's keys fall into up to `chunks` contiguous ranges of whole CTA steps (one chunk
+  // per chunk_min_keys keys of its length), and each chunk's steps go round its `cluster` CTAs in
+  // turn. The grid is chunks * cluster CTAs per (sequence, kv head).
+  int chunks = 1;
+  int cluster = 1;
+  int chunk_min_keys = 0;
+  // Small grids (every CTA resident at once, 2 per SM): each warp's first keys are loaded before
+  // the PDL wait, and a sequence whose keys fill one chunk merges its CTAs' rows inside a thread
+  // block cluster (sm_90, cluster_merge), with no round trip through the workspace.
+  bool early_kv = false;
+  bool cluster_merge = false;
+  // Large grids: the sequences are taken longest first (seq_order), and the step's RoPE/KV store
+  // is done inside attention (DecodeAttentionArgs::rope), one kernel fewer per layer; small grids
+  // measured faster with the separate RoPE/KV-store kernel.
+  bool reads_order = false;
+  bool fuse_rope = false;
+  size_t workspace_bytes = 0;
+
+  int splits() const { return chunks * cluster; }
+};
+
+DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num_kv_heads,
+                                          int head_dim, int max_context_len,
+                                          const DeviceProps& device);
+
+// The most workspace any plan for these sizes takes, over every number of kv heads that divides
+// num_q_heads, on the current device.
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
                                         int max_context_len);
 
@@ -65,11 +99,8 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 // RoPE/KV-store kernel does; lengths and block tables must be in place before this kernel can
 // launch (see DecodeAttentionArgs::rope). With args.rope the kernel stores the newest position
 // itself.
-void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream);
-
-// Whether paged_decode_attention reads DecodeAttentionArgs::seq_order for these sizes (its large
-// grids); where it does not, the order need not be made.
-bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_context_len);
+void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttentionPlan& plan,
+                            cudaStream_t stream);
 
 // seq_order[r] = the sequence of rank r when sorted by context_lens, longest first, ties in index
 // order (a stable sort); [num_seqs] each, num_seqs <= kOrderMaxSeqs. Launched with PDL; for

@@ -7,45 +7,42 @@
 //   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16; key j of sequence s lives in
 //             slot block_tables[s][j / block_size] * block_size + j % block_size
 //   out:      [num_seqs, num_q_heads * head_dim] bf16; a row with context length 0 is zeros
-//   workspace (only when num_splits > 1): partial_out [num_seqs, num_q_heads, num_splits, head_dim]
-//             fp32, normalised per split, then partial_lse [num_seqs, num_q_heads, num_splits] fp32
-//             (log2 domain).
+//   workspace (plans of more than one split): parts [num_seqs, num_q_heads, splits, head_dim]
+//             fp32, each normalised, then their lse [num_seqs, num_q_heads, splits] fp32 (log2
+//             domain), then arrival counters [num_seqs, num_kv_heads] uint32, zero at rest.
 //
-// Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid depends only
-// on num_seqs, the heads and max_context_len, so a captured graph replays for any lengths up to
-// that bound (context_lens must not exceed it): splits that start past a sequence's length
-// return at once. The CTA serves every q head of its kv head (up to 16, the rows of an m16n8k16
-// tile), so K and V are read once. Warps take 16-key tiles in turn; per tile each lane issues
-// its 16-byte K and V loads straight from global memory into mma fragments (no shared memory):
-// the head_dim order inside a fragment is permuted to match what one lane loads, which a dot
-// product over head_dim does not notice.
-// S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online softmax;
-// decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost nothing.
-// The 4 warps merge through shared memory. One split writes bf16 out directly; otherwise the
-// splits' (out, lse) pairs are merged with log-sum-exp weights: on small grids of 2 to 8 splits
-// (sm_90) inside the grid, the splits of a (sequence, kv head) being one thread block cluster
-// whose rank 0 merges them from its shared memory; elsewhere by combine_kernel, from the
-// workspace. A kernel boundary costs more than the merge: at batch 1 of Qwen3-0.6B (7 splits),
-// the cluster took the decode step from 0.680 to 0.644 ms on an H200.
+// Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid comes from the
+// plan (DecodeAttentionPlan), so a captured graph replays for any lengths up to its bound. The
+// CTA serves every q head of its kv head (up to 16, the rows of an m16n8k16 tile), so K and V are
+// read once. Warps take 16-key tiles in turn; per tile each lane issues its 16-byte K and V loads
+// straight from global memory into mma fragments (no shared memory): the head_dim order inside a
+// fragment is permuted to match what one lane loads, which a dot product over head_dim does not
+// notice. S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online
+// softmax; decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost
+// nothing. The 4 warps merge through shared memory.
+// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
+// head_dim 128), the steps into as many contiguous chunks as its length fills (one per
+// chunk_min_keys keys, up to the plan's chunks; equal numbers of steps), and a chunk's steps go
+// round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
+// sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
+// Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
+// directly. Otherwise every CTA with keys writes its normalised rows and their lse, and one CTA
+// merges them with log-sum-exp weights, in split order: on small grids whose sequence fills one
+// chunk, rank 0 of the thread block cluster, from its shared memory, where the other ranks wrote
+// (no kernel boundary and no global round trip); elsewhere the last CTA of the row to finish, from
+// the workspace, found by an arrival counter that it then resets.
 // With DecodeAttentionArgs::rope (the decode step's own token, split_kernel<..., true>), each CTA
-// normalises and rotates its q heads itself (into shared memory), and the CTA whose split holds
+// normalises and rotates its q heads itself (into shared memory), and the CTA whose steps hold
 // the newest position stores that key and value into the cache before its warps load them; the
 // step then needs no RoPE/KV-store kernel. rope.cuh's norm_rope gives both paths the same bits.
-// Splits: enough CTAs to fill the GPU several times (one long sequence gets up to 128 splits),
-// each split a multiple of kSplitGranule keys, and none at large batch. The granule is one tile
-// per warp, so that at batch 1 even a few hundred keys spread over many CTAs instead of queueing
-// behind each other's load latency in a handful of them. Small grids that would take more than
-// a cluster's 8 splits (batch 1 to 4 at a max_context_len of 513 to 8192) take 8 interleaved
-// ones instead (SplitPlan), which spread any length over all 32 warps of the cluster.
 // Order: CTAs start in blockIdx order, sequences slowest. With a seq_order (order_by_length,
 // once per step), large grids take the sequences longest first, so the last CTAs to start are
 // short ones and the GPU is not left part-idle behind one long sequence at the end.
-// The kernels are launched with PDL (launch.h). combine_kernel, and split_kernel on large grids,
-// wait for their producers before any read. On small grids (batch 1 to 4, where the wait is on
-// the critical path) split_kernel<HD, true> loads each warp's first step of keys and values
-// before the wait, but for the newest key of the sequence (position len - 1), which the step's
-// RoPE/KV-store kernel (or, with rope, the CTA itself) writes; see paged_decode_attention in
-// attention.h.
+// The kernels are launched with PDL (launch.h). split_kernel on large grids waits for its
+// producers before any read. On small grids (where the wait is on the critical path)
+// split_kernel<HD, true> loads each warp's first step of keys and values before the wait, but
+// for the newest key of the sequence (position len - 1), which the step's RoPE/KV-store kernel
+// (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -62,53 +59,76 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileKeys = 16;
-constexpr int kMaxGroup = 16;          // q heads per kv head: the M rows of one mma tile
-constexpr int kSplitGranule = kWarps * kTileKeys;  // split lengths are multiples of this
-constexpr int kTargetCtas = 1024;      // ~8 CTAs per SM on a 132-SM H200
-constexpr int kMaxSplits = 128;        // longer contexts get longer splits
-// Grids of at most this many CTAs (one wave at 2 per SM on a 132-SM H200: batch 1 to 4 of
-// Qwen3) load each warp's first step of keys and values before the PDL wait. That variant holds
-// the first step's fragments across the wait (208 registers at head_dim 128, 2 CTAs per SM), so
-// larger grids, which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
-constexpr int64_t kEarlyKvMaxCtas = 264;
+constexpr int kMaxGroup = 16;  // q heads per kv head: the M rows of one mma tile
+constexpr int kMaxSplits = 128;
+// Large grids aim at this many CTAs per SM (3 resident at 168 registers, so the launch runs in
+// waves that end on short work).
+constexpr int kTargetCtasPerSm = 8;
+// Small grids: at most 2 CTAs per SM, all resident at once. The early-KV variant holds the
+// first step's fragments across the wait (208 registers at head_dim 128); larger grids, which
+// need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
+constexpr int kEarlyKvCtasPerSm = 2;
+constexpr int kLargeGridCtasPerSm = 3;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
+// On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys: shorter
+// chunks cost more in their merge through the workspace than their CTAs bring.
+constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
-
-// Small grids whose contiguous splits would be more than a cluster but whose sequences are at most
-// this long take kMaxClusterSplits interleaved splits instead (SplitPlan::interleaved). Batch 1 of
-// Qwen3-0.6B on an H200, max_model_len 4096: 0.748 -> 0.645 ms/token with a 128-token prompt and
-// 1.022 -> 0.936 with 3,800; at 8192: 0.754 -> 0.648 and 1.295 -> 1.221 (7,800). Longer bounds
-// keep the contiguous splits, unmeasured.
-constexpr int kInterleavedMaxKeys = 8192;
 
 // The keys that one step of a CTA's warps covers (split_kernel: 128 / HD tiles per warp).
 constexpr int cta_step_keys(int head_dim) { return kWarps * (128 / head_dim) * kTileKeys; }
 
-struct SplitPlan {
-  int num_splits;
-  // Contiguous: split s holds keys [s * split_keys, (s + 1) * split_keys). Interleaved: split s
-  // holds the blocks of cta_step_keys(HD) keys numbered s, s + num_splits, ...; so that
-  // a sequence much shorter than max_context_len still spreads over every split's warps and the
-  // grid stays one cluster per (sequence, kv head), whatever max_context_len is.
-  int split_keys;
-  bool interleaved;
+// What split_kernel needs of the plan.
+struct KeyLayout {
+  int chunks;
+  int cluster;
+  int chunk_min_keys;  // a multiple of cta_step_keys
 };
 
-// Splits shrink as num_kv_heads grows, so num_kv_heads = 1 bounds the workspace (with
-// allow_interleaved = false: interleaving takes fewer splits than that).
-SplitPlan plan_splits(int num_seqs, int num_kv_heads, int max_context_len,
-                      bool allow_interleaved = true) {
-  int keys = std::max(max_context_len, 1);
-  int wanted = ceil_div(kTargetCtas, std::max(num_seqs * num_kv_heads, 1));
-  int splits = std::max(1, std::min({wanted, ceil_div(keys, kSplitGranule), kMaxSplits}));
-  int split_keys = ceil_div(ceil_div(keys, splits), kSplitGranule) * kSplitGranule;
-  splits = ceil_div(keys, split_keys);
-  if (allow_interleaved && splits > kMaxClusterSplits && keys <= kInterleavedMaxKeys &&
-      static_cast<int64_t>(num_seqs) * num_kv_heads * kMaxClusterSplits <= kEarlyKvMaxCtas) {
-    return {kMaxClusterSplits, 0, true};
+// The keys of one split (CTA) of a sequence of `len` keys: steps of kStep keys starting at
+// begin, begin + stride, ... below end (none when begin >= end).
+struct KeySpan {
+  int begin;
+  int end;
+  int stride;
+};
+
+// The chunks that a sequence of len keys fills, and the first step of chunk c and the one after
+// it: the steps are shared out evenly, in order.
+__host__ __device__ __forceinline__ int active_chunks(int len, const KeyLayout& layout) {
+  return len <= 0 ? 0 : min(layout.chunks, (len + layout.chunk_min_keys - 1) / layout.chunk_min_keys);
+}
+
+__host__ __device__ __forceinline__ int chunk_first_step(int c, int steps, int active) {
+  return static_cast<int>(static_cast<int64_t>(c) * steps / active);
+}
+
+template <int kStep>
+__device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout& layout) {
+  const int chunk = split / layout.cluster, rank = split % layout.cluster;
+  const int active = active_chunks(len, layout);
+  if (chunk >= active) return {0, 0, 0};
+  const int steps = (len + kStep - 1) / kStep;
+  const int first = chunk_first_step(chunk, steps, active);
+  const int last = chunk_first_step(chunk + 1, steps, active);
+  return {(first + rank) * kStep, min(last * kStep, len), layout.cluster * kStep};
+}
+
+// The splits of a sequence of len keys that hold keys: the first min(cluster, steps) ranks of each
+// chunk it fills. Calls visit(split) for each, in split order; returns their number.
+template <int kStep, class Visit>
+__device__ __forceinline__ int splits_with_keys(int len, const KeyLayout& layout, Visit&& visit) {
+  const int active = active_chunks(len, layout);
+  const int steps = (len + kStep - 1) / kStep;
+  int count = 0;
+  for (int c = 0; c < active; ++c) {
+    const int ranks = min(layout.cluster, chunk_first_step(c + 1, steps, active) -
+                                              chunk_first_step(c, steps, active));
+    for (int r = 0; r < ranks; ++r, ++count) visit(c * layout.cluster + r);
   }
-  return {splits, split_keys, false};
+  return count;
 }
 
 __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
@@ -171,44 +191,42 @@ __device__ __forceinline__ float* in_rank0(float* local) {
 #endif
 }
 
-// The cluster merge of one float4 column of an output row (split_kernel<..., kCluster>): from the
-// normalised rows partial[split][HD] of the first `splits` splits (0: zeros) and their lse[split]
-// (log2 domain), in one thread, by combine_kernel's operations in combine_kernel's order, so that
-// both give the same bits: its warp-0 sum of the weights (lane i holding split i, xor butterfly)
-// and its kSplitLanes partial sums, added in lane order. Up to kMaxClusterSplits splits.
-template <int HD>
-__device__ __forceinline__ uint2 merged_column(const float* lse, const float4* partial, int splits,
-                                               int column) {
-  static_assert(kMaxClusterSplits == 8, "the butterfly below is written out for 8 lanes");
-  constexpr int kColumns = HD / 4;
-  constexpr int kSplitLanes = kThreads / kColumns;
-  float max = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kMaxClusterSplits; ++i) {
-    if (i < splits) max = fmaxf(max, lse[i]);
-  }
-  float w[kMaxClusterSplits];
-#pragma unroll
-  for (int i = 0; i < kMaxClusterSplits; ++i) w[i] = i < splits ? exp2f(lse[i] - max) : 0.f;
-  // The butterfly's strides 16 and 8 add lanes that hold no split (exact zeros).
-  const float sum = ((w[0] + w[4]) + (w[2] + w[6])) + ((w[1] + w[5]) + (w[3] + w[7]));
-  const float inv = splits > 0 ? 1.f / sum : 0.f;
-  float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-  for (int lane = 0; lane < kSplitLanes; ++lane) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int i = lane; i < kMaxClusterSplits; i += kSplitLanes) {
-      if (i >= splits) break;
-      const float4 p = partial[i * kColumns + column];
-      acc.x += w[i] * p.x, acc.y += w[i] * p.y, acc.z += w[i] * p.z, acc.w += w[i] * p.w;
-    }
-    if (lane == 0) {
-      total = acc;
+// One float4 column of a merged output row, from n parts: a CTA's normalised rows [part][HD] and
+// their lse[part] (log2 domain), part = parts[i] (i where parts is null). The parts are weighted
+// by exp2(lse - max) and summed one after another in list order, so that every path that merges
+// the same parts gives the same bits. kGlobal: other SMs wrote the parts during this launch, so
+// they are read from L2, past this SM's L1.
+template <int HD, bool kGlobal>
+__device__ __forceinline__ uint2 merge_column(const float* lse, const float* rows, const int* parts,
+                                              int n, int column) {
+  auto part = [&](int i) { return parts != nullptr ? parts[i] : i; };
+  auto load = [](const float* p) {
+    if constexpr (kGlobal) {
+      return __ldcg(p);
     } else {
-      total.x += acc.x, total.y += acc.y, total.z += acc.z, total.w += acc.w;
+      return *p;
     }
+  };
+  auto load4 = [](const float* p) {
+    if constexpr (kGlobal) {
+      return __ldcg(reinterpret_cast<const float4*>(p));
+    } else {
+      return *reinterpret_cast<const float4*>(p);
+    }
+  };
+  float max = -INFINITY;
+  for (int i = 0; i < n; ++i) max = fmaxf(max, load(lse + part(i)));
+  float sum = 0.f;
+  float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int i = 0; i < n; ++i) {
+    const int p = part(i);
+    const float w = exp2f(load(lse + p) - max);
+    const float4 v = load4(rows + p * HD + column * 4);
+    sum += w;
+    total.x += w * v.x, total.y += w * v.y, total.z += w * v.z, total.w += w * v.w;
   }
+  const float inv = n > 0 ? 1.f / sum : 0.f;
   __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(total.x * inv, total.y * inv),
                              __floats2bfloat162_rn(total.z * inv, total.w * inv)};
   return *reinterpret_cast<uint2*>(pairs);
@@ -262,14 +280,13 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
 //   V (B operand of O = P V, k = key, n = dim): n-tile i = 8*hc + j has dim hc*64 + g*8 + j, so
 //     the lane loads dims hc*64 + g*8 .. +8 of keys 2t, 2t+1, 2t+8, 2t+9 and pairs them by key.
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
-// kCluster (small grids, 2 to kMaxClusterSplits splits): the splits of one (sequence, kv head)
-// are one thread block cluster, and instead of the workspace each split writes its normalised rows
-// and lse into the shared memory of rank 0 (split 0), which merges them (merged_column) once every
-// rank has arrived: no combine kernel follows. Dynamic shared memory (used in rank 0 only):
-// rows [group][num_splits][HD] then lse [group][num_splits], fp32.
+// kCluster (small grids): each chunk's CTAs are one thread block cluster. When a sequence fills
+// one chunk, its splits with keys write their normalised rows and lse into the shared memory of
+// rank 0 (split 0), which merges them once every rank has arrived. Dynamic shared memory (used in
+// rank 0 only): rows [group][cluster][HD] then lse [group][cluster], fp32.
 template <int HD, bool kEarlyKv, bool kRope, bool kCluster>
-__global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs args, int split_keys,
-                                                         int num_splits, bool interleaved) {
+__global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
+    split_kernel(DecodeAttentionArgs args, KeyLayout layout) {
   static_assert(!kCluster || kEarlyKv, "clusters are for small grids");
   constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
   constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
@@ -299,28 +316,30 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   const PagedKv& kv = args.kv;
   // Large grids take the sequences longest first (after the wait: a kernel of the chain wrote the
   // order); CTA order is blockIdx order, so z is the slowest.
+  constexpr int kStep = cta_step_keys(HD);
+  constexpr int kColumns = HD / 4;
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int seq = !kEarlyKv && args.seq_order ? args.seq_order[blockIdx.z] : blockIdx.z;
   const int group = args.num_q_heads / kv.num_kv_heads;
-  const int len = kv.context_lens[seq];
-  // Interleaved (SplitPlan): split_keys is one block, and the warps' steps stride over the splits'.
-  const int start = split * split_keys;
   // (A length above max_context_len breaks the contract; the bound keeps its reads in the tables.)
-  const int end = interleaved ? min(len, args.max_context_len) : min(len, start + split_keys);
+  const int len = min(kv.context_lens[seq], args.max_context_len);
+  const KeySpan span = key_span<kStep>(len, split, layout);
+  const int start = span.begin, end = span.end;
+  const int parts = splits_with_keys<kStep>(len, layout, [](int) {});
+  // In a cluster, the same for every rank: whether the row's parts merge in rank 0's inbox.
+  const bool in_cluster = kCluster && parts > 1 && active_chunks(len, layout) == 1;
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
-  float* inbox_lse = s_inbox + group * num_splits * HD;
-  // kCluster: after this CTA's rows are in rank 0's inbox (or it has none), rank 0 merges.
+  float* inbox_lse = s_inbox + group * layout.cluster * HD;
+  // in_cluster: after this CTA's rows are in rank 0's inbox (or it has none), rank 0 merges.
   auto merge_in_rank0 = [&] {
     cluster_arrive_release();
     if (split != 0) return;
     cluster_wait();
-    constexpr int kColumns = HD / 4;
-    const int splits = min((len + split_keys - 1) / split_keys, num_splits);
     for (int item = threadIdx.x; item < group * kColumns; item += kThreads) {
       const int head = item / kColumns, column = item % kColumns;
-      reinterpret_cast<uint2*>(args.out + (out_row + head) * HD)[column] = merged_column<HD>(
-          inbox_lse + head * num_splits,
-          reinterpret_cast<const float4*>(s_inbox + head * num_splits * HD), splits, column);
+      reinterpret_cast<uint2*>(args.out + (out_row + head) * HD)[column] =
+          merge_column<HD, false>(inbox_lse + head * layout.cluster,
+                                  s_inbox + head * layout.cluster * HD, nullptr, parts, column);
     }
   };
 
@@ -329,12 +348,10 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
       wait_for_producers();
       allow_dependents();
     }
-    if constexpr (kCluster) {  // no keys (rank 0 only at length 0: a row of zeros)
+    if (in_cluster) {  // a rank without keys
       cluster_wait();
       merge_in_rank0();
-      return;
-    }
-    if (num_splits == 1) {  // context length 0: the row is defined as zeros
+    } else if (len == 0 && split == 0) {  // the row is defined as zeros
       for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
         reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
       }
@@ -355,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   auto block_of = [&](int tile_start) {
     return tile_start < end ? block_table[tile_start >> block_shift] : 0;
   };
-  const int warp_stride = kWarps * kStepKeys * (interleaved ? num_splits : 1);
+  const int warp_stride = span.stride;
   const int first_step = start + warp * kStepKeys;
   int32_t next_block[kTilesPerStep];
 #pragma unroll
@@ -421,8 +438,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   __shared__ __align__(16) bf16 s_q[kRope ? kMaxGroup : 1][HD];
   if constexpr (kRope) {
     if constexpr (!kEarlyKv) read_token_metadata();
-    const bool holds_newest = interleaved ? newest / split_keys % num_splits == split
-                                          : start <= newest && newest < end;
+    const bool holds_newest = start <= newest && newest < end && (newest - start) % span.stride < kStep;
     rotate_own_token<HD>(args, seq, position, slot, kv_head, group, holds_newest, &s_q[0][0]);
     __syncthreads();
   }
@@ -549,11 +565,14 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
   }
   __syncthreads();
 
+  const int splits = gridDim.x;
+  const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
   float* partial_out = args.workspace;
-  float* partial_lse = args.workspace + static_cast<size_t>(args.num_seqs) * args.num_q_heads *
-                                            num_splits * HD;
+  float* partial_lse = args.workspace + rows * splits * HD;
+  unsigned* arrivals = reinterpret_cast<unsigned*>(partial_lse + rows * splits) +
+                       static_cast<size_t>(seq) * kv.num_kv_heads + kv_head;
   float *rank0_rows = nullptr, *rank0_lse = nullptr;
-  if constexpr (kCluster) {
+  if (in_cluster) {
     cluster_wait();  // phase 0: every rank has started
     rank0_rows = in_rank0(s_inbox);
     rank0_lse = in_rank0(inbox_lse);
@@ -578,76 +597,43 @@ __global__ void __launch_bounds__(kThreads) split_kernel(DecodeAttentionArgs arg
       o.v[d] = x / sum;
     }
     const size_t row = out_row + head;
-    if constexpr (kCluster) {
-      store_f32x8(rank0_rows + (head * num_splits + split) * HD + dim, o);
-      if (dim == 0) rank0_lse[head * num_splits + split] = max + log2f(sum);
-    } else if (num_splits == 1) {
+    if (parts == 1) {
       store_bf16x8(args.out + row * HD + dim, o);
+    } else if (in_cluster) {
+      store_f32x8(rank0_rows + (head * layout.cluster + split) * HD + dim, o);
+      if (dim == 0) rank0_lse[head * layout.cluster + split] = max + log2f(sum);
     } else {
-      store_f32x8(partial_out + (row * num_splits + split) * HD + dim, o);
-      if (dim == 0) partial_lse[row * num_splits + split] = max + log2f(sum);
+      store_f32x8(partial_out + (row * splits + split) * HD + dim, o);
+      if (dim == 0) partial_lse[row * splits + split] = max + log2f(sum);
     }
   }
-  if constexpr (kCluster) merge_in_rank0();
-}
+  if (parts == 1) return;
+  if (in_cluster) {
+    merge_in_rank0();
+    return;
+  }
 
-// One CTA per (sequence, q head) row. Warp 0 turns the lse of the splits that hold keys into
-// weights; then each thread sums one float4 column of the partial rows over every
-// kSplitLanes-th split (several L2 loads in flight), and the split lanes are added up.
-template <int HD>
-__global__ void __launch_bounds__(kThreads) combine_kernel(DecodeAttentionArgs args,
-                                                           int split_keys, int num_splits) {
-  constexpr int kColumns = HD / 4;
-  constexpr int kSplitLanes = kThreads / kColumns;
-  __shared__ float s_weight[kMaxSplits];
-  __shared__ float s_inv_sum;
-  __shared__ float4 s_part[kSplitLanes][kColumns];
-
-  allow_dependents();  // before the wait: the next kernel is o_proj's GEMV (launch.h)
-  wait_for_producers();
-  const int row = blockIdx.x;
-  const int len = args.kv.context_lens[row / args.num_q_heads];
-  const int splits = max(0, min((len + split_keys - 1) / split_keys, num_splits));
-  const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
-  const float* lse =
-      args.workspace + rows * num_splits * HD + static_cast<size_t>(row) * num_splits;
-  const float4* partial =
-      reinterpret_cast<const float4*>(args.workspace + static_cast<size_t>(row) * num_splits * HD);
-
-  if (threadIdx.x < 32) {
-    float max = -INFINITY;
-    for (int i = threadIdx.x; i < splits; i += 32) max = fmaxf(max, lse[i]);
-    for (int o = 16; o > 0; o /= 2) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, o));
-    float sum = 0.f;
-    for (int i = threadIdx.x; i < splits; i += 32) {
-      s_weight[i] = exp2f(lse[i] - max);
-      sum += s_weight[i];
+  // Through the workspace: the last of the row's parts to arrive merges them.
+  __shared__ int s_parts[kMaxSplits];
+  __shared__ bool s_last;
+  __threadfence();  // this CTA's part is visible on the device before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(arrivals, 1u) + 1 == static_cast<unsigned>(parts);
+    if (s_last) {
+      *arrivals = 0;  // no other CTA of this launch counts here again
+      int n = 0;
+      splits_with_keys<kStep>(len, layout, [&](int part) { s_parts[n++] = part; });
     }
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (threadIdx.x == 0) s_inv_sum = splits > 0 ? 1.f / sum : 0.f;  // length 0: zeros
   }
   __syncthreads();
-
-  const int column = threadIdx.x % kColumns, lane = threadIdx.x / kColumns;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-  for (int i = lane; i < splits; i += kSplitLanes) {
-    const float4 p = partial[i * kColumns + column];
-    const float w = s_weight[i];
-    acc.x += w * p.x, acc.y += w * p.y, acc.z += w * p.z, acc.w += w * p.w;
-  }
-  s_part[lane][column] = acc;
-  __syncthreads();
-  if (lane == 0) {
-    for (int l = 1; l < kSplitLanes; ++l) {
-      const float4 p = s_part[l][column];
-      acc.x += p.x, acc.y += p.y, acc.z += p.z, acc.w += p.w;
-    }
-    const float inv = s_inv_sum;
-    __nv_bfloat162 pairs[2] = {__floats2bfloat162_rn(acc.x * inv, acc.y * inv),
-                               __floats2bfloat162_rn(acc.z * inv, acc.w * inv)};
-    reinterpret_cast<uint2*>(args.out + static_cast<size_t>(row) * HD)[column] =
-        *reinterpret_cast<uint2*>(pairs);
+  if (!s_last) return;
+  __threadfence();
+  for (int item = threadIdx.x; item < group * kColumns; item += kThreads) {
+    const int head = item / kColumns, column = item % kColumns;
+    const size_t row = out_row + head;
+    reinterpret_cast<uint2*>(args.out + row * HD)[column] = merge_column<HD, true>(
+        partial_lse + row * splits, partial_out + row * splits * HD, s_parts, parts, column);
   }
 }
 
@@ -674,11 +660,6 @@ __global__ void __launch_bounds__(kOrderThreads) order_by_length_kernel(
 
 }  // namespace
 
-bool decode_attention_reads_order(int num_seqs, int num_kv_heads, int max_context_len) {
-  const SplitPlan plan = plan_splits(num_seqs, num_kv_heads, max_context_len);
-  return static_cast<int64_t>(plan.num_splits) * num_kv_heads * num_seqs > kEarlyKvMaxCtas;
-}
-
 void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_order,
                      cudaStream_t stream) {
   require(num_seqs >= 0 && num_seqs <= kOrderMaxSeqs,
@@ -690,15 +671,65 @@ void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_ord
              seq_order);
 }
 
-size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
-                                        int max_context_len) {
-  const SplitPlan plan = plan_splits(num_seqs, 1, max_context_len, false);
-  if (plan.num_splits == 1) return 0;
-  return static_cast<size_t>(num_seqs) * num_q_heads * plan.num_splits * (head_dim + 1) *
-         sizeof(float);
+DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num_kv_heads,
+                                          int head_dim, int max_context_len,
+                                          const DeviceProps& device) {
+  require(num_seqs >= 0 && num_kv_heads > 0 && num_q_heads > 0 && max_context_len >= 0,
+          "plan_decode_attention: sizes must be positive (num_seqs and max_context_len at least 0)");
+  DecodeAttentionPlan plan;
+  plan.num_seqs = num_seqs;
+  plan.num_q_heads = num_q_heads;
+  plan.num_kv_heads = num_kv_heads;
+  plan.head_dim = head_dim;
+  plan.max_context_len = max_context_len;
+  require(head_dim == 64 || head_dim == 128,
+          "unsupported head_dim " + std::to_string(head_dim) + "; supported: 64, 128");
+  const int step = cta_step_keys(head_dim);
+  const int steps = ceil_div(std::max(max_context_len, 1), step);
+  const int64_t rows = std::max<int64_t>(static_cast<int64_t>(num_seqs) * num_kv_heads, 1);
+  const int64_t resident = static_cast<int64_t>(kEarlyKvCtasPerSm) * device.sm_count;
+  const int cluster = std::min(kMaxClusterSplits, steps);
+  if (rows * cluster <= resident) {
+    // Small grid: clusters of CTAs interleaving a chunk's steps, as many chunks as fit in one
+    // resident wave (a long sequence then spreads over every SM).
+    plan.cluster = cluster;
+    plan.chunks = static_cast<int>(std::clamp<int64_t>(
+        resident / (rows * cluster), 1,
+        std::min(kMaxChunks, ceil_div(std::max(max_context_len, 1), kSmallGridChunkKeys))));
+    plan.chunk_min_keys = kSmallGridChunkKeys;
+    plan.early_kv = true;
+    plan.cluster_merge = cluster > 1 && device.clusters;
+  } else {
+    // Large grid: one CTA per chunk, chunks as long as the bound's share of the wanted CTAs.
+    const int64_t wanted = std::max<int64_t>(kTargetCtasPerSm * device.sm_count / rows, 1);
+    plan.chunks = static_cast<int>(std::min<int64_t>({wanted, steps, kMaxSplits}));
+    plan.cluster = 1;
+    plan.chunk_min_keys = ceil_div(steps, plan.chunks) * step;
+    plan.reads_order = true;
+    plan.fuse_rope = true;
+  }
+  if (plan.splits() > 1) {
+    const size_t parts = static_cast<size_t>(num_seqs) * num_q_heads * plan.splits();
+    plan.workspace_bytes = (parts * (head_dim + 1) + static_cast<size_t>(num_seqs) * num_kv_heads) *
+                           sizeof(float);
+  }
+  return plan;
 }
 
-void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream) {
+size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
+                                        int max_context_len) {
+  size_t bytes = 0;
+  for (int kv_heads = 1; kv_heads <= num_q_heads; ++kv_heads) {
+    if (num_q_heads % kv_heads != 0) continue;
+    bytes = std::max(bytes, plan_decode_attention(num_seqs, num_q_heads, kv_heads, head_dim,
+                                                  max_context_len, device_props())
+                                .workspace_bytes);
+  }
+  return bytes;
+}
+
+void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttentionPlan& plan,
+                            cudaStream_t stream) {
   const PagedKv& kv = args.kv;
   require(kv.num_kv_heads > 0 && args.num_q_heads % kv.num_kv_heads == 0,
           "num_q_heads (" + std::to_string(args.num_q_heads) +
@@ -745,32 +776,38 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
               "they must start on a 16-byte boundary (pass fresh tensors, or .clone() the views)");
     }
   }
+  require(plan.num_q_heads == args.num_q_heads && plan.num_kv_heads == kv.num_kv_heads &&
+              plan.head_dim == kv.head_dim && plan.max_context_len == args.max_context_len &&
+              args.num_seqs <= plan.num_seqs,
+          "decode attention: the plan was made for other sizes (" + std::to_string(plan.num_seqs) +
+              " sequences, " + std::to_string(plan.num_q_heads) + "/" +
+              std::to_string(plan.num_kv_heads) + " heads, head_dim " +
+              std::to_string(plan.head_dim) + ", max_context_len " +
+              std::to_string(plan.max_context_len) + ") than the launch (" +
+              std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
+              "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
+              ", max_context_len " + std::to_string(args.max_context_len) + ")");
+  require(plan.workspace_bytes == 0 || args.workspace != nullptr,
+          "decode attention needs a zero-filled workspace of the plan's workspace_bytes");
   if (args.num_seqs == 0) return;
   require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,
           "decode attention supports up to 65535 sequences and kv heads per launch");
+  require(!plan.cluster_merge || clusters_supported(),
+          "decode attention: the plan merges in thread block clusters, which this GPU lacks");
 
-  require(args.plan_num_seqs == 0 || args.plan_num_seqs >= args.num_seqs,
-          "decode attention: plan_num_seqs (" + std::to_string(args.plan_num_seqs) +
-              ") must be 0 or at least num_seqs (" + std::to_string(args.num_seqs) + ")");
-  const int plan_seqs = std::max(args.num_seqs, args.plan_num_seqs);
-  const SplitPlan plan = plan_splits(plan_seqs, kv.num_kv_heads, args.max_context_len);
-  require(plan.num_splits == 1 || args.workspace != nullptr,
-          "decode attention needs a workspace of decode_attention_workspace_bytes(...) bytes");
+  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys};
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
-    const dim3 grid(plan.num_splits, kv.num_kv_heads, args.num_seqs);
-    const bool early =
-        !decode_attention_reads_order(plan_seqs, kv.num_kv_heads, args.max_context_len);
+    const dim3 grid(plan.splits(), kv.num_kv_heads, args.num_seqs);
     const bool rope = args.rope.qkv != nullptr;
-    const bool cluster = early && args.cluster_merge && plan.num_splits > 1 &&
-                         plan.num_splits <= kMaxClusterSplits && clusters_supported();
+    const bool cluster = plan.cluster_merge;
     auto kernel =
         cluster ? (rope ? split_kernel<HD, true, true, true> : split_kernel<HD, true, false, true>)
-        : early ? (rope ? split_kernel<HD, true, true, false> : split_kernel<HD, true, false, false>)
-                : (rope ? split_kernel<HD, false, true, false>
-                        : split_kernel<HD, false, false, false>);
+        : plan.early_kv
+            ? (rope ? split_kernel<HD, true, true, false> : split_kernel<HD, true, false, false>)
+            : (rope ? split_kernel<HD, false, true, false> : split_kernel<HD, false, false, false>);
     size_t inbox_bytes = 0;
     if (cluster) {
-      inbox_bytes = static_cast<size_t>(group) * plan.num_splits * (HD + 1) * sizeof(float);
+      inbox_bytes = static_cast<size_t>(group) * plan.cluster * (HD + 1) * sizeof(float);
       cudaFuncAttributes attributes{};
       CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
       if (attributes.sharedSizeBytes + inbox_bytes > kDefaultSmemBytes) {
@@ -782,14 +819,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, cudaStream_t stream
                                         static_cast<int>(kMaxInboxBytes)));
       }
     }
-    const int split_keys = plan.interleaved ? cta_step_keys(HD) : plan.split_keys;
     launch_pdl_cluster(kernel, grid, dim3(kThreads), inbox_bytes, stream,
-                       cluster ? plan.num_splits : 1, args, split_keys, plan.num_splits,
-                       plan.interleaved);
-    if (plan.num_splits > 1 && !cluster) {
-      launch_pdl(combine_kernel<HD>, dim3(args.num_seqs * args.num_q_heads), dim3(kThreads), 0,
-                 stream, args, split_keys, plan.num_splits);
-    }
+                       cluster ? plan.cluster : 1, args, layout);
   });
 }
 

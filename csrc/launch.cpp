@@ -1,33 +1,42 @@
-// pdl_enabled() and clusters_supported() (see launch.h): compute capability 9.0 or newer (PDL
-// unless NANOGRAPH_PDL=0).
+// device_props() (see launch.h): each device's properties, read once and kept for the process.
 #include "launch.h"
 
+#include <array>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 namespace nanograph {
 
 namespace {
 
-// Whether the current device has compute capability 9.0 or newer (Hopper: PDL and clusters).
-// Asked each call, since the current device can change between calls.
-bool current_device_is_sm90_or_newer() {
-  int device = 0, major = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major >= 9;
+constexpr int kMaxDevices = 64;
+
+DeviceProps query(int device) {
+  DeviceProps props;
+  int smem = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&props.sm_count, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&props.compute_major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  props.smem_per_block_optin = static_cast<size_t>(smem);
+  props.clusters = props.compute_major >= 9;
+  const char* pdl = std::getenv("NANOGRAPH_PDL");
+  props.pdl = props.compute_major >= 9 && (pdl == nullptr || std::strcmp(pdl, "0") != 0);
+  return props;
 }
 
 }  // namespace
 
-bool pdl_enabled() {
-  static const bool allowed = [] {
-    const char* value = std::getenv("NANOGRAPH_PDL");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
-  return allowed && current_device_is_sm90_or_newer();
+const DeviceProps& device_props() {
+  static std::array<DeviceProps, kMaxDevices> props;
+  static std::array<std::once_flag, kMaxDevices> queried;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  require(device >= 0 && device < kMaxDevices,
+          "device " + std::to_string(device) + " is beyond the " + std::to_string(kMaxDevices) +
+              " devices nanograph keeps properties for");
+  std::call_once(queried[device], [&] { props[device] = query(device); });
+  return props[device];
 }
-
-bool clusters_supported() { return current_device_is_sm90_or_newer(); }
 
 }  // namespace nanograph

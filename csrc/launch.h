@@ -53,11 +53,23 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// What launch plans need to know of a GPU, queried once per device (device_props()).
+struct DeviceProps {
+  int sm_count = 0;
+  int compute_major = 0;
+  size_t smem_per_block_optin = 0;  // the most shared memory a CTA can opt in to
+  bool clusters = false;            // thread block clusters (compute capability 9.0+)
+  bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)
+};
+
+// The current device's properties, read on the first call for that device.
+const DeviceProps& device_props();
+
 // True when launches on the current device use PDL.
-bool pdl_enabled();
+inline bool pdl_enabled() { return device_props().pdl; }
 
 // True when the current device launches thread block clusters (compute capability 9.0+).
-bool clusters_supported();
+inline bool clusters_supported() { return device_props().clusters; }
 
 // launch_pdl with the grid's CTAs grouped into thread block clusters of cluster_x along x (grid.x
 // a multiple of it; 1: no clusters, which any GPU launches; more needs clusters_supported()).

@@ -171,12 +171,17 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   CUDA_CHECK(cudaMemset(sampled_tokens_, 0, S * sizeof(int32_t)));
   argmax_keys_ = alloc<uint64_t>(kGemvMaxM);
   CUDA_CHECK(cudaMemset(argmax_keys_, 0, kGemvMaxM * sizeof(uint64_t)));
+  // A decode step of n sequences runs under the plan of its graph bucket (decode_plan_seqs), up
+  // to max_num_seqs: a plan for every batch size, all sharing one workspace.
+  decode_plans_.resize(S + 1);
   size_t workspace = 0;
   for (int b = 1; b <= S; ++b) {
-    workspace = std::max(workspace, decode_attention_workspace_bytes(b, c.num_q_heads, c.head_dim,
-                                                                     limits.max_model_len));
+    decode_plans_[b] = plan_decode_attention(b, c.num_q_heads, c.num_kv_heads, c.head_dim,
+                                             limits.max_model_len, device_props());
+    workspace = std::max(workspace, decode_plans_[b].workspace_bytes);
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
+  if (workspace > 0) CUDA_CHECK(cudaMemset(attn_workspace_, 0, workspace));
   seq_order_ = alloc<int32_t>(S);
 }
 
@@ -354,17 +359,11 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
 
-  // Large decode grids of several sequences take them longest first; the lengths are the same in
-  // every layer, so the order is made once per step.
-  const int plan_seqs = is_decode ? decode_plan_seqs(S) : S;
-  const bool large_grid =
-      is_decode && decode_attention_reads_order(plan_seqs, c.num_kv_heads, limits_.max_model_len);
-  const bool ordered = large_grid && S > 1 && S <= kOrderMaxSeqs;
-  // Large decode grids rotate the step's token and store its key and value inside attention (one
-  // kernel fewer per layer); small ones (at most 264 CTAs: batch 1 to 4 of Qwen3 at a
-  // max_model_len of up to 8192), whose attention loads its keys before the PDL wait, measured
-  // faster with the separate kernel.
-  const bool rope_in_attention = large_grid;
+  // Decode attention runs under its bucket's plan. Grids that take several sequences longest first
+  // get the order once per step (the lengths are the same in every layer).
+  const DecodeAttentionPlan* plan = is_decode ? &decode_plans_[decode_plan_seqs(S)] : nullptr;
+  const bool ordered = plan && plan->reads_order && S > 1 && S <= kOrderMaxSeqs;
+  const bool rope_in_attention = plan && plan->fuse_rope;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
   embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
@@ -386,8 +385,8 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
                                limits_.max_model_len, scale, attn_workspace_,
                                ordered ? seq_order_ : nullptr,
-                               rope_in_attention ? rope : RopeKvArgs{}, plan_seqs};
-      paged_decode_attention(args, st);
+                               rope_in_attention ? rope : RopeKvArgs{}};
+      paged_decode_attention(args, *plan, st);
     } else {
       PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,
                                 c.num_q_heads, scale};

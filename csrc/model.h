@@ -178,6 +178,7 @@ class Model {
   bf16* logits_ = nullptr;
   int32_t* sampled_tokens_ = nullptr;
   uint64_t* argmax_keys_ = nullptr;  // [kGemvMaxM], zero between steps: gemv_argmax's workspace
+  std::vector<DecodeAttentionPlan> decode_plans_;  // [max_num_seqs + 1]: by planned batch size
   float* attn_workspace_ = nullptr;
   int32_t* seq_order_ = nullptr;  // [max_num_seqs]: decode attention's sequences, longest first
   bf16* kv_cache_ = nullptr;

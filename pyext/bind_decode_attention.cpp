@@ -19,7 +19,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
          py::object context_lens, py::object out, int num_q_heads, float scale,
          int max_context_len, py::object workspace, py::object seq_order,
          py::object q_norm_weight, py::object k_norm_weight, py::object cos_sin,
-         py::object positions, py::object slot_mapping, float eps, bool cluster_merge) {
+         py::object positions, py::object slot_mapping, float eps, bool cluster_merge,
+         py::object plan_num_seqs) {
         Tensor t_q = cuda_tensor(q, "q", "bfloat16");
         Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
         Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
@@ -62,19 +63,29 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         }
         same_device({&t_q, &t_kc, &t_vc, &t_bt, &t_len, &t_out, &t_ws, &t_order});
 
-        const size_t ws_bytes = decode_attention_workspace_bytes(
-            static_cast<int>(num_seqs), num_q_heads, static_cast<int>(head_dim), max_context_len);
+        const int planned =
+            plan_num_seqs.is_none() ? static_cast<int>(num_seqs) : plan_num_seqs.cast<int>();
+        if (planned < num_seqs) {
+          throw_invalid_argument("plan_num_seqs (" + std::to_string(planned) +
+                                 ") must be at least the number of sequences (" +
+                                 std::to_string(num_seqs) + ")");
+        }
+        DecodeAttentionPlan plan =
+            plan_decode_attention(planned, num_q_heads, static_cast<int>(num_kv_heads),
+                                  static_cast<int>(head_dim), max_context_len, device_props());
+        plan.cluster_merge = plan.cluster_merge && cluster_merge;
+        const size_t ws_bytes = plan.workspace_bytes;
         py::object allocated;  // keeps a workspace made here alive until the launch is queued
         if (t_ws.ptr == nullptr && ws_bytes > 0) {
           py::module_ torch = py::module_::import("torch");
-          allocated = torch.attr("empty")(static_cast<int64_t>(ws_bytes / sizeof(float)),
+          allocated = torch.attr("zeros")(static_cast<int64_t>(ws_bytes / sizeof(float)),
                                           py::arg("dtype") = torch.attr("float32"),
                                           py::arg("device") = q.attr("device"));
           t_ws = cuda_tensor(allocated, "workspace", "float32");
         }
         if (static_cast<size_t>(t_ws.numel()) * sizeof(float) < ws_bytes) {
           throw_invalid_argument("workspace holds " + std::to_string(t_ws.numel() * 4) +
-                                " bytes; decode_attention_workspace_bytes(...) = " +
+                                " bytes; the plan takes " +
                                 std::to_string(ws_bytes) + " are needed");
         }
 
@@ -93,8 +104,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.workspace = t_ws.data<float>();
         args.seq_order = t_order.data<int32_t>();
         args.rope = rope;
-        args.cluster_merge = cluster_merge;
-        paged_decode_attention(args, torch_current_stream());
+        paged_decode_attention(args, plan, torch_current_stream());
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("context_lens"), py::arg("out"), py::arg("num_q_heads"), py::arg("scale"),
@@ -102,13 +112,14 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       py::arg("seq_order") = py::none(), py::arg("q_norm_weight") = py::none(),
       py::arg("k_norm_weight") = py::none(), py::arg("cos_sin") = py::none(),
       py::arg("positions") = py::none(), py::arg("slot_mapping") = py::none(),
-      py::arg("eps") = 1e-6f, py::arg("cluster_merge") = true,
+      py::arg("eps") = 1e-6f, py::arg("cluster_merge") = true, py::arg("plan_num_seqs") = py::none(),
       "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
       "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
       "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
       "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
-      "at least decode_attention_workspace_bytes(...) bytes, or None to allocate one per call. "
+      "at least decode_attention_workspace_bytes(...) bytes, zero-filled before its first use "
+      "(every call leaves it so), or None to allocate one per call. "
       "seq_order: None, or [num_seqs] int32, a permutation of the sequences (order_by_length) in "
       "which large grids take them up; it changes no result. "
       "With cos_sin (and positions, slot_mapping [num_seqs] int32, optional q_norm_weight and "
@@ -118,13 +129,34 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "stored at slot_mapping (-1 skips; length-0 sequences store nothing). positions must be "
       "below cos_sin's rows and slots below num_blocks * block_size (not checked: the values live "
       "on the GPU). "
-      "cluster_merge: small grids of 2 to 8 splits per sequence merge them in a thread block "
-      "cluster on sm_90 (False: in a combine kernel; the same bits either way). "
+      "cluster_merge: on small grids, a sequence whose keys fill one chunk merges its splits in a "
+      "thread block cluster on sm_90 (False: through the workspace; the same bits either way). "
+      "plan_num_seqs: the batch size to plan for (a decode graph's bucket; default num_seqs). "
       "Block ids, lengths and the order live on the GPU and are not checked.");
 
-  m.def("decode_attention_reads_order", &decode_attention_reads_order, py::arg("num_seqs"),
-        py::arg("num_kv_heads"), py::arg("max_context_len"),
-        "Whether paged_decode_attention reads seq_order for these sizes (its large grids).");
+  m.def(
+      "decode_attention_plan",
+      [](int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int max_context_len) {
+        const DecodeAttentionPlan plan = plan_decode_attention(
+            num_seqs, num_q_heads, num_kv_heads, head_dim, max_context_len, device_props());
+        py::dict d;
+        d["chunks"] = plan.chunks;
+        d["cluster"] = plan.cluster;
+        d["splits"] = plan.splits();
+        d["chunk_min_keys"] = plan.chunk_min_keys;
+        d["early_kv"] = plan.early_kv;
+        d["cluster_merge"] = plan.cluster_merge;
+        d["reads_order"] = plan.reads_order;
+        d["fuse_rope"] = plan.fuse_rope;
+        d["workspace_bytes"] = plan.workspace_bytes;
+        return d;
+      },
+      py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+      py::arg("max_context_len"),
+      "paged_decode_attention's plan for these sizes on the current GPU, as a dict: chunks, "
+      "cluster (CTAs per chunk), splits (CTAs per sequence and kv head), chunk_min_keys (a "
+      "sequence fills one chunk per this many keys), early_kv, cluster_merge, reads_order (takes "
+      "seq_order), fuse_rope (the engine passes the RoPE/KV store in), workspace_bytes.");
 
   m.def(
       "order_by_length",

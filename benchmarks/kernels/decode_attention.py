@@ -17,7 +17,7 @@ def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False):
     context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(num_seqs, (nq + 2 * nkv) * hd, device=dev).bfloat16()
     out = torch.empty(num_seqs, nq * hd, device=dev, dtype=torch.bfloat16)
-    workspace = torch.empty(
+    workspace = torch.zeros(  # zero-filled once: its arrival counters are zero at rest
         max(ops.decode_attention_workspace_bytes(num_seqs, nq, hd, max_context_len) // 4, 1), device=dev)
 
     seq_order = None
@@ -52,5 +52,9 @@ def cases():
     yield _case(mixed[:64], 16, 8, 128, 16, 2048, "64x(100-2k)", ordered=True)
     yield _case([1024] * 256, 16, 8, 128, 16, 1024, "256x1024")
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
+    yield _case([16384] * 4, 32, 8, 128, 16, 16384, "4x16384")
+    # Batch 1 of Qwen3-0.6B's heads under the model's whole context: the work follows the length.
+    for length in (128, 2048, 4096, 16000, 40960):
+        yield _case([length], 16, 8, 128, 16, 40960, f"1x{length} of 40960")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
     yield _case([4096] * 64, 64, 8, 128, 16, 4096, "64x4096")

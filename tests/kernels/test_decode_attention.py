@@ -109,6 +109,11 @@ CASES = [
     ("q16kv8_bs256_small_grid", [700, 1], 16, 8, 128, 256, 1024),
     # 128 splits x 2 kv heads: 256 CTAs of 128 keys, so warps take a second step.
     ("q16kv2_long_small_grid", [16000], 16, 2, 128, 16, 16384),
+    # Small grids of several chunks (one cluster of CTAs per 2,048 keys of a sequence), merged through the
+    # workspace: a long sequence beside short ones under the model's whole bound.
+    ("q16kv8_batch1_chunks_40960", [40960], 16, 8, 128, 16, 40960),
+    ("q16kv8_batch2_chunks", [9000, 2049], 16, 8, 128, 16, 32768),
+    ("q32kv8_hd64_batch1_chunks", [5000], 32, 8, 64, 16, 16384),
 ]
 
 
@@ -148,7 +153,7 @@ def test_sequence_order_changes_no_result(lens, nq, nkv, hd, block_size, max_len
 
     torch.manual_seed(len(lens))
     q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, block_size, max_len)
-    assert ops.decode_attention_reads_order(len(lens), nkv, max_len) == (len(lens) > 2)
+    assert plan(len(lens), nq, nkv, hd, max_len)["reads_order"] == (len(lens) > 2)
     ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len)
     longest_first = torch.empty_like(context_lens)
     ops.order_by_length(context_lens, longest_first)
@@ -167,7 +172,7 @@ def test_sequence_order_changes_no_result(lens, nq, nkv, hd, block_size, max_len
     ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, rows, nq, hd**-0.5, max_len,
                                seq_order=zeros)
     unsplit = ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) == 0
-    if not ops.decode_attention_reads_order(len(lens), nkv, max_len):
+    if not plan(len(lens), nq, nkv, hd, max_len)["reads_order"]:
         assert torch.equal(rows, out)
     elif unsplit:
         assert torch.equal(rows[0], out[0]) and rows[1:].isnan().all()
@@ -184,7 +189,7 @@ def test_graph_replay_with_new_lengths():
     q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(
         after, nq, nkv, hd, bs, max_len, full_tables=True)
     context_lens.copy_(torch.tensor(before, dtype=torch.int32))
-    workspace = torch.empty(ops.decode_attention_workspace_bytes(len(before), nq, hd, max_len) // 4,
+    workspace = torch.zeros(ops.decode_attention_workspace_bytes(len(before), nq, hd, max_len) // 4,
                             device="cuda")
 
     def call():
@@ -229,7 +234,7 @@ def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
     newest = context_lens.long() - 1
     slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
     positions = newest.to(torch.int32)
-    workspace = torch.empty(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, device="cuda")
+    workspace = torch.zeros(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, device="cuda")
 
     def step():
         ops.qk_norm_rope_kv_store(qkv, None, None, cos_sin, positions, slots, k_cache, v_cache, nq, nkv, 1e-6)
@@ -247,6 +252,12 @@ def test_newest_key_written_by_the_previous_kernel(lens, nkv, max_len):
         assert not k_cache.view(-1, nkv, hd)[slots.long()].isnan().any(), "the newest keys were not stored"
         ref = reference(qkv, k_cache, v_cache, block_tables, context_lens, nq)
         torch.testing.assert_close(out.float(), ref, **TOL)
+
+
+def plan(num_seqs, nq, nkv, hd, max_len):
+    from nanograph import ops
+
+    return ops.decode_attention_plan(num_seqs, nq, nkv, hd, max_len)
 
 
 def bits(t):
@@ -313,10 +324,10 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
 
     qkv_before = qkv.clone()
     order = None  # large grids take the sequences longest first, as in the engine's decode steps
-    if ops.decode_attention_reads_order(len(lens), nkv, max_len):
+    if plan(len(lens), nq, nkv, hd, max_len)["reads_order"]:
         order = torch.empty_like(context_lens)
         ops.order_by_length(context_lens, order)
-    workspace = torch.empty(max(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, 1),
+    workspace = torch.zeros(max(ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4, 1),
                             device="cuda")
 
     def fused():
@@ -337,10 +348,10 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
 
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, lengths replayed from the graph): small
-# grids of 2 to 8 splits per sequence, whose splits are merged in a thread block cluster on sm_90: 7 and 8 splits,
-# a sequence whose keys all fall in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need more
-# than 48 KB of shared memory), and batch 4; and small grids of 8 interleaved splits (a max_context_len of up to
-# 8192 at batch 1 to 4 of 8 kv heads), with lengths far below and at max_context_len.
+# grids, whose sequences take one cluster of up to 8 CTAs per 2,048 keys. Sequences of one chunk merge in the
+# cluster: 7 and 8 splits, keys all in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need
+# more than 48 KB of shared memory), batch 4, and lengths far below max_context_len. Longer ones merge through the
+# workspace: several chunks at batch 1 and 2, and a replay that moves a sequence between one chunk and several.
 CLUSTER_CASES = [
     ("batch1_7_splits", [383], 16, 8, 128, 16, 400, [65]),
     ("batch1_keys_in_split_0", [40], 16, 8, 128, 16, 400, [400]),
@@ -349,46 +360,64 @@ CLUSTER_CASES = [
     ("group16_hd64", [300, 0], 32, 2, 64, 16, 400, [0, 333]),
     ("group16_hd128_8_splits", [511], 16, 1, 128, 16, 512, [129]),
     ("all_empty", [0], 16, 8, 128, 16, 400, [0]),
-    # Interleaved splits: small grids whose max_context_len would take more than 8 contiguous splits.
-    ("interleaved_batch1_short", [300], 16, 8, 128, 16, 4096, [4096]),
-    ("interleaved_batch4", [4000, 0, 65, 129], 16, 8, 128, 16, 4096, [1, 4096, 513, 0]),
-    ("interleaved_hd64_8192", [8192, 3], 32, 8, 64, 16, 8192, [100, 7000]),
-    ("interleaved_group16", [2000], 16, 1, 128, 16, 4096, [17]),
+    ("batch1_short_under_4096", [300], 16, 8, 128, 16, 4096, [2048]),
+    ("batch4_4096", [2000, 0, 65, 129], 16, 8, 128, 16, 4096, [1, 2048, 513, 0]),
+    ("hd64_8192_one_chunk", [2048, 3], 32, 8, 64, 16, 8192, [100, 1999]),
+    ("group16_4096", [2000], 16, 1, 128, 16, 4096, [17]),
+    ("batch1_chunks_32768", [32768], 16, 8, 128, 16, 32768, [128]),
+    ("batch1_chunks_from_short", [128], 16, 8, 128, 16, 40960, [16000]),
+    ("batch2_chunks", [6000, 100], 16, 8, 128, 16, 16384, [100, 16384]),
+    ("kv2_many_chunks", [30000], 16, 2, 128, 16, 32768, [4097]),
 ]
+
+
+def workspace_regions(workspace, num_seqs, nq, nkv, hd, splits):
+    """The workspace's parts and their lse, then the arrival counters (zero at rest)."""
+    parts = num_seqs * nq * splits
+    return workspace[: parts * (hd + 1)], workspace[parts * (hd + 1) : parts * (hd + 1) + num_seqs * nkv]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens,nq,nkv,hd,bs,max_len,replay_lens", [c[1:] for c in CLUSTER_CASES],
                          ids=[c[0] for c in CLUSTER_CASES])
-def test_cluster_merge_equals_the_combine_kernel(lens, nq, nkv, hd, bs, max_len, replay_lens):
-    """Merged in a cluster (the default), the output equals bit for bit that of the split kernel followed by the
-    combine kernel (cluster_merge=False), eagerly and replayed from a CUDA graph with other lengths; and on sm_90
-    the cluster leaves the workspace, which only the combine path uses, untouched."""
+def test_cluster_merge_equals_the_workspace_merge(lens, nq, nkv, hd, bs, max_len, replay_lens):
+    """Merged in a cluster (the default), the output equals bit for bit that of every split merging through the
+    workspace (cluster_merge=False), eagerly and replayed from a CUDA graph with other lengths. On sm_90 the
+    cluster leaves the parts in the workspace untouched when every sequence fills one chunk; either way each
+    launch leaves the arrival counters at zero."""
     from nanograph import ops
 
     torch.manual_seed(sum(lens) + nq + hd)
     q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len,
                                                                        full_tables=True)
-    assert not ops.decode_attention_reads_order(len(lens), nkv, max_len)
+    layout = plan(len(lens), nq, nkv, hd, max_len)
+    assert layout["early_kv"] and layout["cluster"] > 1, "the case must be a small grid of clusters"
     words = ops.decode_attention_workspace_bytes(len(lens), nq, hd, max_len) // 4
-    assert words > 0, "the case must split its keys"
-    workspace = torch.full((words,), float("nan"), device="cuda")
+    workspace = torch.zeros(words, device="cuda")
+    parts, counters = workspace_regions(workspace, len(lens), nq, nkv, hd, layout["splits"])
+    parts.fill_(float("nan"))
 
     def run(cluster_merge, into):
         into.fill_(float("nan"))
         ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, into, nq, hd**-0.5, max_len,
                                    workspace, cluster_merge=cluster_merge)
 
+    def one_chunk_each():
+        return all(n <= layout["chunk_min_keys"] for n in context_lens.tolist())
+
     run(True, out)
     torch.cuda.synchronize()
-    if torch.cuda.get_device_capability()[0] >= 9:
-        assert workspace.isnan().all(), "the cluster merge wrote the workspace: it took the combine path"
+    assert (counters == 0).all(), "the cluster launch left an arrival counter set"
+    if torch.cuda.get_device_capability()[0] >= 9 and one_chunk_each():
+        assert parts.isnan().all(), "the cluster merge wrote the workspace"
     expected = torch.empty_like(out)
     run(False, expected)
     torch.cuda.synchronize()
-    if any(lens):  # splits without keys write no partials
-        assert not workspace.isnan().all(), "the combine path left its workspace unwritten"
-    assert torch.equal(bits(out), bits(expected)), "the cluster merge differs from the combine kernel"
+    assert (counters == 0).all(), "the workspace merge left an arrival counter set"
+    cta_step = 64 if hd == 128 else 128  # the keys of one step of a CTA's 4 warps
+    if any(n > cta_step for n in lens):
+        assert not parts.isnan().all(), "the workspace merge left its parts unwritten"
+    assert torch.equal(bits(out), bits(expected)), "the cluster merge differs from the workspace merge"
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
     assert (out[context_lens == 0] == 0).all()
 
@@ -399,8 +428,62 @@ def test_cluster_merge_equals_the_combine_kernel(lens, nq, nkv, hd, bs, max_len,
     graph.replay()
     run(False, expected)
     torch.cuda.synchronize()
-    assert torch.equal(bits(out), bits(expected)), "the replayed cluster merge differs from the combine kernel"
+    assert (counters == 0).all()
+    assert torch.equal(bits(out), bits(expected)), "the replayed cluster merge differs from the workspace merge"
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nkv,bounds", [([100, 2000], 8, (2048, 40960)), ([5], 8, (512, 32768)),
+                                             ([1500, 64, 0], 2, (2048, 16384))],
+                         ids=["batch2", "batch1_tiny", "kv2_batch3"])
+def test_the_work_follows_the_lengths_not_the_bound(lens, nkv, bounds):
+    """Sequences that fill one chunk are divided the same way under a small bound and under the model's whole
+    context: the same CTAs read the same keys, so the outputs are equal bit for bit."""
+    from nanograph import ops
+
+    nq, hd, bs = 16, 128, 16
+    torch.manual_seed(sum(lens))
+    q, k_cache, v_cache, block_tables, context_lens, _ = make_inputs(lens, nq, nkv, hd, bs, max(bounds),
+                                                                     full_tables=True)
+    outs = []
+    for bound in bounds:
+        layout = plan(len(lens), nq, nkv, hd, bound)
+        assert layout["early_kv"] and all(n <= layout["chunk_min_keys"] for n in lens)
+        out = torch.full((len(lens), nq * hd), float("nan"), device="cuda").bfloat16()
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables[:, : math.ceil(bound / bs)].contiguous(),
+                                   context_lens, out, nq, hd**-0.5, bound)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert plan(len(lens), nq, nkv, hd, bounds[1])["splits"] > plan(len(lens), nq, nkv, hd, bounds[0])["splits"]
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    torch.testing.assert_close(outs[1].float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,max_len,bucket", [([3000, 17], 16, 8, 128, 32768, 4),
+                                                          (random_lens(5, 4096, 11), 32, 8, 128, 4096, 8),
+                                                          ([900], 16, 2, 64, 2048, 2)],
+                         ids=["small_grid_bucket4", "large_grid_bucket8", "hd64_bucket2"])
+def test_a_bucket_plan_serves_fewer_sequences(lens, nq, nkv, hd, max_len, bucket):
+    """A launch of fewer sequences than its plan (a decode graph's bucket, run eagerly) is correct, and each
+    sequence's output does not depend on the other rows of the launch."""
+    from nanograph import ops
+
+    torch.manual_seed(len(lens) + bucket)
+    q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, 16, max_len)
+    ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
+                               plan_num_seqs=bucket)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
+    alone = torch.full_like(out[:1], float("nan"))
+    ops.paged_decode_attention(q[:1], k_cache, v_cache, block_tables[:1], context_lens[:1], alone, nq, hd**-0.5,
+                               max_len, plan_num_seqs=bucket)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(alone), bits(out[:1]))
+    with pytest.raises(ValueError, match="plan_num_seqs"):
+        ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
+                                   plan_num_seqs=len(lens) - 1)
 
 
 @pytest.mark.gpu

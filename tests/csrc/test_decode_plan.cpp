@@ -1,0 +1,97 @@
+// plan_decode_attention on a described device (host only): the grid follows the batch, the heads
+// and the bound, stays one resident wave on small grids at any bound, and the workspace holds
+// every part the grid can write.
+#include <gtest/gtest.h>
+
+#include "attention.h"
+
+namespace nanograph {
+namespace {
+
+DeviceProps h200() {
+  DeviceProps props;
+  props.sm_count = 132;
+  props.compute_major = 9;
+  props.smem_per_block_optin = 227 * 1024;
+  props.clusters = true;
+  props.pdl = true;
+  return props;
+}
+
+size_t expected_workspace(const DecodeAttentionPlan& p) {
+  if (p.splits() == 1) return 0;
+  const size_t parts = static_cast<size_t>(p.num_seqs) * p.num_q_heads * p.splits();
+  return (parts * (p.head_dim + 1) + static_cast<size_t>(p.num_seqs) * p.num_kv_heads) * 4;
+}
+
+TEST(DecodePlan, BatchOneIsOneResidentWaveOfClustersAtEveryBound) {
+  // Qwen3-0.6B's heads, from a latency benchmark's bound to the model's whole context.
+  for (int bound : {384, 1024, 4096, 8192, 16384, 32768, 40960}) {
+    const DecodeAttentionPlan p = plan_decode_attention(1, 16, 8, 128, bound, h200());
+    SCOPED_TRACE(bound);
+    EXPECT_TRUE(p.early_kv);
+    EXPECT_TRUE(p.cluster_merge);
+    EXPECT_FALSE(p.reads_order);
+    EXPECT_FALSE(p.fuse_rope);
+    EXPECT_EQ(p.cluster, std::min(8, (bound + 63) / 64));
+    EXPECT_LE(static_cast<int64_t>(p.splits()) * 8, 2 * 132);  // every CTA resident at once
+    EXPECT_EQ(p.chunk_min_keys, 2048);
+    EXPECT_EQ(p.chunks, std::min(4, (bound + 2047) / 2048));
+    EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
+  }
+}
+
+TEST(DecodePlan, LargeGridsSplitByTheBoundAndTakeTheOrder) {
+  const DecodeAttentionPlan big = plan_decode_attention(256, 16, 8, 128, 2048, h200());
+  EXPECT_FALSE(big.early_kv);
+  EXPECT_TRUE(big.reads_order);
+  EXPECT_TRUE(big.fuse_rope);
+  EXPECT_EQ(big.splits(), 1);  // 2,048 rows fill the GPU
+  EXPECT_EQ(big.workspace_bytes, 0u);
+  const DecodeAttentionPlan mid = plan_decode_attention(64, 32, 8, 128, 4096, h200());
+  EXPECT_EQ(mid.cluster, 1);
+  EXPECT_EQ(mid.chunks, 2);  // 8 CTAs per SM over 512 rows
+  EXPECT_EQ(mid.chunk_min_keys, 2048);
+  EXPECT_EQ(mid.workspace_bytes, expected_workspace(mid));
+  const DecodeAttentionPlan eight = plan_decode_attention(8, 16, 8, 128, 40960, h200());
+  EXPECT_FALSE(eight.early_kv);
+  EXPECT_EQ(eight.chunks, 16);
+  EXPECT_EQ(eight.chunk_min_keys % 64, 0);
+  EXPECT_GE(static_cast<int64_t>(eight.chunks) * eight.chunk_min_keys, 40960);
+}
+
+TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsAndDevice) {
+  DeviceProps small = h200();
+  small.sm_count = 16;
+  small.clusters = false;
+  for (const DeviceProps& device : {h200(), small}) {
+    for (int seqs : {1, 2, 3, 4, 7, 8, 64, 512}) {
+      for (int kv : {1, 2, 8}) {
+        for (int hd : {64, 128}) {
+          for (int bound : {0, 1, 64, 65, 400, 2048, 40960}) {
+            const DecodeAttentionPlan p = plan_decode_attention(seqs, 16, kv, hd, bound, device);
+            SCOPED_TRACE(std::to_string(seqs) + " " + std::to_string(kv) + " " +
+                         std::to_string(hd) + " " + std::to_string(bound));
+            const int step = hd == 128 ? 64 : 128;
+            EXPECT_GE(p.chunks, 1);
+            EXPECT_GE(p.cluster, 1);
+            EXPECT_LE(p.cluster, 8);
+            EXPECT_LE(p.splits(), 128);
+            EXPECT_EQ(p.chunk_min_keys % step, 0);
+            EXPECT_GT(p.chunk_min_keys, 0);
+            EXPECT_EQ(p.cluster_merge, p.early_kv && p.cluster > 1 && device.clusters);
+            EXPECT_EQ(p.reads_order, !p.early_kv);
+            if (p.early_kv) {
+              EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
+            }
+            EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
+          }
+        }
+      }
+    }
+  }
+  EXPECT_THROW(plan_decode_attention(1, 16, 8, 96, 1024, h200()), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace nanograph
