@@ -30,9 +30,10 @@ struct DecodeAttentionArgs {
   // lengths up to it, because the kernel reads the actual lengths from device memory.
   int max_context_len;
   float scale;
-  // The plan's workspace_bytes, zero-filled before its first use; every launch leaves it so
-  // (its counters at zero) for the next.
-  float* workspace;
+  float* workspace;  // the plan's workspace_bytes
+  // The plan's arrival_counters, zero-filled before their first use; every launch leaves them at
+  // zero. Plans of any batch size may share them (and the workspace), one launch at a time.
+  unsigned* arrivals;
   // Optional [num_seqs]: a permutation of the sequences, longest first (order_by_length), in which
   // large grids (DecodeAttentionPlan::reads_order) take them up, so that the last CTAs to start
   // are short ones rather than a long sequence that leaves the GPU part-idle while it finishes.
@@ -78,6 +79,7 @@ struct DecodeAttentionPlan {
   bool reads_order = false;
   bool fuse_rope = false;
   size_t workspace_bytes = 0;
+  size_t arrival_counters = 0;
 
   int splits() const { return chunks * cluster; }
 };
@@ -86,8 +88,12 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
                                           int head_dim, int max_context_len,
                                           const DeviceProps& device);
 
-// The most workspace any plan for these sizes takes, over every number of kv heads that divides
-// num_q_heads, on the current device.
+// The most bytes any plan for these sizes takes for its arrival counters (first, 16-byte aligned)
+// and workspace together, over every number of kv heads that divides num_q_heads, on the current
+// device: one buffer for both, as the Python binding takes them.
+// The plan's arrival counters in bytes, rounded up to 16.
+size_t arrival_bytes(const DecodeAttentionPlan& plan);
+
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
                                         int max_context_len);
 

@@ -9,7 +9,7 @@
 //   out:      [num_seqs, num_q_heads * head_dim] bf16; a row with context length 0 is zeros
 //   workspace (plans of more than one split): parts [num_seqs, num_q_heads, splits, head_dim]
 //             fp32, each normalised, then their lse [num_seqs, num_q_heads, splits] fp32 (log2
-//             domain), then arrival counters [num_seqs, num_kv_heads] uint32, zero at rest.
+//             domain); arrivals: [num_seqs, num_kv_heads] uint32 counters, zero at rest.
 //
 // Launch: split_kernel, one CTA of 4 warps per (split, kv head, sequence). The grid comes from the
 // plan (DecodeAttentionPlan), so a captured graph replays for any lengths up to its bound. The
@@ -95,40 +95,37 @@ struct KeySpan {
   int stride;
 };
 
-// The chunks that a sequence of len keys fills, and the first step of chunk c and the one after
-// it: the steps are shared out evenly, in order.
-__host__ __device__ __forceinline__ int active_chunks(int len, const KeyLayout& layout) {
-  return len <= 0 ? 0 : min(layout.chunks, (len + layout.chunk_min_keys - 1) / layout.chunk_min_keys);
-}
+// How a sequence of len keys is cut: its steps of kStep keys are shared out in order over the
+// `active` chunks it fills (one per chunk_min_keys keys, up to the layout's chunks), the first
+// `longer` chunks taking one step more than the others' `base`.
+template <int kStep>
+struct Chunking {
+  int active;
+  int base;
+  int longer;
 
-__host__ __device__ __forceinline__ int chunk_first_step(int c, int steps, int active) {
-  return static_cast<int>(static_cast<int64_t>(c) * steps / active);
-}
+  __device__ __forceinline__ Chunking(int len, const KeyLayout& layout) {
+    const int steps = (len + kStep - 1) / kStep;
+    active = len <= 0 ? 0 : min(layout.chunks, (len + layout.chunk_min_keys - 1) / layout.chunk_min_keys);
+    base = active > 0 ? steps / active : 0;
+    longer = steps - base * active;
+  }
+  __device__ __forceinline__ int first_step(int chunk) const { return chunk * base + min(chunk, longer); }
+  __device__ __forceinline__ int steps_of(int chunk) const { return base + (chunk < longer ? 1 : 0); }
+  // The splits that hold keys: the first min(cluster, steps) ranks of each chunk.
+  __device__ __forceinline__ int splits_with_keys(int cluster) const {
+    return (active - longer) * min(cluster, base) + longer * min(cluster, base + 1);
+  }
+};
 
 template <int kStep>
-__device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout& layout) {
+__device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout& layout,
+                                            const Chunking<kStep>& cut) {
   const int chunk = split / layout.cluster, rank = split % layout.cluster;
-  const int active = active_chunks(len, layout);
-  if (chunk >= active) return {0, 0, 0};
-  const int steps = (len + kStep - 1) / kStep;
-  const int first = chunk_first_step(chunk, steps, active);
-  const int last = chunk_first_step(chunk + 1, steps, active);
-  return {(first + rank) * kStep, min(last * kStep, len), layout.cluster * kStep};
-}
-
-// The splits of a sequence of len keys that hold keys: the first min(cluster, steps) ranks of each
-// chunk it fills. Calls visit(split) for each, in split order; returns their number.
-template <int kStep, class Visit>
-__device__ __forceinline__ int splits_with_keys(int len, const KeyLayout& layout, Visit&& visit) {
-  const int active = active_chunks(len, layout);
-  const int steps = (len + kStep - 1) / kStep;
-  int count = 0;
-  for (int c = 0; c < active; ++c) {
-    const int ranks = min(layout.cluster, chunk_first_step(c + 1, steps, active) -
-                                              chunk_first_step(c, steps, active));
-    for (int r = 0; r < ranks; ++r, ++count) visit(c * layout.cluster + r);
-  }
-  return count;
+  if (chunk >= cut.active) return {0, 0, 0};
+  const int first = cut.first_step(chunk);
+  return {(first + rank) * kStep, min((first + cut.steps_of(chunk)) * kStep, len),
+          layout.cluster * kStep};
 }
 
 __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
@@ -323,15 +320,17 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   const int group = args.num_q_heads / kv.num_kv_heads;
   // (A length above max_context_len breaks the contract; the bound keeps its reads in the tables.)
   const int len = min(kv.context_lens[seq], args.max_context_len);
-  const KeySpan span = key_span<kStep>(len, split, layout);
+  const Chunking<kStep> cut(len, layout);
+  const KeySpan span = key_span<kStep>(len, split, layout, cut);
   const int start = span.begin, end = span.end;
-  const int parts = splits_with_keys<kStep>(len, layout, [](int) {});
-  // In a cluster, the same for every rank: whether the row's parts merge in rank 0's inbox.
-  const bool in_cluster = kCluster && parts > 1 && active_chunks(len, layout) == 1;
+  // The splits of the row that hold keys, and (the same for every rank of a cluster) whether they
+  // merge in rank 0's inbox.
+  auto parts = [&] { return cut.splits_with_keys(layout.cluster); };
+  auto in_cluster = [&] { return kCluster && cut.active == 1 && parts() > 1; };
   const size_t out_row = static_cast<size_t>(seq) * args.num_q_heads + kv_head * group;
   float* inbox_lse = s_inbox + group * layout.cluster * HD;
   // in_cluster: after this CTA's rows are in rank 0's inbox (or it has none), rank 0 merges.
-  auto merge_in_rank0 = [&] {
+  auto merge_in_rank0 = [&](int row_parts) {
     cluster_arrive_release();
     if (split != 0) return;
     cluster_wait();
@@ -339,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       const int head = item / kColumns, column = item % kColumns;
       reinterpret_cast<uint2*>(args.out + (out_row + head) * HD)[column] =
           merge_column<HD, false>(inbox_lse + head * layout.cluster,
-                                  s_inbox + head * layout.cluster * HD, nullptr, parts, column);
+                                  s_inbox + head * layout.cluster * HD, nullptr, row_parts, column);
     }
   };
 
@@ -348,9 +347,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       wait_for_producers();
       allow_dependents();
     }
-    if (in_cluster) {  // a rank without keys
+    if (in_cluster()) {  // a rank without keys
       cluster_wait();
-      merge_in_rank0();
+      merge_in_rank0(parts());
     } else if (len == 0 && split == 0) {  // the row is defined as zeros
       for (int i = threadIdx.x; i < group * HD / 8; i += kThreads) {
         reinterpret_cast<uint4*>(args.out + out_row * HD)[i] = make_uint4(0, 0, 0, 0);
@@ -566,13 +565,14 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   __syncthreads();
 
   const int splits = gridDim.x;
+  const int row_parts = parts();
+  const bool merge_in_cluster = in_cluster();
   const size_t rows = static_cast<size_t>(args.num_seqs) * args.num_q_heads;
   float* partial_out = args.workspace;
   float* partial_lse = args.workspace + rows * splits * HD;
-  unsigned* arrivals = reinterpret_cast<unsigned*>(partial_lse + rows * splits) +
-                       static_cast<size_t>(seq) * kv.num_kv_heads + kv_head;
+  unsigned* arrivals = args.arrivals + static_cast<size_t>(seq) * kv.num_kv_heads + kv_head;
   float *rank0_rows = nullptr, *rank0_lse = nullptr;
-  if (in_cluster) {
+  if (merge_in_cluster) {
     cluster_wait();  // phase 0: every rank has started
     rank0_rows = in_rank0(s_inbox);
     rank0_lse = in_rank0(inbox_lse);
@@ -597,9 +597,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       o.v[d] = x / sum;
     }
     const size_t row = out_row + head;
-    if (parts == 1) {
+    if (row_parts == 1) {
       store_bf16x8(args.out + row * HD + dim, o);
-    } else if (in_cluster) {
+    } else if (merge_in_cluster) {
       store_f32x8(rank0_rows + (head * layout.cluster + split) * HD + dim, o);
       if (dim == 0) rank0_lse[head * layout.cluster + split] = max + log2f(sum);
     } else {
@@ -607,9 +607,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       if (dim == 0) partial_lse[row * splits + split] = max + log2f(sum);
     }
   }
-  if (parts == 1) return;
-  if (in_cluster) {
-    merge_in_rank0();
+  if (row_parts == 1) return;
+  if (merge_in_cluster) {
+    merge_in_rank0(row_parts);
     return;
   }
 
@@ -619,11 +619,13 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   __threadfence();  // this CTA's part is visible on the device before it is counted
   __syncthreads();
   if (threadIdx.x == 0) {
-    s_last = atomicAdd(arrivals, 1u) + 1 == static_cast<unsigned>(parts);
+    s_last = atomicAdd(arrivals, 1u) + 1 == static_cast<unsigned>(row_parts);
     if (s_last) {
       *arrivals = 0;  // no other CTA of this launch counts here again
       int n = 0;
-      splits_with_keys<kStep>(len, layout, [&](int part) { s_parts[n++] = part; });
+      for (int c = 0; c < cut.active; ++c) {
+        for (int r = 0; r < min(layout.cluster, cut.steps_of(c)); ++r) s_parts[n++] = c * layout.cluster + r;
+      }
     }
   }
   __syncthreads();
@@ -633,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     const int head = item / kColumns, column = item % kColumns;
     const size_t row = out_row + head;
     reinterpret_cast<uint2*>(args.out + row * HD)[column] = merge_column<HD, true>(
-        partial_lse + row * splits, partial_out + row * splits * HD, s_parts, parts, column);
+        partial_lse + row * splits, partial_out + row * splits * HD, s_parts, row_parts, column);
   }
 }
 
@@ -710,10 +712,14 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
   }
   if (plan.splits() > 1) {
     const size_t parts = static_cast<size_t>(num_seqs) * num_q_heads * plan.splits();
-    plan.workspace_bytes = (parts * (head_dim + 1) + static_cast<size_t>(num_seqs) * num_kv_heads) *
-                           sizeof(float);
+    plan.workspace_bytes = parts * (head_dim + 1) * sizeof(float);
+    plan.arrival_counters = static_cast<size_t>(num_seqs) * num_kv_heads;
   }
   return plan;
+}
+
+size_t arrival_bytes(const DecodeAttentionPlan& plan) {
+  return (plan.arrival_counters * sizeof(unsigned) + 15) / 16 * 16;
 }
 
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
@@ -721,9 +727,9 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
   size_t bytes = 0;
   for (int kv_heads = 1; kv_heads <= num_q_heads; ++kv_heads) {
     if (num_q_heads % kv_heads != 0) continue;
-    bytes = std::max(bytes, plan_decode_attention(num_seqs, num_q_heads, kv_heads, head_dim,
-                                                  max_context_len, device_props())
-                                .workspace_bytes);
+    const DecodeAttentionPlan plan = plan_decode_attention(num_seqs, num_q_heads, kv_heads,
+                                                           head_dim, max_context_len, device_props());
+    bytes = std::max(bytes, arrival_bytes(plan) + plan.workspace_bytes);
   }
   return bytes;
 }
@@ -787,8 +793,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
               std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
               "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
               ", max_context_len " + std::to_string(args.max_context_len) + ")");
-  require(plan.workspace_bytes == 0 || args.workspace != nullptr,
-          "decode attention needs a zero-filled workspace of the plan's workspace_bytes");
+  require(plan.workspace_bytes == 0 || (args.workspace != nullptr && args.arrivals != nullptr),
+          "decode attention needs the plan's workspace and zero-filled arrival counters");
   if (args.num_seqs == 0) return;
   require(args.num_seqs <= 65535 && kv.num_kv_heads <= 65535,
           "decode attention supports up to 65535 sequences and kv heads per launch");

@@ -181,7 +181,9 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
     workspace = std::max(workspace, decode_plans_[b].workspace_bytes);
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));
-  if (workspace > 0) CUDA_CHECK(cudaMemset(attn_workspace_, 0, workspace));
+  attn_arrivals_ = alloc<unsigned>(static_cast<size_t>(S) * c.num_kv_heads);
+  CUDA_CHECK(cudaMemset(attn_arrivals_, 0, static_cast<size_t>(S) * c.num_kv_heads * sizeof(unsigned)));
+  CUDA_CHECK(cudaDeviceSynchronize());
   seq_order_ = alloc<int32_t>(S);
 }
 
@@ -383,7 +385,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     if (!rope_in_attention) qk_norm_rope_kv_store(rope, st);
     if (is_decode) {
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
-                               limits_.max_model_len, scale, attn_workspace_,
+                               limits_.max_model_len, scale, attn_workspace_, attn_arrivals_,
                                ordered ? seq_order_ : nullptr,
                                rope_in_attention ? rope : RopeKvArgs{}};
       paged_decode_attention(args, *plan, st);

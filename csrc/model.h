@@ -180,6 +180,7 @@ class Model {
   uint64_t* argmax_keys_ = nullptr;  // [kGemvMaxM], zero between steps: gemv_argmax's workspace
   std::vector<DecodeAttentionPlan> decode_plans_;  // [max_num_seqs + 1]: by planned batch size
   float* attn_workspace_ = nullptr;
+  unsigned* attn_arrivals_ = nullptr;  // [max_num_seqs, num_kv_heads], zero at rest
   int32_t* seq_order_ = nullptr;  // [max_num_seqs]: decode attention's sequences, longest first
   bf16* kv_cache_ = nullptr;
   int num_kv_blocks_ = 0;

@@ -74,7 +74,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
             plan_decode_attention(planned, num_q_heads, static_cast<int>(num_kv_heads),
                                   static_cast<int>(head_dim), max_context_len, device_props());
         plan.cluster_merge = plan.cluster_merge && cluster_merge;
-        const size_t ws_bytes = plan.workspace_bytes;
+        // One buffer: the arrival counters, then the workspace.
+        const size_t ws_bytes = plan.workspace_bytes > 0 ? arrival_bytes(plan) + plan.workspace_bytes : 0;
         py::object allocated;  // keeps a workspace made here alive until the launch is queued
         if (t_ws.ptr == nullptr && ws_bytes > 0) {
           py::module_ torch = py::module_::import("torch");
@@ -101,7 +102,13 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         args.num_q_heads = num_q_heads;
         args.max_context_len = max_context_len;
         args.scale = scale;
-        args.workspace = t_ws.data<float>();
+        if (ws_bytes > 0) {
+          args.arrivals = reinterpret_cast<unsigned*>(t_ws.data<float>());
+          args.workspace = t_ws.data<float>() + arrival_bytes(plan) / sizeof(float);
+        } else {
+          args.arrivals = nullptr;
+          args.workspace = nullptr;
+        }
         args.seq_order = t_order.data<int32_t>();
         args.rope = rope;
         paged_decode_attention(args, plan, torch_current_stream());
@@ -118,8 +125,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
       "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
       "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
-      "at least decode_attention_workspace_bytes(...) bytes, zero-filled before its first use "
-      "(every call leaves it so), or None to allocate one per call. "
+      "at least decode_attention_workspace_bytes(...) bytes (its first bytes count the splits' "
+      "arrivals), zero-filled before its first use (every call leaves the counters at zero), or "
+      "None to allocate one per call. "
       "seq_order: None, or [num_seqs] int32, a permutation of the sequences (order_by_length) in "
       "which large grids take them up; it changes no result. "
       "With cos_sin (and positions, slot_mapping [num_seqs] int32, optional q_norm_weight and "

@@ -18,10 +18,14 @@ DeviceProps h200() {
   return props;
 }
 
+// The parts and their lse, fp32; and one arrival counter per (sequence, kv head).
 size_t expected_workspace(const DecodeAttentionPlan& p) {
   if (p.splits() == 1) return 0;
-  const size_t parts = static_cast<size_t>(p.num_seqs) * p.num_q_heads * p.splits();
-  return (parts * (p.head_dim + 1) + static_cast<size_t>(p.num_seqs) * p.num_kv_heads) * 4;
+  return static_cast<size_t>(p.num_seqs) * p.num_q_heads * p.splits() * (p.head_dim + 1) * 4;
+}
+
+size_t expected_counters(const DecodeAttentionPlan& p) {
+  return p.splits() == 1 ? 0 : static_cast<size_t>(p.num_seqs) * p.num_kv_heads;
 }
 
 TEST(DecodePlan, BatchOneIsOneResidentWaveOfClustersAtEveryBound) {
@@ -38,6 +42,7 @@ TEST(DecodePlan, BatchOneIsOneResidentWaveOfClustersAtEveryBound) {
     EXPECT_EQ(p.chunk_min_keys, 2048);
     EXPECT_EQ(p.chunks, std::min(4, (bound + 2047) / 2048));
     EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
+    EXPECT_EQ(p.arrival_counters, expected_counters(p));
   }
 }
 
@@ -85,6 +90,7 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsAndDevice) {
               EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
             }
             EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
+            EXPECT_EQ(p.arrival_counters, expected_counters(p));
           }
         }
       }

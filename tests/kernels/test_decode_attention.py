@@ -372,9 +372,10 @@ CLUSTER_CASES = [
 
 
 def workspace_regions(workspace, num_seqs, nq, nkv, hd, splits):
-    """The workspace's parts and their lse, then the arrival counters (zero at rest)."""
-    parts = num_seqs * nq * splits
-    return workspace[: parts * (hd + 1)], workspace[parts * (hd + 1) : parts * (hd + 1) + num_seqs * nkv]
+    """The binding's buffer: the arrival counters (zero at rest; 16-byte aligned), then the parts and their lse."""
+    counters = num_seqs * nkv
+    start = (counters + 3) // 4 * 4
+    return workspace[start : start + num_seqs * nq * splits * (hd + 1)], workspace[:counters]
 
 
 @pytest.mark.gpu
@@ -467,20 +468,28 @@ def test_the_work_follows_the_lengths_not_the_bound(lens, nkv, bounds):
                          ids=["small_grid_bucket4", "large_grid_bucket8", "hd64_bucket2"])
 def test_a_bucket_plan_serves_fewer_sequences(lens, nq, nkv, hd, max_len, bucket):
     """A launch of fewer sequences than its plan (a decode graph's bucket, run eagerly) is correct, and each
-    sequence's output does not depend on the other rows of the launch."""
+    sequence's output does not depend on the other rows of the launch. Launches of different batch sizes under
+    one plan share its workspace, as the engine's steps do: each leaves the arrival counters at zero."""
     from nanograph import ops
 
     torch.manual_seed(len(lens) + bucket)
     q, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, 16, max_len)
-    ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
-                               plan_num_seqs=bucket)
+    workspace = torch.zeros(ops.decode_attention_workspace_bytes(bucket, nq, hd, max_len) // 4, device="cuda")
+
+    def call(rows, into):
+        into.fill_(float("nan"))
+        ops.paged_decode_attention(q[:rows], k_cache, v_cache, block_tables[:rows], context_lens[:rows], into, nq,
+                                   hd**-0.5, max_len, workspace, plan_num_seqs=bucket)
+
+    call(len(lens), out)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, block_tables, context_lens, nq), **TOL)
-    alone = torch.full_like(out[:1], float("nan"))
-    ops.paged_decode_attention(q[:1], k_cache, v_cache, block_tables[:1], context_lens[:1], alone, nq, hd**-0.5,
-                               max_len, plan_num_seqs=bucket)
+    alone, again = torch.empty_like(out[:1]), torch.empty_like(out)
+    call(1, alone)
+    call(len(lens), again)
     torch.cuda.synchronize()
     assert torch.equal(bits(alone), bits(out[:1]))
+    assert torch.equal(bits(again), bits(out))
     with pytest.raises(ValueError, match="plan_num_seqs"):
         ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
                                    plan_num_seqs=len(lens) - 1)
