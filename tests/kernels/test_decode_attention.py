@@ -496,6 +496,43 @@ def test_a_bucket_plan_serves_fewer_sequences(lens, nq, nkv, hd, max_len, bucket
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[176, 60, 145], [512, 1, 449, 0, 300]], ids=["three", "five"])
+def test_small_and_large_grid_plans_give_the_same_bits(lens):
+    """Under a 512-token bound every plan cuts a sequence into the same 64-key parts, whatever the batch size it
+    is planned for: a small grid (the RoPE/KV-store kernel, then attention; its parts merged in a cluster) and a
+    large one (RoPE inside attention, the sequences longest first; its parts merged through the workspace) give
+    the same bits, so a request's tokens do not depend on the batch it decodes in."""
+    from nanograph import ops
+
+    from .test_rope_kv import EPS, cos_sin_table
+
+    nq, nkv, hd, bs, max_len = 16, 8, 128, 16, 512
+    small, large = plan(len(lens), nq, nkv, hd, max_len), plan(16, nq, nkv, hd, max_len)
+    assert small["early_kv"] and not large["early_kv"]
+    torch.manual_seed(sum(lens))
+    qkv, k_cache, v_cache, block_tables, context_lens, out = make_inputs(lens, nq, nkv, hd, bs, max_len)
+    qw, kw = [(torch.rand(hd, device="cuda") * 1.5 + 0.25).bfloat16() for _ in range(2)]
+    cos_sin = cos_sin_table(max_len + 8, hd).cuda()
+    newest = (context_lens.long() - 1).clamp(min=0)
+    slots = (block_tables.long().gather(1, (newest // bs)[:, None])[:, 0] * bs + newest % bs).to(torch.int32)
+    slots[context_lens == 0] = -1
+    positions = newest.to(torch.int32)
+
+    qkv_rotated, kc_small, vc_small, out_small = qkv.clone(), k_cache.clone(), v_cache.clone(), out.clone()
+    ops.qk_norm_rope_kv_store(qkv_rotated, qw, kw, cos_sin, positions, slots, kc_small, vc_small, nq, nkv, EPS)
+    ops.paged_decode_attention(qkv_rotated, kc_small, vc_small, block_tables, context_lens, out_small, nq,
+                               hd**-0.5, max_len)
+    order = torch.empty_like(context_lens)
+    ops.order_by_length(context_lens, order)
+    ops.paged_decode_attention(qkv, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5, max_len,
+                               q_norm_weight=qw, k_norm_weight=kw, cos_sin=cos_sin, positions=positions,
+                               slot_mapping=slots, eps=EPS, seq_order=order, plan_num_seqs=16)
+    torch.cuda.synchronize()
+    assert torch.equal(bits(k_cache), bits(kc_small)) and torch.equal(bits(v_cache), bits(vc_small))
+    assert torch.equal(bits(out), bits(out_small)), "the large grid's bits differ from the small grid's"
+
+
+@pytest.mark.gpu
 def test_rejects_bad_arguments():
     from nanograph import ops
 
