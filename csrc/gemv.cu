@@ -41,15 +41,15 @@
 // is valid for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
-// torch.argmax's (NaN highest, then larger values, then lower indices), in shared memory and
-// sends one max reduction per row to a global key; a one-warp kernel launched behind it (PDL)
-// decodes and clears the keys. The separate argmax kernel would re-read the 300 KB of logits
-// after the GEMV has completed.
+// torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction
+// per row to a global key; a one-warp kernel launched behind it (PDL) decodes and clears the keys.
+// The separate argmax kernel would re-read the 300 KB of logits after the GEMV has completed.
 #include "gemv.h"
 
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "argmax_order.cuh"
 #include "fp8.h"
 #include "launch.h"
 #include "silu_mul.cuh"
@@ -137,26 +137,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// An argmax candidate as one 64-bit key: the value's bits made order-preserving as unsigned
-// (NaN above +inf, -0 as +0, which compare equal in torch) above the complemented index, so
-// that the unsigned maximum is torch.argmax's choice and a tie goes to the lower index. 0 is
-// below every key: no candidate yet.
-__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
-  uint32_t bits = __float_as_uint(value);
-  if (value != value) {
-    bits = 0xffffffffu;
-  } else if ((bits << 1) == 0) {
-    bits = 0x80000000u;
-  } else {
-    bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-  }
-  return (static_cast<unsigned long long>(bits) << 32) | ~static_cast<uint32_t>(index);
-}
-
-__device__ __forceinline__ int32_t argmax_index(unsigned long long key) {
-  return key == 0 ? 0 : static_cast<int32_t>(~static_cast<uint32_t>(key));
-}
-
 // gemv_kernel's store for gemv_argmax: the warp's sums (nullptr for a warp whose split was
 // summed by another) are stored like gemv's, and each row's best key goes to the CTA's keys, then
 // to the global ones. Every warp of the CTA calls it (it has a barrier).
@@ -198,7 +178,7 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
   wait_for_producers();
   const int m = threadIdx.x;
   if (m >= M) return;
-  const int32_t index = argmax_index(keys[m]);
+  const int32_t index = argmax_key_index(keys[m]);
   keys[m] = 0;
   out[m] = index;
   if (host_out != nullptr) host_out[m] = index;

@@ -3,7 +3,7 @@
 //
 // Launch: one CTA of 512 threads per row; the CTA streams its row from global memory once per
 // pass, with 16-byte loads, four per thread in flight. Passes of a row, by what it asks:
-//   greedy:                        argmax (1 pass)
+//   greedy:                        argmax, in torch.argmax's order (argmax_order.cuh) (1 pass)
 //   temperature only:              draw (1)
 //   with truncations:              max/min (1), top-k select (up to 3), top-p select (up to 3),
 //                                  draw (1)
@@ -26,6 +26,7 @@
 // them (16 CTAs per row), for sample_rows to read instead.
 #include <climits>
 
+#include "argmax_order.cuh"
 #include "sampling.h"
 
 namespace nanograph {
@@ -53,7 +54,7 @@ __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
 
 // Calls f(first_index, x[4], count) for the row's elements in aligned groups of four (count < 4
-// only at the end of the row), each thread taking every kThreads-th group.
+// only at the end of the row), each thread taking every kThreads-th group, in increasing order.
 template <typename T, typename F>
 __device__ __forceinline__ void for_each_quad(const T* row, int vocab, F&& f) {
   constexpr int kPerVec = 16 / sizeof(T);
@@ -117,14 +118,21 @@ __device__ __forceinline__ float race_score(float logit, float temperature, uint
   return logit - temperature * logf(-log1pf(-uniform_of(bits)));
 }
 
-// A (value, index) candidate: larger values win, ties go to the lower index.
+// A (value, index) candidate.
 struct Best {
   float value;
   int index;
 };
 
+// The sampled rows' passes: larger values win, ties go to the lower index, and a NaN never wins
+// (those rows treat NaN logits as absent). Among numbers, this is the order of keep_first.
 __device__ __forceinline__ void keep_better(Best& best, float value, int index) {
   if (value > best.value || (value == best.value && index < best.index)) best = {value, index};
+}
+
+// torch.argmax's order (argmax_order.cuh): the greedy rows' choice and block_best's merge.
+__device__ __forceinline__ void keep_first(Best& best, float value, int index) {
+  if (argmax_precedes(value, index, best.value, best.index)) best = {value, index};
 }
 
 struct Shared {
@@ -143,19 +151,20 @@ struct Shared {
   uint32_t race_bound;  // ordered_key of the best race score any thread of the row has computed
 };
 
+// The first of the threads' candidates by keep_first; every thread returns it.
 __device__ Best block_best(Best best, Shared& sh) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float value = __shfl_xor_sync(0xffffffffu, best.value, offset);
     const int index = __shfl_xor_sync(0xffffffffu, best.index, offset);
-    keep_better(best, value, index);
+    keep_first(best, value, index);
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();  // the scratch may still be read by a previous reduction
   if (lane == 0) sh.warp_best[warp] = best;
   __syncthreads();
   best = sh.warp_best[0];
-  for (int w = 1; w < kWarps; ++w) keep_better(best, sh.warp_best[w].value, sh.warp_best[w].index);
+  for (int w = 1; w < kWarps; ++w) keep_first(best, sh.warp_best[w].value, sh.warp_best[w].index);
   return best;
 }
 
@@ -340,11 +349,13 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
   const float temperature = a.temperatures[r];
   Row<T> row{logits, a.vocab, temperature};
   if (!(temperature > 0.f)) {  // greedy
+    // A thread visits its indices in increasing order, so a later value replaces the best only if
+    // it comes strictly before it (argmax_ahead): ties keep the lower index, as keep_first would.
     Best best = {-INFINITY, INT_MAX};
     row.for_each([&](int first, const float (&x)[4], int count) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if (e < count) keep_better(best, x[e], first + e);
+        if (e < count && argmax_ahead(x[e], best.value)) best = {x[e], first + e};
       }
     });
     best = block_best(best, sh);

@@ -1,5 +1,5 @@
 // Greedy sampling: out[r] = argmax_j logits[r, j], ties to the lowest index and NaN counted as
-// the largest value, exactly like torch.argmax.
+// the largest value, exactly like torch.argmax (the order of argmax_order.cuh).
 //
 // Layouts: logits [rows, vocab] bf16 with a row stride of `stride` elements (>= vocab; any value,
 // so a row may start at any 2-byte boundary); out [rows] int32.
@@ -14,6 +14,7 @@
 // row's body and merge their results through distributed shared memory.
 #include "sampling.h"
 
+#include "argmax_order.cuh"
 #include "launch.h"
 
 #include <cooperative_groups.h>
@@ -34,27 +35,16 @@ struct Best {
 
 constexpr int kNone = INT_MAX;
 
-// torch.argmax's order between two candidates: NaN above everything, then larger values, then
-// lower indices. Used to merge the threads' results.
+// Merges the threads' results in torch.argmax's order (argmax_order.cuh).
 __device__ __forceinline__ void merge(Best& best, const Best& other) {
-  const bool nan = other.value != other.value;
-  const bool best_nan = best.value != best.value;
-  const bool wins = (nan || best_nan)
-                        ? nan && (!best_nan || other.index < best.index)
-                        : other.value > best.value ||
-                              (other.value == best.value && other.index < best.index);
-  if (wins) best = other;
+  if (argmax_precedes(other.value, other.index, best.value, best.index)) best = other;
 }
 
 // A thread visits its indices in increasing order, so a later value replaces the best only if
-// it is strictly larger (or the first NaN): ties keep the lower index.
-__device__ __forceinline__ bool improves(float value, const Best& best) {
-  return !(value <= best.value) && best.value == best.value;
-}
-
+// it comes strictly before it (argmax_ahead): ties keep the lower index.
 __device__ __forceinline__ void scan_one(Best& best, bf16 x, int index) {
   const float value = __bfloat162float(x);
-  if (improves(value, best)) best = {value, index};
+  if (argmax_ahead(value, best.value)) best = {value, index};
 }
 
 // Eight consecutive values: the NaN-propagating packed max decides whether the vector can
@@ -63,7 +53,7 @@ __device__ __forceinline__ void scan_vec(Best& best, const uint4& raw, int first
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
   const __nv_bfloat162 m = __hmax2_nan(__hmax2_nan(pairs[0], pairs[1]), __hmax2_nan(pairs[2], pairs[3]));
   const float vec_max = __bfloat162float(__hmax_nan(m.x, m.y));
-  if (!improves(vec_max, best)) return;
+  if (!argmax_ahead(vec_max, best.value)) return;
   const bool nan = vec_max != vec_max;
   const bf16* x = reinterpret_cast<const bf16*>(&raw);
 #pragma unroll

@@ -6,7 +6,7 @@
 namespace nanograph {
 
 // logits: [rows, vocab] with row stride `stride` elements; out: [rows] int32.
-// Ties resolve to the lowest index, like torch.argmax.
+// In torch.argmax's order (argmax_order.cuh): NaN first, ties to the lowest index.
 // host_out (optional): [rows] int32 in mapped pinned host memory (cudaHostAllocMapped), written
 // with the same ids by the kernel itself, so the host reads them once the stream has passed the
 // kernel, without a device-to-host copy.
@@ -19,7 +19,8 @@ void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, c
 //      nucleus is the fewest most likely tokens whose renormalised probability reaches top_p;
 //   3. the row keeps every token whose x reaches the threshold (the nucleus' smallest x, else the
 //      floor; ties included) and draws one with probability proportional to exp(x).
-// The draw is a function of the row's logits, parameters and key alone (not of the batch).
+// The draw is a function of the row's logits, parameters and key alone (not of the batch). It
+// treats NaN logits as absent (a row of NaN and -inf gives token 0).
 struct SampleRowsArgs {
   const void* logits;  // [rows, vocab] bf16 (logits_bf16) or float32, row stride logits_stride
   bool logits_bf16;
@@ -29,13 +30,15 @@ struct SampleRowsArgs {
   const int32_t* override_rows = nullptr;  // [rows]: row r reads overrides[override_rows[r]] if >= 0
   int rows;
   int vocab;
-  const float* temperatures;  // [rows]; 0: greedy (argmax, ties to the lowest index)
+  const float* temperatures;  // [rows]; 0: greedy (argmax in torch.argmax's order: NaN first,
+                              // ties to the lowest index; argmax_order.cuh)
   const int32_t* top_ks;      // [rows]; <= 0 or >= vocab: none
   const float* top_ps;        // [rows] in (0, 1]; 1: none
   const float* min_ps;        // [rows] in [0, 1]; 0: none
   const uint64_t* keys;       // [rows]: the random key of each row's draw
   int64_t* out;               // [rows] token ids
-  float* thresholds = nullptr;  // [rows] optional: the smallest x a row may draw (greedy: the max)
+  float* thresholds = nullptr;  // [rows] optional: the smallest x a row may draw (greedy: its
+                                // token's logit)
   // Logprobs of the raw logits (logits, not overrides), for the rows where num_logprobs >= 0:
   const int32_t* num_logprobs = nullptr;  // [rows]: -1 none, else n top logprobs (<= logprob_width)
   int logprob_width = 0;                  // <= kMaxTopLogprobs

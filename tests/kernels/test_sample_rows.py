@@ -1,8 +1,9 @@
 """The sampling kernel (ops.sample_rows) against the float64 full-sort reference of the sampler's truncations:
 thresholds and drawn tokens on random batches mixing greedy rows, temperatures, top-k, top-p and min_p, from flat
-rows to peaked ones; draws that follow the exact renormalised distribution (chi-square); keys that fix a row's draw
-whatever its batch; rows read from overrides; ties at the k-th logit; strided and misaligned rows; argument checks,
-of ops.sample_packed's blobs and layout too.
+rows to peaked ones; greedy rows in torch.argmax's order (NaN first), as the all-greedy paths choose; draws that
+follow the exact renormalised distribution (chi-square); keys that fix a row's draw whatever its batch; rows read
+from overrides; ties at the k-th logit; strided and misaligned rows; argument checks, of ops.sample_packed's blobs
+and layout too.
 Inputs are made on the host from a seeded generator, and references computed there."""
 import math
 from typing import NamedTuple
@@ -172,6 +173,80 @@ def test_greedy_rows_take_the_first_maximum(dtype):
     tokens, thresholds = sample(logits.to(DEVICE), params)
     assert tokens.tolist() == [a, 0, vocab - 1, 3, 0, 70000]
     assert thresholds.tolist() == [30.0, 30.0, 30.0, 30.0, 0.0, 30.0]
+
+
+# ---- greedy rows: torch.argmax's order, shared with the all-greedy paths ----------------------------
+
+def argmax_order_rows(vocab, generator) -> tuple[torch.Tensor, list[int]]:
+    """bf16 rows [9, vocab] that only torch.argmax's order decides (a NaN before every number, equal values to the
+    lowest index, -0 equal to +0), and their tokens by hand. The special positions spread over the row's threads."""
+    rows = (torch.randn(9, vocab, generator=generator) * 4).to(BF16)  # every value far below 30
+    a, b, c, d = (int(f * vocab) for f in (0.1, 0.35, 0.6, 0.85))
+    rows[0, [a, c, vocab - 2]] = 30.0  # ties at the largest number, below, between and after NaNs at b and d
+    rows[0, [b, d]] = math.nan
+    rows[1, 0] = math.inf
+    rows[1, vocab - 1] = math.nan  # a NaN at the last index beats +inf at the first
+    rows[2, [d, b, c, a]] = math.nan  # several NaNs: the lowest index
+    rows[3] = -math.inf  # all -inf: index 0
+    for r, signs in ((4, [-0.0, 0.0]), (5, [0.0, -0.0])):  # negative but for a zero of each sign: the lower index
+        rows[r] = -rows[r].abs() - 1
+        rows[r, [a, b]] = torch.tensor(signs, dtype=BF16)
+    rows[6] = -math.inf
+    rows[6, c] = math.nan  # a NaN among -inf
+    rows[7, a::7] = 30.0  # many ties, no NaN
+    # Row 8 stays random: bf16 values over a whole row tie at their maximum now and then.
+    return rows, [b, vocab - 1, a, 0, a, a, c, a, int(rows[8].float().argmax())]
+
+
+def all_greedy_tokens(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens that an all-greedy batch of the bf16 rows gets from the core's argmax, and from gemv_argmax with
+    each row as lm_head's bias over zero weights (logits = +0 + bias: -0 becomes +0, equal to it), into poisoned
+    outputs; int64 on the host."""
+    num_rows, vocab = rows.shape
+    by_argmax = torch.full((num_rows,), -7, dtype=torch.int32, device=DEVICE)
+    ops.argmax(rows.to(DEVICE), by_argmax)
+    x, weight = torch.zeros(1, 8, dtype=BF16, device=DEVICE), torch.zeros(vocab, 8, dtype=BF16, device=DEVICE)
+    keys = torch.zeros(ops.GEMV_MAX_M, dtype=torch.int64, device=DEVICE)
+    by_gemv = []
+    for row in rows:
+        token = torch.full((1,), -7, dtype=torch.int32, device=DEVICE)
+        logits = torch.full((1, vocab), math.nan, dtype=BF16, device=DEVICE)
+        ops.gemv_argmax(x, weight, row.to(DEVICE), logits, token, keys)
+        by_gemv.append(token)
+    return by_argmax.long().cpu(), torch.cat(by_gemv).long().cpu()
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("vocab", [151936, 1001])  # rows read by 16-byte vectors; element by element
+def test_greedy_rows_follow_torch_argmax_in_a_mixed_batch(vocab, dtype):
+    """Greedy rows that only torch.argmax's order decides, interleaved with sampled rows (half of them holding NaNs
+    too): each greedy row takes torch.argmax of its float32 logits, and the same token in an all-greedy batch, from
+    sample_rows, the core's argmax and gemv_argmax alike. The sampled rows treat NaN logits as absent: they draw
+    finite logits."""
+    generator = torch.Generator().manual_seed(vocab)
+    greedy_rows, want = argmax_order_rows(vocab, generator)
+    want = torch.tensor(want)
+    assert torch.equal(torch.argmax(greedy_rows.float(), dim=-1), want)  # the hand-made tokens are torch's
+    num_greedy = len(want)
+    sampled_rows = (torch.randn(24, vocab, generator=generator) * 4).to(BF16)
+    sampled_rows[::2, torch.randint(vocab, (8,), generator=generator)] = math.nan
+    logits = torch.cat([greedy_rows, sampled_rows])
+    params = random_params(len(logits), vocab, generator)
+    sampled_temperatures = torch.where(params.temperatures > 0, params.temperatures, 1.0)
+    params = params._replace(temperatures=torch.where(torch.arange(len(logits)) < num_greedy, 0.0,
+                                                      sampled_temperatures))
+    order = torch.randperm(len(logits), generator=generator)
+    mixed, _ = sample(logits[order].to(dtype).to(DEVICE), params.select(order), want_thresholds=False)
+    mixed = mixed[order.argsort()]
+    assert torch.equal(mixed[:num_greedy], want)
+    drawn = logits[num_greedy:].float().gather(1, mixed[num_greedy:, None])
+    assert drawn.isfinite().all(), f"sampled rows {(~drawn.isfinite()).nonzero()[:, 0].tolist()} drew NaN or -inf"
+
+    alone, _ = sample(greedy_rows.to(dtype).to(DEVICE), params.select(slice(0, num_greedy)), want_thresholds=False)
+    assert torch.equal(alone, want)
+    by_argmax, by_gemv = all_greedy_tokens(greedy_rows)
+    assert torch.equal(by_argmax, want)
+    assert torch.equal(by_gemv, want)
 
 
 # ---- distributions --------------------------------------------------------------------------------
