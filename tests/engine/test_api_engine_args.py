@@ -36,7 +36,7 @@ def reference(folder):
     ("pipeline_parallel_size", 4, "pipeline_parallel_size=1"),
     ("data_parallel_size", 2, "data_parallel_size=1"),
     ("quantization", "awq", "quantization='fp8'"),
-    ("kv_cache_dtype", "fp8", "kv_cache_dtype='auto'"),
+    ("kv_cache_dtype", "fp8_e5m2", "kv_cache_dtype='auto' (the model's dtype), 'fp8' or 'fp8_e4m3' (both e4m3)"),
     ("cpu_offload_gb", 4, "cpu_offload_gb=0"),
     ("tokenizer_mode", "mistral", "tokenizer_mode='auto' or 'hf'"),
     ("load_format", "pt", "load_format='auto' or 'safetensors'"),
