@@ -38,6 +38,7 @@ def reference(folder):
     ("quantization", "awq", "quantization='fp8'"),
     ("kv_cache_dtype", "fp8_e5m2", "kv_cache_dtype='auto' (the model's dtype), 'fp8' or 'fp8_e4m3' (both e4m3)"),
     ("cpu_offload_gb", 4, "cpu_offload_gb=0"),
+    ("calculate_kv_scales", True, "calculate_kv_scales=False"),
     ("tokenizer_mode", "mistral", "tokenizer_mode='auto' or 'hf'"),
     ("load_format", "pt", "load_format='auto' or 'safetensors'"),
     ("task", "embed", "task='auto' or 'generate'"),
