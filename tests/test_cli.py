@@ -205,9 +205,9 @@ def bench_llm_kwargs(monkeypatch):
 
 def test_bench_latency_runs_on_the_given_device(tiny, capsys, bench_llm_kwargs):
     cli.main(["bench", "latency", "--model", tiny, "--device", "cpu", "--no-hf", "--prompt-len", "8",
-              "--output-len", "4", "--enforce-eager", "--quantization", "fp8", "--kv-cache-dtype", "auto"])
+              "--output-len", "4", "--enforce-eager", "--quantization", "fp8", "--kv-cache-dtype", "fp8"])
     assert bench_llm_kwargs == {"device": "cpu", "max_model_len": 8 + 4 + 16, "max_num_seqs": 1,
-                                "enforce_eager": True, "quantization": "fp8", "kv_cache_dtype": "auto"}
+                                "enforce_eager": True, "quantization": "fp8", "kv_cache_dtype": "fp8"}
     assert "nanograph  batch 1, prompt 8, 4 tokens:" in capsys.readouterr().out
 
 
@@ -221,7 +221,9 @@ def test_bench_latency_compares_with_hf_on_cuda_only(tiny, capsys):
 
 def test_bench_throughput_takes_the_engine_options(tiny, capsys, bench_llm_kwargs):
     cli.main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--num-seqs", "4", "--max-input-len", "16",
-              "--max-output-len", "4", "--max-num-seqs", "2", "--no-enable-prefix-caching", "--quantization", "fp8"])
+              "--max-output-len", "4", "--max-num-seqs", "2", "--no-enable-prefix-caching", "--quantization", "fp8",
+              "--kv-cache-dtype", "fp8_e4m3"])
     assert bench_llm_kwargs == {"device": "cpu", "max_model_len": 16 + 4, "max_num_seqs": 2,
-                                "enable_prefix_caching": False, "quantization": "fp8"}
-    assert "nanograph  4 requests," in capsys.readouterr().out
+                                "enable_prefix_caching": False, "quantization": "fp8", "kv_cache_dtype": "fp8_e4m3"}
+    out = capsys.readouterr().out
+    assert "nanograph  4 requests," in out and " tokens in float8_e4m3fn (1 byte per value);" in out

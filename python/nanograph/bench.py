@@ -22,6 +22,7 @@ import torch
 from .backends.cuda_backend import CudaRunner
 from .engine.batch import storeless_batch
 from .llm import LLM
+from .models.kv_cache import kv_bytes_per_token
 from .sampling_params import SamplingParams
 
 
@@ -105,10 +106,10 @@ def storeless_decode_batch(runner, context_len: int, batch_size: int):
 def step_bytes(llm: LLM, context_len: float, batch_size: int = 1) -> float:
     """Bytes one decode step of batch_size sequences must move: every weight once (the embedding table only through
     the lm_head when tied), the batch's embedding rows, K and V of every cached token in every layer, and the
-    batch's logits written (all in the model's dtype)."""
+    batch's logits written (K and V in the KV cache's dtype, the rest in the model's)."""
     mc = llm.engine.runner.model_config
-    rows = batch_size * (mc.hidden_size + mc.vocab_size) * _dtype_bytes(llm)
-    return weight_bytes(llm) + rows + kv_bytes_per_token(llm) * context_len * batch_size
+    rows = batch_size * (mc.hidden_size + mc.vocab_size) * llm.engine.runner.weights["embed_tokens"].element_size()
+    return weight_bytes(llm) + rows + kv_cache_bytes_per_token(llm) * context_len * batch_size
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -122,14 +123,9 @@ def weight_bytes(llm: LLM) -> int:
     return total
 
 
-def kv_bytes_per_token(llm: LLM) -> int:
-    mc = llm.engine.runner.model_config
-    return mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * _dtype_bytes(llm)  # K and V
-
-
-def _dtype_bytes(llm: LLM) -> int:
-    """Bytes per element of the model's dtype (its weights', and its KV cache's)."""
-    return llm.engine.runner.weights["embed_tokens"].element_size()
+def kv_cache_bytes_per_token(llm: LLM) -> int:
+    runner = llm.engine.runner
+    return kv_bytes_per_token(runner.model_config, runner.model_config.num_kv_heads, runner.kv_cache_dtype)
 
 
 def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: int) -> float:
@@ -286,12 +282,12 @@ def throughput(model: str | None, num_seqs: int = 256, max_input_len: int = 1024
     print(f"nanograph  {num_seqs} requests, {prompt_tokens} prompt + {output_tokens} output tokens in "
           f"{seconds:.2f} s: {result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s",
           flush=True)
-    print(f"  {stats.steps} steps, {stats.preemptions} preemptions, KV cache {runner.num_kv_blocks} blocks of "
-          f"{runner.block_size} tokens; the host was busy (scheduling, batch building, queueing the sampler, "
-          f"applying tokens) {100 * result['host_share']:.1f}% of the wall time and waited for the device the rest; "
+    print(f"  {stats.steps} steps, {stats.preemptions} preemptions, KV cache {runner.kv_cache_summary()}; the host "
+          f"was busy (scheduling, batch building, queueing the sampler, applying tokens) "
+          f"{100 * result['host_share']:.1f}% of the wall time and waited for the device the rest; "
           "its work overlaps the device's", flush=True)
     if runner.device.type == "cuda":
-        moved = stats.steps * weight_bytes(llm) + stats.context_tokens * kv_bytes_per_token(llm)
+        moved = stats.steps * weight_bytes(llm) + stats.context_tokens * kv_cache_bytes_per_token(llm)
         bandwidth = copy_bandwidth_gbs(runner.device)
         gbs = moved / seconds / 1e9
         result.update(achieved_gbs=gbs, copy_gbs=bandwidth, pct_bandwidth=100 * gbs / bandwidth)

@@ -42,7 +42,7 @@ def sweep(model: str | None, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAU
               "block_size": runner.block_size, "num_kv_blocks": runner.num_kv_blocks, "steps_per_point": steps,
               "points": []}
     print(f"nanograph bench sweep: {Path(result['model']).name} on {result['device']} ({result['dtype']}), copy "
-          f"bandwidth {bandwidth:.1f} GB/s, KV cache {runner.num_kv_blocks} blocks of {runner.block_size} tokens",
+          f"bandwidth {bandwidth:.1f} GB/s, KV cache {runner.kv_cache_summary()}",
           flush=True)
     try:
         measure_all(llm, result["points"], batch_sizes, context_lens, bandwidth, steps)

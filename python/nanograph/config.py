@@ -6,8 +6,9 @@ from os import PathLike
 
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
 SUPPORTED_QUANTIZATION = ("fp8",)
-KV_CACHE_DTYPES = ("auto",)  # vLLM's kv_cache_dtype values that nanograph runs: the model's dtype
-FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")  # vLLM's, not here yet
+# vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
+# K and a V scale per layer (models/kv_cache.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -17,7 +18,7 @@ class Config:
     # None: the checkpoint's weights as they are (FP8 for an FP8 checkpoint); "fp8": a 16- or 32-bit checkpoint's
     # linear layers quantized at load to e4m3 in 128 x 128 blocks (vLLM's flag).
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # vLLM's name; "auto": the model's dtype
+    kv_cache_dtype: str = "auto"  # vLLM's name; "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3, scaled per layer
     # None: the model's own length (ModelConfig.max_context), capped by what the KV cache holds. A given length is
     # capped at the model's positions with a warning, and one the KV cache cannot hold is an error.
     max_model_len: int | None = None
@@ -75,12 +76,10 @@ class Config:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanograph runs FP8 weights "
                              f"(an FP8 checkpoint's, or quantized at load); use quantization="
                              f"{' or '.join(map(repr, SUPPORTED_QUANTIZATION))}, or None for the checkpoint's format")
-        if self.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the FP8 KV cache is not "
-                             f"implemented; use kv_cache_dtype='auto' (keys and values in the model's dtype)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not a valid value; use kv_cache_dtype="
-                             f"{' or '.join(map(repr, KV_CACHE_DTYPES))}")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanograph's KV cache "
+                             f"holds the model's dtype or FP8 e4m3; use kv_cache_dtype='auto' (the model's dtype), "
+                             f"'fp8' or 'fp8_e4m3' (both e4m3)")
         if not isinstance(self.dtype, str):  # a torch.dtype (as vLLM takes): its name
             name = str(self.dtype).removeprefix("torch.")
             if name not in ("float32", "bfloat16", "float16"):

@@ -36,6 +36,7 @@ VLLM_ARGS = {
     "limit_mm_per_prompt": EngineArg((None,), "nanograph's models take text only"),
     "enable_sleep_mode": EngineArg((False,), "the engine keeps its weights and KV cache on the device"),
     "num_gpu_blocks_override": EngineArg(ANY, "the KV cache's size in blocks", field="num_kv_blocks"),
+    "calculate_kv_scales": EngineArg((False,), "an FP8 KV cache's scales come from the checkpoint, else they are 1.0"),
     # Accepted and ignored: nanograph behaves as vLLM does with any of their values.
     "swap_space": EngineArg(ANY, "nanograph never swaps KV blocks to host memory: a preempted sequence recomputes "
                                  "its KV (as vLLM's V1 engine does), so no swap space is reserved"),

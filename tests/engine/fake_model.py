@@ -28,6 +28,7 @@ def reference_completion(prompt: list[int], max_tokens: int) -> list[int]:
 
 class FakeRunner(Runner):
     device = torch.device("cpu")
+    kv_cache_dtype = torch.int64  # kv_tokens' and kv_positions' elements
 
     def __init__(self, num_kv_blocks: int, block_size: int, peak: float = 10.0, eos_token_ids=(EOS,), seed: int = 0):
         self.num_kv_blocks, self.block_size = num_kv_blocks, block_size

@@ -264,11 +264,6 @@ def test_a_quantization_config_nanograph_does_not_run_is_a_value_error(odd_folde
 @pytest.mark.parametrize("field, value, message", [
     ("quantization", "awq", "quantization='awq' is not supported yet: nanograph runs FP8 weights (an FP8 checkpoint's, "
                             "or quantized at load); use quantization='fp8', or None for the checkpoint's format"),
-    ("kv_cache_dtype", "fp8", "kv_cache_dtype='fp8' is not supported yet: the FP8 KV cache is not implemented; use "
-                              "kv_cache_dtype='auto'"),
-    ("kv_cache_dtype", "fp8_e4m3", "kv_cache_dtype='fp8_e4m3' is not supported yet: the FP8 KV cache is not "
-                                   "implemented; use kv_cache_dtype='auto'"),
-    ("kv_cache_dtype", "float16", "kv_cache_dtype='float16' is not a valid value; use kv_cache_dtype='auto'"),
 ])
 def test_config_rejects_what_it_does_not_run(field, value, message):
     with pytest.raises(ValueError) as info:

@@ -1,6 +1,6 @@
 """Tensor parallelism on the torch backend (CPU, gloo, 2 processes): the shards load_weights reads, the engine's
 outputs against tensor_parallel_size=1 (greedy, seeded, chunked prefill with prefix caching and preemption, KV
-heads replicated, the real SmolLM2), bad sizes, and a worker that dies or hangs."""
+heads replicated, an FP8 KV cache, the real SmolLM2), bad sizes, and a worker that dies or hangs."""
 import os
 import signal
 import sys
@@ -200,6 +200,17 @@ def test_prompt_logprobs_equal_one_rank(tp_llm, tiny_folder):
     for mine, ref in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
         assert mine.keys() == ref.keys()
         assert all(mine[t].logprob == pytest.approx(ref[t].logprob, abs=1e-4) for t in ref)
+
+
+def test_an_fp8_kv_cache_gives_the_outputs_of_one_rank(tiny_folder):
+    """Each rank stores its own heads with the layer's per-tensor K and V scales, as one rank stores them all."""
+    prompts, greedy = workload()[0]
+    expected = LLM(str(tiny_folder), **SMALL, kv_cache_dtype="fp8").generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(str(tiny_folder), **SMALL, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    assert llm.llm_engine.runner.kv_cache_dtype == torch.float8_e4m3fn
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    shutdown_leaves_no_worker(llm)
+    assert_same_outputs(outputs, expected)
 
 
 def test_a_worker_killed_mid_generation_fails_the_engine_with_the_rank_named(tiny_folder):

@@ -31,8 +31,8 @@ def test_quantization_and_kv_cache_dtype_reach_the_config():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype='fp8' is not supported yet: the FP8 KV cache is not implemented; "
-                                  "use kv_cache_dtype='auto'"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype='fp8_e5m2' is not supported yet: nanograph's KV cache holds "
+                                       "the model's dtype or FP8 e4m3; use kv_cache_dtype='auto'"),
     (["--quantization", "gptq"], "quantization='gptq' is not supported yet: nanograph runs FP8 weights"),
 ])
 def test_an_unsupported_quantization_or_kv_cache_dtype_is_one_error_line(capsys, argv, message):

@@ -38,6 +38,7 @@ class Runner(ABC):
     device: torch.device
     block_size: int
     num_kv_blocks: int
+    kv_cache_dtype: torch.dtype  # the KV cache's element type (float8_e4m3fn for kv_cache_dtype "fp8")
     model_config: object  # a ModelConfig
     weights: dict[str, torch.Tensor]  # the packed weights (models/weights.py)
 
@@ -49,6 +50,13 @@ class Runner(ABC):
     @abstractmethod
     def sample(self, rows: list[int], seqs: list) -> PendingTokens:
         """Queue the sampling of the last forward's rows `rows` (ascending), whose sequences are seqs."""
+
+    def kv_cache_summary(self) -> str:
+        """What the KV cache holds, for the engine's messages."""
+        name = str(self.kv_cache_dtype).removeprefix("torch.")
+        tokens = self.num_kv_blocks * self.block_size
+        return (f"{self.num_kv_blocks} blocks x {self.block_size} = {tokens} tokens in {name} "
+                f"({self.kv_cache_dtype.itemsize} byte{'s' if self.kv_cache_dtype.itemsize > 1 else ''} per value)")
 
     def final_hidden(self) -> torch.Tensor:
         """[num_tokens, hidden_size]: the final norm's input (the last layer's output plus residual) at every token

@@ -51,6 +51,7 @@ class CudaRunner(Runner):
         self.config = config
         self.model_config = mc = model_config
         self.block_size = config.block_size
+        self.kv_cache_dtype = torch.bfloat16
         self.device = torch.device("cuda", torch.cuda.current_device())
         if "fp8" in (config.quantization, mc.quantization):
             check_core_shapes(mc)

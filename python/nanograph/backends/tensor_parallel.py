@@ -76,6 +76,7 @@ class TensorParallelRunner(Runner):
             self._fail(exc, "starting")
         self.device, self.block_size = self.rank0.device, self.rank0.block_size
         self.num_kv_blocks, self.weights = self.rank0.num_kv_blocks, self.rank0.weights
+        self.kv_cache_dtype = self.rank0.kv_cache_dtype
 
     def forward(self, batch, seqs: list):
         if self._error is not None:

@@ -3,6 +3,8 @@
 Each layer mirrors transformers' rounding in the model dtype (RMSNorm in float32, cast back, then scaled), so
 float32 logits match HF closely. Attention runs as one padded batch: queries [seqs, max_new, heads, head_dim]
 against keys gathered from the cache by block table, with a mask that is causal from the cached-prefix offset.
+With kv_cache_dtype "fp8" the cache holds e4m3 with a K and a V scale per layer (models/kv_cache.py): keys and
+values are quantized on the way in and dequantized to the model dtype on the way out.
 
 Under tensor parallelism (backends/tensor_parallel.py) a TorchRunner holds one rank's shard (models/sharding.py)
 and all_reduce sums the partial outputs of the embedding, o_proj and down_proj over the ranks.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from ..model_config import ModelConfig
 from ..models import head_logits, load_weights, rms_norm, rope_cos_sin
+from ..models.kv_cache import dequantize_kv, kv_bytes_per_token, kv_cache_torch_dtype, load_kv_scales, quantize_kv
 from ..models.sharding import Shard
 from ..sampling import Sampler
 from .base import PendingTokens, Runner
@@ -29,7 +32,7 @@ class TorchRunner(Runner):
     def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0,
-                 quantization: str | None = None, shard: Shard | None = None,
+                 quantization: str | None = None, kv_cache_dtype: str = "auto", shard: Shard | None = None,
                  all_reduce: Callable[[torch.Tensor], None] | None = None):
         self.model_config = mc = model_config
         self.device = torch.device(device)
@@ -46,16 +49,20 @@ class TorchRunner(Runner):
         # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them
         self.cos = cos_sin[:, :half].repeat(1, 2).to(dtype)
         self.sin = cos_sin[:, half:].repeat(1, 2).to(dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+        # FP8: each layer's [K scale, V scale]; None: the cache holds keys and values as they are
+        self.kv_scales = None if kv_cache_dtype == "auto" else load_kv_scales(mc.path, mc).tolist()
         kv_heads = shard.most_kv_heads(mc) if shard else mc.num_kv_heads
-        bytes_per_token = 2 * mc.num_layers * kv_heads * mc.head_dim * dtype.itemsize
+        bytes_per_token = kv_bytes_per_token(mc, kv_heads, self.kv_cache_dtype)
         # Within the budget; the engine caps a default max_model_len at what it holds (a given one that does not fit
         # is an error there).
         kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), block_size)
         self.num_kv_blocks = num_kv_blocks or -(-kv_tokens // block_size)
         # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
         shape = (self.num_kv_blocks, block_size, self.num_kv_heads, mc.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(mc.num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                         for _ in range(mc.num_layers)]
+        self.v_caches = [torch.zeros_like(cache) for cache in self.k_caches]
         self.sampler = Sampler(self.device, mc.eos_token_ids, seed)
         self._logits: torch.Tensor | None = None  # the last forward's
         self._hidden: torch.Tensor | None = None  # the last forward's final hidden states, every token
@@ -128,16 +135,24 @@ class TorchRunner(Runner):
             q, k = rms_norm(q, w[p + "q_norm"], mc.rms_norm_eps), rms_norm(k, w[p + "k_norm"], mc.rms_norm_eps)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         k_cache, v_cache = self.k_caches[layer].view(-1, nkv, hd), self.v_caches[layer].view(-1, nkv, hd)
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        k_cache[meta.slot_mapping] = self._stored(k, layer, 0)
+        v_cache[meta.slot_mapping] = self._stored(v, layer, 1)
         queries = q.new_zeros(meta.num_seqs, meta.max_query_len, nq, hd)
         queries[meta.query_seq, meta.query_offset] = q
         group = nq // nkv  # repeated by hand: sdpa's enable_gqa needs torch >= 2.5
-        keys = k_cache[meta.kv_slots].repeat_interleave(group, dim=2).transpose(1, 2)
-        values = v_cache[meta.kv_slots].repeat_interleave(group, dim=2).transpose(1, 2)
+        keys, values = (self._read(cache[meta.kv_slots], layer, kv, q.dtype).repeat_interleave(group, dim=2)
+                        .transpose(1, 2) for kv, cache in enumerate((k_cache, v_cache)))
         out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys, values, attn_mask=meta.mask)
         out = out.transpose(1, 2)[meta.query_seq, meta.query_offset]
         return self._reduce(F.linear(out.reshape(len(x), nq * hd), w[p + "o_proj"]))
+
+    def _stored(self, x: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+        """Keys (kv 0) or values (kv 1) of a layer as its cache holds them."""
+        return x if self.kv_scales is None else quantize_kv(x, self.kv_scales[layer][kv])
+
+    def _read(self, cached: torch.Tensor, layer: int, kv: int, dtype: torch.dtype) -> torch.Tensor:
+        """Keys (kv 0) or values (kv 1) gathered from a layer's cache, in dtype."""
+        return cached if self.kv_scales is None else dequantize_kv(cached, self.kv_scales[layer][kv], dtype)
 
     def _mlp(self, layer: int, x) -> torch.Tensor:
         w, p = self.weights, f"layers.{layer}."

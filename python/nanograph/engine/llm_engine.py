@@ -12,6 +12,7 @@ abandoned stream holds no KV blocks. Requests queued with add_request() are retu
 the step that finished them."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import warnings
@@ -42,6 +43,8 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from .stats import EngineStats
 from .stop_checker import StopChecker
+
+logger = logging.getLogger("nanograph")
 
 
 class _Stream:
@@ -96,6 +99,7 @@ class LLMEngine:
         config = replace(config, model=model, tokenizer=tokenizer_path,
                          max_model_len=_model_len(asked, model_config.max_context))
         runner = make_runner(config, model_config)
+        logger.info("KV cache: %s", runner.kv_cache_summary())
         kv_tokens = runner.num_kv_blocks * runner.block_size
         if kv_tokens < config.max_model_len and asked is None:
             # The default length (the model's) is capped; a length asked for is an error (in __init__), as in vLLM.

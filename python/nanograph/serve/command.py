@@ -53,8 +53,7 @@ def serve(args: argparse.Namespace):
     app = build_app(ServedModel(async_llm, name), args.api_key)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens", info.num_kv_blocks, info.block_size,
-                info.num_kv_blocks * info.block_size)
+    logger.info("KV cache: %s", info.kv_cache)
     logger.info("listening on http://%s:%d%s", args.host, args.port, " (API key required on /v1)" if args.api_key
                 else "")
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

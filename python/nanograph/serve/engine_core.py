@@ -35,8 +35,7 @@ class EngineInfo:
     max_num_seqs: int
     vocab_size: int
     device: str
-    num_kv_blocks: int
-    block_size: int
+    kv_cache: str  # what the KV cache holds, in words (Runner.kv_cache_summary)
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,7 @@ class EngineSnapshot:
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner = engine.config, engine.runner
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
-                      config.max_num_seqs, engine.vocab_size, str(runner.device), runner.num_kv_blocks,
-                      runner.block_size)
+                      config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary())
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:
