@@ -158,7 +158,7 @@ NANOGRAPH_BINDINGS(bind_basic) {
                torch_current_stream(), host);
       },
       py::arg("logits"), py::arg("out"), py::arg("host_out") = py::none(),
-      "out[r] = argmax(logits[r]) with ties to the lowest index, like torch.argmax; logits "
+      "out[r] = argmax(logits[r]) in torch.argmax's order (NaN first, ties to the lowest index); logits "
       "[rows, vocab] bf16 (rows may be strided, vocab must be contiguous), out [rows] int32. "
       "host_out: optional pinned CPU int32 [rows] that the kernel writes the same ids into (read "
       "it once the stream has passed the kernel).");
