@@ -48,7 +48,8 @@ def serve(args: argparse.Namespace):
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name), args.log_interval)
     try:
         info = async_llm.start()
-    except (ValueError, TypeError, OSError) as exc:  # a bad folder or engine argument: the message says which
+    # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
+    except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     app = build_app(ServedModel(async_llm, name), args.api_key)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
