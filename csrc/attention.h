@@ -88,12 +88,13 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
                                           int head_dim, int max_context_len,
                                           const DeviceProps& device);
 
-// The most bytes any plan for these sizes takes for its arrival counters (first, 16-byte aligned)
-// and workspace together, over every number of kv heads that divides num_q_heads, on the current
-// device: one buffer for both, as the Python binding takes them.
 // The plan's arrival counters in bytes, rounded up to 16.
 size_t arrival_bytes(const DecodeAttentionPlan& plan);
 
+// The most bytes any plan for these sizes takes for its arrival counters (first, 16-byte aligned)
+// and workspace together, over every number of kv heads that divides num_q_heads, on the current
+// device: one buffer for both, as the Python binding takes them. Such a buffer serves launches
+// of one plan (its counters' size depends on the plan).
 size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_dim,
                                         int max_context_len);
 

@@ -40,7 +40,7 @@
 // short ones and the GPU is not left part-idle behind one long sequence at the end.
 // The kernels are launched with PDL (launch.h). split_kernel on large grids waits for its
 // producers before any read. On small grids (where the wait is on the critical path)
-// split_kernel<HD, true> loads each warp's first step of keys and values before the wait, but
+// split_kernel<HD, true, ...> loads each warp's first step of keys and values before the wait, but
 // for the newest key of the sequence (position len - 1), which the step's RoPE/KV-store kernel
 // (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h.
 #include <cooperative_groups.h>
@@ -279,8 +279,8 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
 //   O (C of P V): n-tile i, cols 2t and 2t+1 are dims hc*64 + t*16 + j and hc*64 + t*16 + 8 + j.
 // kCluster (small grids): each chunk's CTAs are one thread block cluster. When a sequence fills
 // one chunk, its splits with keys write their normalised rows and lse into the shared memory of
-// rank 0 (split 0), which merges them once every rank has arrived. Dynamic shared memory (used in
-// rank 0 only): rows [group][cluster][HD] then lse [group][cluster], fp32.
+// rank 0 (split 0), which merges them once every rank has arrived. Dynamic shared memory (every
+// CTA has it; rank 0's is used): rows [group][cluster][HD] then lse [group][cluster], fp32.
 template <int HD, bool kEarlyKv, bool kRope, bool kCluster>
 __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
     split_kernel(DecodeAttentionArgs args, KeyLayout layout) {

@@ -16,7 +16,7 @@
 //     kernel launches after the metadata is in place. Decode attention on small grids also reads the KV cache before
 //     the wait, under the contract stated in attention.h (paged_decode_attention).
 // Where a kernel calls allow_dependents() decides how early the next one is launched. The small
-// kernels that come right before a GEMV (the norms but the first, RoPE, attention's combine) call
+// kernels that come right before a GEMV (the norms but the first, RoPE) call
 // it before their wait, so the GEMV's CTAs are resident and its first weight batch in flight while
 // they wait; the GEMVs and attention's split call it after their wait (earlier, their dependents took
 // SM room from their own CTAs: a slower decode step, measured).
