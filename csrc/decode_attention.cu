@@ -51,6 +51,7 @@
 #include "attention.h"
 #include "bf16x8.cuh"
 #include "launch.h"
+#include "mma.cuh"
 #include "rope.cuh"
 
 namespace nanograph {
@@ -130,21 +131,6 @@ __device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout&
 
 __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// c += a (16x16, row-major) * b (16x8, column-major); bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16_16816(float c[4], const uint32_t a[4], uint32_t b0,
-                                               uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {

@@ -32,13 +32,12 @@
 // groups) still spread over the SMs with a whole matrix in flight. CTAs have 8 warps (2 per SM),
 // or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down (K = 3,072) in
 // 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the resident warp
-// slots. Larger matrices,
-// with more than two load batches per warp of a full wave (Qwen3-8B's projections, any lm_head),
-// stream through several waves instead: there splits double (up to 8, in 8-warp CTAs, each
-// split keeping at least 16 steps) until the grid has 8 waves of CTAs, so that the last, partial
-// wave is short. (8B gate_up: 8 splits in 3,072 CTAs; in one 1.45-wave launch without splits it
-// moved 3.3 TB/s, with them 4.0.) Grid and splits depend only on (M, N, K), so a captured graph
-// is valid for any data.
+// slots. Larger matrices, with more than two load batches per warp of a full wave (Qwen3-8B's
+// projections, any lm_head), stream through several waves instead: there splits double (up to 8,
+// in 8-warp CTAs, each split keeping at least 16 steps) until the grid has 8 waves of CTAs, so
+// that the last, partial wave is short (8B gate_up: 8 splits in 3,072 CTAs, where one 1.45-wave
+// launch without splits leaves the GPU part-idle at its end). Grid and splits depend only on
+// (M, N, K), so a captured graph is valid for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction

@@ -26,6 +26,7 @@
 
 #include "attention.h"
 #include "cp_async.cuh"
+#include "mma.cuh"
 
 namespace nanograph {
 namespace {
@@ -47,25 +48,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// c += a (16x16, row-major) * b (16x8, column-major), bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 // Shared-memory tiles are [rows][head_dim] bf16, with the 16-byte chunk c of row r stored at
@@ -215,8 +201,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         uint32_t b[4];
         const int key = jp * 16 + lane_row + (lane >> 4) * 8;
         ldmatrix_x4(b, k_tile + swizzle<HEAD_DIM>(key, kk * 2 + ((lane >> 3) & 1)) * sizeof(bf16));
-        mma_bf16(s[2 * jp], q_frag[kk], b[0], b[1]);
-        mma_bf16(s[2 * jp + 1], q_frag[kk], b[2], b[3]);
+        mma_bf16_16816(s[2 * jp], q_frag[kk], b[0], b[1]);
+        mma_bf16_16816(s[2 * jp + 1], q_frag[kk], b[2], b[3]);
       }
     }
 
@@ -285,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, v_tile + swizzle<HEAD_DIM>(key, dp * 2 + (lane >> 4)) * sizeof(bf16));
-        mma_bf16(o[2 * dp], p_frag[kk], b[0], b[1]);
-        mma_bf16(o[2 * dp + 1], p_frag[kk], b[2], b[3]);
+        mma_bf16_16816(o[2 * dp], p_frag[kk], b[0], b[1]);
+        mma_bf16_16816(o[2 * dp + 1], p_frag[kk], b[2], b[3]);
       }
     }
   }
