@@ -124,3 +124,24 @@ def test_make_runner_rejects_unknown_device(pair):
     _, mc = pair
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         make_runner(Config(model=mc.path, device="tpu"), mc)
+
+
+def test_tokens_of_slot_minus_one_store_nothing(pair):
+    """A token whose slot is -1 (warm-ups, benchmarks) stores no key or value: the cache's last slot, which a
+    negative index would name, keeps what it held, and the step's other tokens are stored as usual."""
+    _, mc = pair
+    runner = new_runner(mc)
+    rng = np.random.default_rng(3)
+    for caches in (runner.k_caches, runner.v_caches):
+        for cache in caches:
+            cache.copy_(torch.randn_like(cache))
+    before = [c.clone() for c in runner.k_caches + runner.v_caches]
+    batch = forward_batch([([6, 2], 0, rng.integers(0, mc.vocab_size, 5).tolist())])
+    batch.slot_mapping[[1, 3]] = -1
+    runner.run(batch)
+    stored = batch.slot_mapping[batch.slot_mapping >= 0]
+    for old, new in zip(before, runner.k_caches + runner.v_caches):
+        flat_old, flat_new = old.view(-1, *old.shape[2:]), new.view(-1, *new.shape[2:])
+        untouched = np.setdiff1d(np.arange(len(flat_old)), stored)
+        assert torch.equal(flat_new[untouched], flat_old[untouched]), "a slot outside the step's slots changed"
+        assert not torch.equal(flat_new[stored], flat_old[stored]), "the stored tokens' keys and values are missing"

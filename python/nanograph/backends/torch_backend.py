@@ -135,8 +135,9 @@ class TorchRunner(Runner):
             q, k = rms_norm(q, w[p + "q_norm"], mc.rms_norm_eps), rms_norm(k, w[p + "k_norm"], mc.rms_norm_eps)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         k_cache, v_cache = self.k_caches[layer].view(-1, nkv, hd), self.v_caches[layer].view(-1, nkv, hd)
-        k_cache[meta.slot_mapping] = self._stored(k, layer, 0)
-        v_cache[meta.slot_mapping] = self._stored(v, layer, 1)
+        stored = slice(None) if meta.stored_tokens is None else meta.stored_tokens
+        k_cache[meta.slot_mapping] = self._stored(k[stored], layer, 0)
+        v_cache[meta.slot_mapping] = self._stored(v[stored], layer, 1)
         queries = q.new_zeros(meta.num_seqs, meta.max_query_len, nq, hd)
         queries[meta.query_seq, meta.query_offset] = q
         group = nq // nkv  # repeated by hand: sdpa's enable_gqa needs torch >= 2.5
@@ -165,7 +166,8 @@ class _AttentionMetadata:
     """Index tensors shared by every layer of one step."""
     num_seqs: int
     max_query_len: int
-    slot_mapping: torch.Tensor    # [num_tokens]: where each new token's K/V goes in the flattened cache
+    slot_mapping: torch.Tensor    # [stored tokens]: where each stored token's K/V goes in the flattened cache
+    stored_tokens: torch.Tensor | None  # the tokens whose slot is not -1 (None: all of them)
     query_seq: torch.Tensor       # [num_tokens]: the sequence of each new token
     query_offset: torch.Tensor    # [num_tokens]: its index among that sequence's new tokens
     kv_slots: torch.Tensor        # [num_seqs, max_context_len]: cache slot of each position (padding reads slot 0)
@@ -187,8 +189,11 @@ class _AttentionMetadata:
         def tensor(a):
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+        slots = batch.slot_mapping.astype(np.int64)
+        stored = np.flatnonzero(slots >= 0)  # slot -1 stores nothing (a negative index would name the last slot)
         return cls(num_seqs, max_query_len,
-                   slot_mapping=tensor(batch.slot_mapping.astype(np.int64)),
+                   slot_mapping=tensor(slots[stored]),
+                   stored_tokens=None if len(stored) == len(slots) else tensor(stored),
                    query_seq=tensor(query_seq),
                    query_offset=tensor(np.arange(cu[-1]) - cu[query_seq]),
                    kv_slots=tensor(kv_slots), mask=tensor(mask[:, None]))
