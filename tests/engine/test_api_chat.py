@@ -6,17 +6,14 @@ from transformers import AutoTokenizer
 
 from nanograph import LLM, SamplingParams, TextPrompt, TokensPrompt
 
-from .tiny_models import make_tiny_chat_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
 CONVERSATION = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_chat_model(folder)
-    return folder
+def folder(tiny_chat_folder):
+    return tiny_chat_folder
 
 
 @pytest.fixture(scope="module")

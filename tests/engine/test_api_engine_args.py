@@ -13,7 +13,7 @@ from nanograph.engine_args import VLLM_ARGS
 from nanograph.models.fp8 import BLOCK_SIZE, dequantize_fp8, quantize_fp8
 
 from .test_api_inputs import save_word_tokenizer
-from .tiny_models import TOKENIZER_FILES, make_tiny_chat_model, make_tiny_model
+from .tiny_models import TOKENIZER_FILES, make_tiny_model
 
 ENGINE = dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -21,10 +21,8 @@ PROMPT = "The sky is"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    make_tiny_chat_model(folder)
-    return folder
+def folder(tiny_chat_folder):
+    return tiny_chat_folder
 
 
 @pytest.fixture(scope="module")

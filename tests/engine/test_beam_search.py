@@ -10,13 +10,10 @@ import torch
 from nanograph import LLM, BeamSearchOutput, BeamSearchParams, BeamSearchSequence, SamplingParams
 from nanograph.beam_search import beam_search_score
 
-from .tiny_models import make_tiny_model
-
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3-tied")
-    return folder, make_tiny_model(folder, "qwen3-tied")
+def model(qwen3_tied):
+    return qwen3_tied
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,13 @@ import torch
 from nanograph import LLM, SamplingParams
 from nanograph.backends.prompt_logprobs import prompt_logprobs
 
-from .tiny_models import make_tiny_model
 
 VOCAB = 256  # tiny_models' vocabulary
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3-tied")
-    return folder, make_tiny_model(folder, "qwen3-tied")
+def model(qwen3_tied):
+    return qwen3_tied
 
 
 @pytest.fixture(scope="module")
