@@ -244,3 +244,22 @@ def test_the_compiled_grammars_kept_are_the_most_recently_used(intake):
     assert compiler.compile(specs[0]) is first  # kept, and now the most recent
     compiler.compile(specs[2])  # drops specs[1], the least recently used
     assert list(compiler._compiled) == [specs[0].spec(), specs[2].spec()]
+
+
+def test_prepare_makes_the_grammar_tokenizer_before_the_first_request(intake, monkeypatch):
+    """prepare() builds llguidance's tokenizer once (a server calls it before it reports ready); compiling a spec
+    afterwards reuses it."""
+    import llguidance.hf
+
+    calls = []
+    build = llguidance.hf.from_tokenizer
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: calls.append(1) or build(*a, **k))
+    compiler = GrammarCompiler(intake.tokenizer, intake.vocab_size, intake.eos_token_ids)
+    assert compiler.prepare() and len(calls) == 1
+    compiler.compile(StructuredOutputsParams(regex="ab+"))
+    assert len(calls) == 1
+    assert not GrammarCompiler(None, intake.vocab_size, intake.eos_token_ids).prepare()  # no tokenizer: nothing
+    # A tokenizer llguidance refuses (not a fast one) leaves the error to the structured requests: no exception.
+    from .fake_model import FakeTokenizer
+
+    assert not GrammarCompiler(FakeTokenizer(), intake.vocab_size, intake.eos_token_ids).prepare()

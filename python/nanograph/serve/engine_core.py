@@ -90,6 +90,8 @@ class EngineCore:
         self._writer = threading.Thread(target=self._write, name="nanograph-engine-output")
 
     def run(self):
+        # A server's first structured request then costs no stall of every stream (llguidance's tokenizer).
+        self.engine.intake.grammars.prepare()
         self._send(("ready", engine_info(self.engine)))
         self._reader.start()
         self._writer.start()
