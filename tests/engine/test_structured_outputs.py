@@ -70,3 +70,15 @@ def test_a_bad_schema_is_refused_naming_the_field(llm):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         llm.engine.add_request("a", constrained(StructuredOutputsParams(regex="[a-")))
     assert not llm.engine.has_unfinished()
+
+
+def test_a_grammar_that_ends_before_min_tokens_ends_the_output(llm):
+    """min_tokens holds back the end of text, but a grammar that has ended allows nothing else: the grammar's end
+    comes first, and the output is the choice, finished by "stop" (greedy and sampled)."""
+    prompts = ["Is the sky blue? Answer:"] * 2
+    params = [constrained(StructuredOutputsParams(choice=CHOICES), min_tokens=5),
+              constrained(StructuredOutputsParams(choice=CHOICES), min_tokens=5, temperature=0.9, seed=2)]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        completion = out.outputs[0]
+        assert completion.text in CHOICES and completion.finish_reason == "stop"
+        assert len(completion.token_ids) < 5

@@ -81,7 +81,8 @@ def penalties(seqs: list[SampledSequence], batch: BatchRows, seen: SeenTokens) -
 
 class Masks(NamedTuple):
     """The tokens masked this step, as (row, token) pairs grouped by row: min_tokens masks each stop token (EOS
-    included) of each row short of its min_tokens; bad_words masks the last token of each bad word whose other
+    included) of each row short of its min_tokens, unless the row's structured-output grammar has ended (it then
+    allows nothing but the end of text, and the grammar's end comes first); bad_words masks the last token of each bad word whose other
     tokens the row's output ends with (as vLLM, the output only)."""
     rows: np.ndarray  # int64
     tokens: np.ndarray  # int64
@@ -94,6 +95,7 @@ class Masks(NamedTuple):
 def token_masks(seqs: list[SampledSequence], batch: BatchRows, eos_token_ids: list[int]) -> Masks:
     masked = [(row, token_id) for row in batch.with_min_tokens
               if seqs[row].num_completion_tokens < seqs[row].params.min_tokens
+              and (seqs[row].grammar is None or not seqs[row].grammar.ended())
               for token_id in seqs[row].params.stop_token_ids + eos_token_ids]
     for row in batch.with_bad_words:
         seq = seqs[row]

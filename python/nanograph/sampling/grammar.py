@@ -88,6 +88,10 @@ class Grammar:
         """Writes the tokens that may come next into bitmask[row] (int32 [*, bitmask_words(vocab)])."""
         self._fill(self._matcher, bitmask, row)
 
+    def ended(self) -> bool:
+        """Whether the grammar is complete and can take no further token: only the end of text may come."""
+        return self._matcher.is_stopped()
+
     def advance(self, token_id: int) -> bool:
         """Moves past a sampled token; False if the grammar does not allow it."""
         return self._matcher.consume_token(token_id) and not self._matcher.is_error()
