@@ -22,7 +22,7 @@
 // nothing. The 4 warps merge through shared memory.
 // Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
 // head_dim 128), the steps into as many contiguous chunks as its length fills (one per
-// chunk_min_keys keys, up to the plan's chunks; equal numbers of steps), and a chunk's steps go
+// chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
 // round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
 // Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
@@ -72,8 +72,9 @@ constexpr int kEarlyKvCtasPerSm = 2;
 constexpr int kLargeGridCtasPerSm = 3;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
-// On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys: shorter
-// chunks cost more in their merge through the workspace than their CTAs bring.
+// On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
+// that length it merges inside its cluster, with no round trip through the workspace, and longer
+// ones spread over more of the GPU.
 constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
