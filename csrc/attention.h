@@ -8,15 +8,18 @@
 namespace nanograph {
 
 struct PagedKv {
-  // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-  const bf16* k_cache;
-  const bf16* v_cache;
+  // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] of dtype
+  const void* k_cache;
+  const void* v_cache;
   const int32_t* block_tables;  // [num_seqs, block_table_stride]
   int block_table_stride;
   const int32_t* context_lens;  // [num_seqs]: tokens in the cache for each sequence, new ones included
   int block_size;
   int num_kv_heads;
   int head_dim;
+  KvDtype dtype = KvDtype::kBf16;
+  float k_scale = 1.f;  // kFp8E4m3: a stored key reads as float(e4m3) * k_scale
+  float v_scale = 1.f;
 };
 
 struct DecodeAttentionArgs {

@@ -4,7 +4,8 @@
 // of sequence s, for every q head h; q head h reads kv head h / (num_q_heads / num_kv_heads).
 //   q:        [num_seqs, q_stride] bf16; head h at q + s * q_stride + h * head_dim
 //   k_cache,
-//   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16; key j of sequence s lives in
+//   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16, or e4m3 read as
+//             float(e4m3) * k_scale (v_scale) (KvDtype); key j of sequence s lives in
 //             slot block_tables[s][j / block_size] * block_size + j % block_size
 //   out:      [num_seqs, num_q_heads * head_dim] bf16; a row with context length 0 is zeros
 //   workspace (plans of more than one split): parts [num_seqs, num_q_heads, splits, head_dim]
@@ -47,9 +48,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 #include "bf16x8.cuh"
+#include "kv_fp8.cuh"
 #include "launch.h"
 #include "mma.cuh"
 #include "rope.cuh"
@@ -130,8 +133,40 @@ __device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout&
           layout.cluster * kStep};
 }
 
-__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
-  return __ldcs(reinterpret_cast<const uint4*>(p));
+// What one lane loads of a key or value: 8 elements, bf16 (16 bytes) or e4m3 (8 bytes).
+template <bool kFp8>
+using KvFragment = std::conditional_t<kFp8, uint2, uint4>;
+
+template <bool kFp8>
+__device__ __forceinline__ KvFragment<kFp8> load_streaming(const void* p) {
+  return __ldcs(reinterpret_cast<const KvFragment<kFp8>*>(p));
+}
+
+// A fragment as the 8 mma operands it holds: bf16 as loaded, or e4m3 widened to fp16 (exact).
+__device__ __forceinline__ uint4 mma_operands(const uint4& bf16x8) { return bf16x8; }
+__device__ __forceinline__ uint4 mma_operands(const uint2& e4m3x8) {
+  return e4m3x8_to_f16x8(e4m3x8);
+}
+
+// The m16n8k16 mma and the packing of P for the cache's operand type: bf16, or fp16 for an FP8
+// cache (q and P rounded to fp16, which keeps 3 more mantissa bits than bf16).
+template <bool kFp8>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (kFp8) {
+    mma_f16_16816(c, a, b0, b1);
+  } else {
+    mma_bf16_16816(c, a, b0, b1);
+  }
+}
+
+template <bool kFp8>
+__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
+  if constexpr (kFp8) {
+    return pack_f16x2(lo, hi);
+  } else {
+    return pack_bf16x2(lo, hi);
+  }
 }
 
 __device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {
@@ -249,9 +284,8 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
     if (slot < 0) continue;
     const int64_t offset =
         (static_cast<int64_t>(slot) * r.num_kv_heads + kv_head) * HD + lane_in_head * kRopeVec;
-    store_bf16x8(r.k_cache + offset, x);
-    *reinterpret_cast<uint4*>(r.v_cache + offset) =
-        *reinterpret_cast<const uint4*>(row + (args.num_q_heads + r.num_kv_heads + kv_head) * HD);
+    store_kv_slice(r, offset, x,
+                   *reinterpret_cast<const uint4*>(row + (args.num_q_heads + r.num_kv_heads + kv_head) * HD));
   }
 }
 
@@ -268,7 +302,10 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
 // one chunk, its splits with keys write their normalised rows and lse into the shared memory of
 // rank 0 (split 0), which merges them once every rank has arrived. Dynamic shared memory (every
 // CTA has it; rank 0's is used): rows [group][cluster][HD] then lse [group][cluster], fp32.
-template <int HD, bool kEarlyKv, bool kRope, bool kCluster>
+// kFp8: the caches hold e4m3 (KvDtype::kFp8E4m3); each lane loads 8-byte fragments, widens them
+// to fp16 at use, and q and P go to the mma as fp16. k_scale folds into the softmax scale and
+// v_scale into each CTA's normalised rows.
+template <int HD, bool kEarlyKv, bool kRope, bool kCluster, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
     split_kernel(DecodeAttentionArgs args, KeyLayout layout) {
   static_assert(!kCluster || kEarlyKv, "clusters are for small grids");
@@ -350,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   const int64_t key_stride = static_cast<int64_t>(kv.num_kv_heads) * HD;
   const int32_t* block_table = kv.block_tables + static_cast<int64_t>(seq) * kv.block_table_stride;
   const int block_shift = __ffs(kv.block_size) - 1;
-  const float scale_log2 = args.scale * kLog2e;
+  const float scale_log2 = args.scale * (kFp8 ? kv.k_scale : 1.f) * kLog2e;
   const int newest = len - 1;
 
   // A tile never crosses a block: tiles start at multiples of 16 and block_size >= 16. The
@@ -366,8 +403,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     next_block[tile] = block_of(first_step + tile * kTileKeys);
   }
 
-  uint4 k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
-  uint4 v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+  using Fragment = KvFragment<kFp8>;
+  Fragment k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
+  Fragment v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
   // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
   // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
   // of the warp's next step.
@@ -378,15 +416,16 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       const int64_t block = blocks[tile];
       blocks[tile] = block_of(tile_start + warp_stride);
       const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
-      const bf16* k = kv.k_cache + slot * key_stride + kv_head * HD;
-      const bf16* v = kv.v_cache + slot * key_stride + kv_head * HD;
+      using Element = std::conditional_t<kFp8, uint8_t, bf16>;
+      const Element* k = static_cast<const Element*>(kv.k_cache) + slot * key_stride + kv_head * HD;
+      const Element* v = static_cast<const Element*>(kv.v_cache) + slot * key_stride + kv_head * HD;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool valid = tile_start + g + 8 * h < below;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
-          k_frag[tile][h][c] = valid ? load_streaming(k + (g + 8 * h) * key_stride + c * 32 + t * 8)
-                                     : make_uint4(0, 0, 0, 0);
+          k_frag[tile][h][c] =
+              valid ? load_streaming<kFp8>(k + (g + 8 * h) * key_stride + c * 32 + t * 8) : Fragment{};
         }
       }
 #pragma unroll
@@ -395,8 +434,8 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         const bool valid = tile_start + key < below;
 #pragma unroll
         for (int hc = 0; hc < kHalves; ++hc) {
-          v_frag[tile][hc][j] = valid ? load_streaming(v + key * key_stride + hc * 64 + g * 8)
-                                      : make_uint4(0, 0, 0, 0);
+          v_frag[tile][hc][j] =
+              valid ? load_streaming<kFp8>(v + key * key_stride + hc * 64 + g * 8) : Fragment{};
         }
       }
     }
@@ -437,6 +476,10 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     q_lo[c] = g < group ? *reinterpret_cast<const uint4*>(q + g * HD + c * 32 + t * 8) : zero;
     q_hi[c] = g + 8 < group ? *reinterpret_cast<const uint4*>(q + (g + 8) * HD + c * 32 + t * 8)
                             : zero;
+    if constexpr (kFp8) {
+      q_lo[c] = bf16x8_to_f16x8(q_lo[c]);
+      q_hi[c] = bf16x8_to_f16x8(q_hi[c]);
+    }
   }
   // If the newest key falls in the warp's first step, the step is loaded again, now whole: one
   // more round trip for that warp only, and the same loader as every other step.
@@ -465,12 +508,12 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
+          const uint4 k_ops = mma_operands(k_frag[tile][n][c]);
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const uint32_t a[4] = {word(q_lo[c], 2 * half), word(q_hi[c], 2 * half),
                                    word(q_lo[c], 2 * half + 1), word(q_hi[c], 2 * half + 1)};
-            mma_bf16_16816(s[n], a, word(k_frag[tile][n][c], 2 * half),
-                           word(k_frag[tile][n][c], 2 * half + 1));
+            mma_16816<kFp8>(s[n], a, word(k_ops, 2 * half), word(k_ops, 2 * half + 1));
           }
         }
       }
@@ -512,18 +555,19 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         acc[i][3] *= alpha[1];
       }
 
-      const uint32_t p[4] = {pack_bf16x2(s[0][0], s[0][1]), pack_bf16x2(s[0][2], s[0][3]),
-                             pack_bf16x2(s[1][0], s[1][1]), pack_bf16x2(s[1][2], s[1][3])};
+      const uint32_t p[4] = {pack_x2<kFp8>(s[0][0], s[0][1]), pack_x2<kFp8>(s[0][2], s[0][3]),
+                             pack_x2<kFp8>(s[1][0], s[1][1]), pack_x2<kFp8>(s[1][2], s[1][3])};
 #pragma unroll
       for (int hc = 0; hc < kHalves; ++hc) {
+        uint4 v_ops[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v_ops[j] = mma_operands(v_frag[tile][hc][j]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low bf16 of each key
-          const uint32_t b0 = __byte_perm(word(v_frag[tile][hc][0], j / 2),
-                                          word(v_frag[tile][hc][1], j / 2), selector);
-          const uint32_t b1 = __byte_perm(word(v_frag[tile][hc][2], j / 2),
-                                          word(v_frag[tile][hc][3], j / 2), selector);
-          mma_bf16_16816(acc[hc * 8 + j], p, b0, b1);
+          const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low half of each key
+          const uint32_t b0 = __byte_perm(word(v_ops[0], j / 2), word(v_ops[1], j / 2), selector);
+          const uint32_t b1 = __byte_perm(word(v_ops[2], j / 2), word(v_ops[3], j / 2), selector);
+          mma_16816<kFp8>(acc[hc * 8 + j], p, b0, b1);
         }
       }
     }
@@ -582,6 +626,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) x += weight[w] * s_out[w][head][dim + d];
       o.v[d] = x / sum;
+      if constexpr (kFp8) o.v[d] *= kv.v_scale;
     }
     const size_t row = out_row + head;
     if (row_parts == 1) {
@@ -755,8 +800,10 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
                 args.q_stride == (args.num_q_heads + 2 * kv.num_kv_heads) * kv.head_dim,
             "decode attention's rope must describe its q: rope.qkv == q, one token per sequence, "
             "the same heads and head_dim, rows of (num_q_heads + 2 * num_kv_heads) * head_dim");
-    require(r.k_cache == kv.k_cache && r.v_cache == kv.v_cache,
-            "decode attention's rope must store into the caches it reads (k_cache, v_cache)");
+    require(r.k_cache == kv.k_cache && r.v_cache == kv.v_cache && r.kv_dtype == kv.dtype &&
+                r.k_scale == kv.k_scale && r.v_scale == kv.v_scale,
+            "decode attention's rope must store into the caches it reads (k_cache, v_cache, their "
+            "dtype and scales)");
     require(r.cos_sin != nullptr && r.positions != nullptr && r.slot_mapping != nullptr,
             "decode attention's rope needs cos_sin, positions and slot_mapping");
     require((r.q_norm_weight == nullptr) == (r.k_norm_weight == nullptr),
@@ -780,6 +827,9 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
               std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
               "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
               ", max_context_len " + std::to_string(args.max_context_len) + ")");
+  require(kv.dtype == KvDtype::kBf16 || (kv.k_scale > 0.f && kv.v_scale > 0.f &&
+                                          std::isfinite(kv.k_scale) && std::isfinite(kv.v_scale)),
+          "decode attention: an FP8 cache's k_scale and v_scale must be positive and finite");
   require(plan.workspace_bytes == 0 || (args.workspace != nullptr && args.arrivals != nullptr),
           "decode attention needs the plan's workspace and zero-filled arrival counters");
   if (args.num_seqs == 0) return;
@@ -793,11 +843,16 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
     const dim3 grid(plan.splits(), kv.num_kv_heads, args.num_seqs);
     const bool rope = args.rope.qkv != nullptr;
     const bool cluster = plan.cluster_merge;
-    auto kernel =
-        cluster ? (rope ? split_kernel<HD, true, true, true> : split_kernel<HD, true, false, true>)
-        : plan.early_kv
-            ? (rope ? split_kernel<HD, true, true, false> : split_kernel<HD, true, false, false>)
-            : (rope ? split_kernel<HD, false, true, false> : split_kernel<HD, false, false, false>);
+    auto pick = [&](auto fp8) {
+      constexpr bool kFp8 = decltype(fp8)::value;
+      return cluster ? (rope ? split_kernel<HD, true, true, true, kFp8>
+                             : split_kernel<HD, true, false, true, kFp8>)
+             : plan.early_kv ? (rope ? split_kernel<HD, true, true, false, kFp8>
+                                     : split_kernel<HD, true, false, false, kFp8>)
+                             : (rope ? split_kernel<HD, false, true, false, kFp8>
+                                     : split_kernel<HD, false, false, false, kFp8>);
+    };
+    auto kernel = kv.dtype == KvDtype::kFp8E4m3 ? pick(std::true_type{}) : pick(std::false_type{});
     size_t inbox_bytes = 0;
     if (cluster) {
       inbox_bytes = static_cast<size_t>(group) * plan.cluster * (HD + 1) * sizeof(float);

@@ -126,6 +126,11 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   require(limits.max_model_len <= c.max_position,
           "max_model_len " + std::to_string(limits.max_model_len) + " exceeds the RoPE table (" +
               std::to_string(c.max_position) + " positions)");
+  for (const LayerWeights& w : weights_.layers) {
+    require(c.kv_dtype == KvDtype::kBf16 || (w.k_scale > 0.f && w.v_scale > 0.f &&
+                                             std::isfinite(w.k_scale) && std::isfinite(w.v_scale)),
+            "an FP8 KV cache's k_scale and v_scale must be positive finite numbers");
+  }
   // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
   block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;
   qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
@@ -203,7 +208,7 @@ Model::~Model() {
 
 size_t Model::kv_bytes_per_block() const {
   return static_cast<size_t>(config_.num_layers) * 2 * limits_.block_size * config_.num_kv_heads *
-         config_.head_dim * sizeof(bf16);
+         config_.head_dim * kv_dtype_bytes(config_.kv_dtype);
 }
 
 void Model::allocate_kv_cache(int num_blocks) {
@@ -356,8 +361,8 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const int32_t* block_tables = device_meta_ + layout.block_tables;
   const int H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int q_width = c.num_q_heads * hd;
-  const size_t kv_layer_elems =
-      static_cast<size_t>(num_kv_blocks_) * limits_.block_size * c.num_kv_heads * hd;
+  const size_t kv_layer_bytes = static_cast<size_t>(num_kv_blocks_) * limits_.block_size *
+                                c.num_kv_heads * hd * kv_dtype_bytes(c.kv_dtype);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
 
@@ -376,12 +381,15 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
     gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st);
 
-    bf16* k_cache = kv_cache_ + 2 * l * kv_layer_elems;
-    bf16* v_cache = k_cache + kv_layer_elems;
-    RopeKvArgs rope{qkv_, w.q_norm, w.k_norm, weights_.cos_sin, positions, slot_mapping,
-                    k_cache, v_cache, T, c.num_q_heads, c.num_kv_heads, hd, c.rms_norm_eps};
-    PagedKv kv{k_cache, v_cache, block_tables, block_table_width_, context_lens,
-               limits_.block_size, c.num_kv_heads, hd};
+    char* k_cache = static_cast<char*>(kv_cache_) + 2 * l * kv_layer_bytes;
+    char* v_cache = k_cache + kv_layer_bytes;
+    RopeKvArgs rope{qkv_,      w.q_norm,      w.k_norm,    weights_.cos_sin,
+                    positions, slot_mapping,  k_cache,     v_cache,
+                    T,         c.num_q_heads, c.num_kv_heads, hd,
+                    c.rms_norm_eps, c.kv_dtype, w.k_scale, w.v_scale};
+    PagedKv kv{k_cache,           v_cache,        block_tables, block_table_width_,
+               context_lens,      limits_.block_size, c.num_kv_heads, hd,
+               c.kv_dtype,        w.k_scale,      w.v_scale};
     if (!rope_in_attention) qk_norm_rope_kv_store(rope, st);
     if (is_decode) {
       DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,

@@ -22,6 +22,7 @@ struct ModelConfig {
   int intermediate_size;
   float rms_norm_eps;
   int max_position;  // rows of the cos/sin table
+  KvDtype kv_dtype = KvDtype::kBf16;  // the KV cache's element type
 };
 
 // Device pointers; the caller keeps the memory alive. Optional ones may be nullptr. The four
@@ -36,6 +37,9 @@ struct LayerWeights {
   const bf16* post_norm;   // [H]
   LinearWeight gate_up;    // [2 I, H], gate rows first
   LinearWeight down;       // [H, I]
+  // An FP8 KV cache's scales for this layer (KvDtype); 1.0 where the checkpoint gives none.
+  float k_scale = 1.f;
+  float v_scale = 1.f;
 };
 
 struct ModelWeights {
@@ -87,7 +91,8 @@ class Model {
   cudaStream_t stream() const { return stream_; }
   size_t kv_bytes_per_block() const;
   int num_kv_blocks() const { return num_kv_blocks_; }
-  // Frees any previous cache; the cache is [layers][k|v][blocks][block_size][nkv][hd].
+  // Frees any previous cache; the cache is [layers][k|v][blocks][block_size][nkv][hd] of
+  // config().kv_dtype.
   void allocate_kv_cache(int num_blocks);
 
   // Pinned; StepLayout gives the fields. Waits until the previous step has read it.
@@ -182,7 +187,7 @@ class Model {
   float* attn_workspace_ = nullptr;
   unsigned* attn_arrivals_ = nullptr;  // [max_num_seqs, num_kv_heads], zero at rest
   int32_t* seq_order_ = nullptr;  // [max_num_seqs]: decode attention's sequences, longest first
-  bf16* kv_cache_ = nullptr;
+  void* kv_cache_ = nullptr;
   int num_kv_blocks_ = 0;
   std::unique_ptr<GraphManager> graphs_;
 };

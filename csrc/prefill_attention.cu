@@ -5,7 +5,8 @@
 // paged cache, so a cached prefix (or earlier chunks) is attended without being recomputed.
 //   q:        [total_q, q_stride] bf16; head h of token t at q + t * q_stride + h * head_dim
 //   k_cache,
-//   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16; key j of sequence s lives in
+//   v_cache:  [num_blocks, block_size, num_kv_heads, head_dim] bf16, or e4m3 read as
+//             float(e4m3) * k_scale (v_scale) (KvDtype); key j of sequence s lives in
 //             slot block_tables[s][j / block_size] * block_size + j % block_size
 //   out:      [total_q, num_q_heads * head_dim] bf16
 // GQA: q head h reads kv head h / (num_q_heads / num_kv_heads).
@@ -21,11 +22,16 @@
 // computed); S = Q K^T and O += P V run on mma.sync m16n8k16 bf16 with fp32 accumulation; the
 // online softmax stays in registers (exp2 with the log2(e)-prescaled scale). Only tiles that
 // cross the diagonal are masked; tiles wholly above it are never visited.
+// An FP8 cache (kFp8) streams its e4m3 tiles into their own double buffer; once a tile has landed
+// the CTA widens it (exactly) into the bf16 tile that the MMAs read, which one buffer then holds.
+// k_scale folds into the softmax scale, v_scale into the final normalisation.
 // A row whose sequence has no key to attend (context_len < q_len, e.g. padding) writes zeros.
 #include <cmath>
+#include <type_traits>
 
 #include "attention.h"
 #include "cp_async.cuh"
+#include "kv_fp8.cuh"
 #include "mma.cuh"
 
 namespace nanograph {
@@ -61,21 +67,40 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
   return row * HEAD_DIM + ((chunk ^ (row & 7)) << 3);
 }
 
-template <int HEAD_DIM>
+// Dynamic shared memory: the Q tile, then the K and V tiles (two buffers each of bf16, or one
+// each and two e4m3 staging buffers each for an FP8 cache).
+template <int HEAD_DIM, bool kFp8>
+constexpr size_t prefill_smem_bytes() {
+  constexpr size_t tile = size_t(kBlockN) * HEAD_DIM;
+  return size_t(kBlockM) * HEAD_DIM * sizeof(bf16) +
+         (kFp8 ? 2 * tile * sizeof(bf16) + 4 * tile : 4 * tile * sizeof(bf16));
+}
+
+template <int HEAD_DIM, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2)
     prefill_attention_kernel(const PrefillAttentionArgs args, const float scale_log2) {
-  constexpr int kChunks = HEAD_DIM / 8;            // 16-byte chunks per row
+  constexpr int kChunks = HEAD_DIM / 8;            // 16-byte chunks per bf16 row
   constexpr int kRowStep = kThreads / kChunks;     // rows the CTA copies per pass
   constexpr int kRowsPerThread = kBlockN / kRowStep;
   constexpr int kTileElems = kBlockN * HEAD_DIM;
   static_assert(kBlockM == kBlockN, "Q and K/V tiles share one copy pattern");
   static_assert(kRowStep % 8 == 0, "a thread's rows must share one swizzle phase");
+  // The cache's rows: 16-byte chunks of kKvElemBytes-byte elements, copied by the same rule.
+  using CacheElem = std::conditional_t<kFp8, uint8_t, bf16>;
+  constexpr int kKvChunks = HEAD_DIM * int(sizeof(CacheElem)) / 16;
+  constexpr int kKvRowStep = kThreads / kKvChunks;
+  constexpr int kKvRowsPerThread = kBlockN / kKvRowStep;
+  constexpr int kBuffers = kFp8 ? 1 : 2;  // bf16 K (and V) tiles the MMAs read
 
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem);
   const uint32_t s_q_addr = smem_address(s_q);
-  const uint32_t s_k_addr = s_q_addr + kBlockM * HEAD_DIM * sizeof(bf16);  // 2 buffers
-  const uint32_t s_v_addr = s_k_addr + 2 * kTileElems * sizeof(bf16);      // 2 buffers
+  const uint32_t s_k_addr = s_q_addr + kBlockM * HEAD_DIM * sizeof(bf16);
+  const uint32_t s_v_addr = s_k_addr + kBuffers * kTileElems * sizeof(bf16);
+  // Where the cache's tiles land: the bf16 tiles themselves, or e4m3 staging (two K buffers,
+  // then two V buffers).
+  const uint32_t stage_k_addr = kFp8 ? s_v_addr + kTileElems * sizeof(bf16) : s_k_addr;
+  const uint32_t stage_v_addr = kFp8 ? stage_k_addr + 2 * kTileElems : s_v_addr;
 
   const int seq = blockIdx.x / args.num_q_heads;
   const int head = blockIdx.x % args.num_q_heads;
@@ -93,47 +118,68 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int warp = tid / 32;
   const int lane = tid % 32;
 
-  // Copy pattern: thread owns chunk `copy_chunk` of rows copy_row + i * kRowStep.
+  // Copy pattern (Q): thread owns chunk `copy_chunk` of rows copy_row + i * kRowStep.
   const int copy_chunk = tid % kChunks;
   const int copy_row = tid / kChunks;
   const uint32_t copy_smem = swizzle<HEAD_DIM>(copy_row, copy_chunk) * sizeof(bf16);
   constexpr uint32_t kCopyStepBytes = kRowStep * HEAD_DIM * sizeof(bf16);
+  // The same for the cache's tiles: bf16 ones land swizzled, e4m3 staging row-major.
+  const int kv_copy_chunk = tid % kKvChunks;
+  const int kv_copy_row = tid / kKvChunks;
+  const uint32_t kv_copy_smem = kFp8 ? kv_copy_row * HEAD_DIM + kv_copy_chunk * 16 : copy_smem;
+  constexpr uint32_t kKvCopyStepBytes = kKvRowStep * HEAD_DIM * sizeof(CacheElem);
+  constexpr uint32_t kStageBytes = kTileElems * sizeof(CacheElem);
 
   const int kv_head = head / (args.num_q_heads / args.kv.num_kv_heads);
   const int64_t slot_stride = int64_t(args.kv.num_kv_heads) * HEAD_DIM;
-  const bf16* k_head = args.kv.k_cache + kv_head * HEAD_DIM + copy_chunk * 8;
-  const bf16* v_head = args.kv.v_cache + kv_head * HEAD_DIM + copy_chunk * 8;
+  const CacheElem* k_cache = static_cast<const CacheElem*>(args.kv.k_cache);
+  const CacheElem* v_cache = static_cast<const CacheElem*>(args.kv.v_cache);
+  const int head_offset = kv_head * HEAD_DIM + kv_copy_chunk * 16 / int(sizeof(CacheElem));
   const int32_t* block_table = args.kv.block_tables + int64_t(seq) * args.kv.block_table_stride;
   const int block_size = args.kv.block_size;
   const int block_shift = __ffs(block_size) - 1;
 
-  int block_ids[kRowsPerThread];
+  int block_ids[kKvRowsPerThread];
   auto read_block_ids = [&](int tile) {
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int key = tile * kBlockN + copy_row + i * kRowStep;
+    for (int i = 0; i < kKvRowsPerThread; ++i) {
+      const int key = tile * kBlockN + kv_copy_row + i * kKvRowStep;
       block_ids[i] = key < kv_end ? block_table[key >> block_shift] : 0;
     }
   };
   // K tile and V tile go in separate commit groups, so S = Q K^T can start before V lands.
   auto copy_kv_tile = [&](int tile, int buffer) {
-    const uint32_t buffer_offset = buffer * kTileElems * sizeof(bf16) + copy_smem;
-    int64_t offsets[kRowsPerThread];
+    const uint32_t buffer_offset = buffer * kStageBytes + kv_copy_smem;
+    int64_t offsets[kKvRowsPerThread];
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int key = tile * kBlockN + copy_row + i * kRowStep;
-      offsets[i] = (int64_t(block_ids[i]) * block_size + (key & (block_size - 1))) * slot_stride;
-      cp_async_16(s_k_addr + buffer_offset + i * kCopyStepBytes,
-                  key < kv_end ? k_head + offsets[i] : args.kv.k_cache, key < kv_end);
+    for (int i = 0; i < kKvRowsPerThread; ++i) {
+      const int key = tile * kBlockN + kv_copy_row + i * kKvRowStep;
+      offsets[i] = (int64_t(block_ids[i]) * block_size + (key & (block_size - 1))) * slot_stride +
+                   head_offset;
+      cp_async_16(stage_k_addr + buffer_offset + i * kKvCopyStepBytes,
+                  key < kv_end ? k_cache + offsets[i] : k_cache, key < kv_end);
     }
     cp_async_commit();
 #pragma unroll
-    for (int i = 0; i < kRowsPerThread; ++i) {
-      const int key = tile * kBlockN + copy_row + i * kRowStep;
-      cp_async_16(s_v_addr + buffer_offset + i * kCopyStepBytes,
-                  key < kv_end ? v_head + offsets[i] : args.kv.v_cache, key < kv_end);
+    for (int i = 0; i < kKvRowsPerThread; ++i) {
+      const int key = tile * kBlockN + kv_copy_row + i * kKvRowStep;
+      cp_async_16(stage_v_addr + buffer_offset + i * kKvCopyStepBytes,
+                  key < kv_end ? v_cache + offsets[i] : v_cache, key < kv_end);
     }
     cp_async_commit();
+  };
+  // kFp8: a landed e4m3 tile widened into the bf16 tile at `tile_addr` (swizzled), 16 values (two
+  // bf16 chunks) per thread and pass.
+  auto widen_tile = [&](uint32_t stage_addr, uint32_t tile_addr) {
+    const unsigned char* stage = smem + (stage_addr - s_q_addr);
+#pragma unroll
+    for (int i = tid; i < kTileElems / 16; i += kThreads) {
+      const int row = i / (HEAD_DIM / 16), pair = i % (HEAD_DIM / 16);
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + i * 16);
+      uint4* dst = reinterpret_cast<uint4*>(smem + (tile_addr - s_q_addr));
+      dst[swizzle<HEAD_DIM>(row, 2 * pair) / 8] = e4m3x8_to_bf16x8(make_uint2(raw.x, raw.y));
+      dst[swizzle<HEAD_DIM>(row, 2 * pair + 1) / 8] = e4m3x8_to_bf16x8(make_uint2(raw.z, raw.w));
+    }
   };
 
   // Accumulator fragments (mma m16n8 C layout): thread holds rows g and g + 8 of the warp's 16,
@@ -171,6 +217,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (has_next) read_block_ids(n + 1);  // in flight while we wait below
     cp_async_wait<1>();                   // K_n (and Q) landed; V_n may be pending
     __syncthreads();                      // ... for all threads; buffers of n-1 are free
+    if constexpr (kFp8) widen_tile(stage_k_addr + buffer * kStageBytes, s_k_addr);
 
     if (n == 0) {
       // A fragments of Q: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) of each 16-col slice.
@@ -187,12 +234,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       cp_async_commit();  // empty groups keep the wait counts uniform
       cp_async_commit();
     }
+    if constexpr (kFp8) __syncthreads();  // the widened K tile
 
     // S = Q K^T for the warp's 16 rows x 64 keys: s[j] is keys j*8 .. j*8+7.
     float s[kBlockN / 8][4];
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    const uint32_t k_tile = s_k_addr + buffer * kTileElems * sizeof(bf16);
+    const uint32_t k_tile = s_k_addr + (kFp8 ? 0 : buffer) * kTileElems * sizeof(bf16);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #pragma unroll
@@ -261,9 +309,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     cp_async_wait<2>();  // V_n landed (K_{n+1}, V_{n+1} may be pending)
     __syncthreads();
+    if constexpr (kFp8) {
+      widen_tile(stage_v_addr + buffer * kStageBytes, s_v_addr);
+      __syncthreads();
+    }
 
     // O += P V: B fragments via ldmatrix.trans of (keys 0-7 | 8-15) x (dims 0-7 | 8-15).
-    const uint32_t v_tile = s_v_addr + buffer * kTileElems * sizeof(bf16);
+    const uint32_t v_tile = s_v_addr + (kFp8 ? 0 : buffer) * kTileElems * sizeof(bf16);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const int key = kk * 16 + lane_row + ((lane >> 3) & 1) * 8;
@@ -286,6 +338,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
+    if constexpr (kFp8) inv_sum[r] *= args.kv.v_scale;
   }
 #pragma unroll
   for (int d = 0; d < HEAD_DIM / 8; ++d) {
@@ -331,13 +384,19 @@ void paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream_t stre
               std::to_string(65535 * kBlockM) + " tokens");
   if (args.num_seqs == 0 || args.total_q == 0 || args.max_q_len == 0) return;
 
+  const bool fp8 = kv.dtype == KvDtype::kFp8E4m3;
+  require(!fp8 || (kv.k_scale > 0.f && kv.v_scale > 0.f && std::isfinite(kv.k_scale) &&
+                   std::isfinite(kv.v_scale)),
+          "prefill attention: an FP8 cache's k_scale and v_scale must be positive and finite");
   DISPATCH_HEAD_DIM(kv.head_dim, HEAD_DIM, [&] {
-    const size_t smem_bytes = size_t(kBlockM + 4 * kBlockN) * HEAD_DIM * sizeof(bf16);
-    auto kernel = prefill_attention_kernel<HEAD_DIM>;
+    const size_t smem_bytes =
+        fp8 ? prefill_smem_bytes<HEAD_DIM, true>() : prefill_smem_bytes<HEAD_DIM, false>();
+    auto kernel = fp8 ? prefill_attention_kernel<HEAD_DIM, true>
+                      : prefill_attention_kernel<HEAD_DIM, false>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem_bytes)));
     const dim3 grid(args.num_seqs * args.num_q_heads, ceil_div(args.max_q_len, kBlockM));
-    kernel<<<grid, kThreads, smem_bytes, stream>>>(args, args.scale * kLog2e);
+    kernel<<<grid, kThreads, smem_bytes, stream>>>(args, args.scale * (fp8 ? kv.k_scale : 1.f) * kLog2e);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -11,8 +11,9 @@
 //
 // Layouts: qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] bf16, q | k | v per token;
 //          cos_sin [max_position, head_dim] fp32 (cos | sin); positions, slot_mapping [num_tokens];
-//          k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] bf16, so element
-//          (slot, h, d) sits at (slot * num_kv_heads + h) * head_dim + d.
+//          k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] bf16 or e4m3
+//          (KvDtype: an FP8 cache stores bf16(k) / k_scale and v / v_scale, kv_fp8.cuh), so
+//          element (slot, h, d) sits at (slot * num_kv_heads + h) * head_dim + d.
 //
 // Launch: a group of head_dim / 8 lanes per (token, head item); each lane owns 8 consecutive
 // elements (one 16-byte load), so a warp covers 2 heads at head_dim 128 and 4 at 64. Items run
@@ -24,6 +25,7 @@
 #include "rope.h"
 
 #include <climits>
+#include <cmath>
 
 #include "bf16x8.cuh"
 #include "launch.h"
@@ -78,8 +80,7 @@ __global__ void __launch_bounds__(kThreads) qk_norm_rope_kv_store_kernel(RopeKvA
   const int64_t cache_offset =
       (static_cast<int64_t>(slot) * args.num_kv_heads + kv_head) * HEAD_DIM + lane_offset;
   const bf16* v_ptr = args.qkv + row + (heads_per_token + kv_head) * HEAD_DIM + lane_offset;
-  store_bf16x8(args.k_cache + cache_offset, x);
-  *reinterpret_cast<uint4*>(args.v_cache + cache_offset) = *reinterpret_cast<const uint4*>(v_ptr);
+  store_kv_slice(args, cache_offset, x, *reinterpret_cast<const uint4*>(v_ptr));
 }
 
 }  // namespace
@@ -91,6 +92,10 @@ void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream) {
           "qk_norm_rope_kv_store: num_q_heads and num_kv_heads must be positive, got " +
               std::to_string(args.num_q_heads) + " and " + std::to_string(args.num_kv_heads));
   require(args.num_tokens >= 0, "qk_norm_rope_kv_store: num_tokens must be >= 0");
+  require(args.kv_dtype == KvDtype::kBf16 || (args.k_scale > 0.f && args.v_scale > 0.f &&
+                                              std::isfinite(args.k_scale) &&
+                                              std::isfinite(args.v_scale)),
+          "qk_norm_rope_kv_store: an FP8 cache's k_scale and v_scale must be positive and finite");
   if (args.num_tokens == 0) return;
   const bool qk_norm = args.q_norm_weight != nullptr;
   DISPATCH_HEAD_DIM(args.head_dim, HEAD_DIM, [&] {

@@ -3,6 +3,8 @@
 // step's own token (decode_attention.cu), so that both give the same bits.
 #pragma once
 #include "bf16x8.cuh"
+#include "kv_fp8.cuh"
+#include "rope.h"
 
 namespace nanograph {
 
@@ -76,6 +78,23 @@ __device__ __forceinline__ void norm_rope(Float8& x, const bf16* norm_weight,
   apply_norm_rope<HEAD_DIM, QK_NORM>(
       x, load_norm_rope_operands<HEAD_DIM, QK_NORM>(norm_weight, cos_sin_row, lane_in_head),
       lane_in_head, group_mask, eps);
+}
+
+// Stores one lane's 8-element slice of a token's key (k, as rotated, not yet rounded) and value (v,
+// the raw bf16 slice) into the caches at element `offset`: bf16(k) and v, or for an FP8 cache
+// each divided by its scale and rounded to e4m3 (kv_fp8.cuh).
+__device__ __forceinline__ void store_kv_slice(const RopeKvArgs& args, int64_t offset, Float8 k,
+                                               const uint4& v) {
+  if (args.kv_dtype == KvDtype::kBf16) {
+    store_bf16x8(static_cast<bf16*>(args.k_cache) + offset, k);
+    *reinterpret_cast<uint4*>(static_cast<bf16*>(args.v_cache) + offset) = v;
+    return;
+  }
+  round_to_bf16(k);
+  *reinterpret_cast<uint2*>(static_cast<uint8_t*>(args.k_cache) + offset) =
+      quantize_e4m3x8(k, args.k_scale);
+  *reinterpret_cast<uint2*>(static_cast<uint8_t*>(args.v_cache) + offset) =
+      quantize_e4m3x8(bf16x8_to_float8(v), args.v_scale);
 }
 
 }  // namespace nanograph

@@ -4,6 +4,13 @@
 
 namespace nanograph {
 
+// The KV cache's element type: bf16, or e4m3 with one float32 scale for K and one for V per layer
+// (per tensor): a value x is stored as e4m3(clamp(x / scale, -448, 448)) and read as
+// float(e4m3) * scale (kv_fp8.cuh). Both caches of a layer have the same type.
+enum class KvDtype { kBf16, kFp8E4m3 };
+
+inline size_t kv_dtype_bytes(KvDtype dtype) { return dtype == KvDtype::kBf16 ? 2 : 1; }
+
 struct RopeKvArgs {
   // qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], q | k | v packed per token.
   // Q and K are normalised (if weights are given) and rotated in place; V is only copied.
@@ -15,17 +22,21 @@ struct RopeKvArgs {
   const float* cos_sin;
   const int32_t* positions;     // [num_tokens]
   const int32_t* slot_mapping;  // [num_tokens]; slot = block * block_size + offset; -1 = skip
-  // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-  bf16* k_cache;
-  bf16* v_cache;
+  // k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] of kv_dtype
+  void* k_cache;
+  void* v_cache;
   int num_tokens;
   int num_q_heads;
   int num_kv_heads;
   int head_dim;
   float eps;
+  KvDtype kv_dtype = KvDtype::kBf16;
+  float k_scale = 1.f;  // kFp8E4m3: what a stored key or value is divided by
+  float v_scale = 1.f;
 };
 
-// One kernel: QK-norm (when both norm weights are set), RoPE, K/V store.
+// One kernel: QK-norm (when both norm weights are set), RoPE, K/V store (an FP8 cache stores the
+// rotated bf16 key and the bf16 value, each divided by its scale).
 void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream);
 
 }  // namespace nanograph

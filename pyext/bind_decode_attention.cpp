@@ -20,10 +20,11 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
          int max_context_len, py::object workspace, py::object seq_order,
          py::object q_norm_weight, py::object k_norm_weight, py::object cos_sin,
          py::object positions, py::object slot_mapping, float eps, bool cluster_merge,
-         py::object plan_num_seqs) {
+         py::object plan_num_seqs, float k_scale, float v_scale) {
         Tensor t_q = cuda_tensor(q, "q", "bfloat16");
-        Tensor t_kc = cuda_tensor(k_cache, "k_cache", "bfloat16");
-        Tensor t_vc = cuda_tensor(v_cache, "v_cache", "bfloat16");
+        const PagedCaches caches = paged_caches(k_cache, v_cache, k_scale, v_scale);
+        const Tensor& t_kc = caches.k;
+        const Tensor& t_vc = caches.v;
         Tensor t_bt = cuda_tensor(block_tables, "block_tables", "int32");
         Tensor t_len = cuda_tensor(context_lens, "context_lens", "int32");
         Tensor t_out = cuda_tensor(out, "out", "bfloat16");
@@ -55,7 +56,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
           if (positions.is_none() || slot_mapping.is_none()) {
             throw_invalid_argument("with cos_sin, give positions and slot_mapping too");
           }
-          rope = rope_kv_args(t_q, t_kc, t_vc, q_norm_weight, k_norm_weight, cos_sin, positions,
+          rope = rope_kv_args(t_q, caches, q_norm_weight, k_norm_weight, cos_sin, positions,
                               slot_mapping, num_q_heads, eps);
         } else if (!q_norm_weight.is_none() || !k_norm_weight.is_none() || !positions.is_none() ||
                    !slot_mapping.is_none()) {
@@ -93,10 +94,17 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         DecodeAttentionArgs args;
         args.q = t_q.data<bf16>();
         args.q_stride = static_cast<int>(t_q.size(1));
-        args.kv = PagedKv{t_kc.data<bf16>(),          t_vc.data<bf16>(),
-                          t_bt.data<int32_t>(),        static_cast<int>(t_bt.size(1)),
-                          t_len.data<int32_t>(),       static_cast<int>(block_size),
-                          static_cast<int>(num_kv_heads), static_cast<int>(head_dim)};
+        args.kv = PagedKv{t_kc.ptr,
+                          t_vc.ptr,
+                          t_bt.data<int32_t>(),
+                          static_cast<int>(t_bt.size(1)),
+                          t_len.data<int32_t>(),
+                          static_cast<int>(block_size),
+                          static_cast<int>(num_kv_heads),
+                          static_cast<int>(head_dim),
+                          caches.dtype,
+                          caches.k_scale,
+                          caches.v_scale};
         args.out = t_out.data<bf16>();
         args.num_seqs = static_cast<int>(num_seqs);
         args.num_q_heads = num_q_heads;
@@ -120,9 +128,12 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       py::arg("k_norm_weight") = py::none(), py::arg("cos_sin") = py::none(),
       py::arg("positions") = py::none(), py::arg("slot_mapping") = py::none(),
       py::arg("eps") = 1e-6f, py::arg("cluster_merge") = true, py::arg("plan_num_seqs") = py::none(),
+      py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f,
       "out [num_seqs, nq * hd] bf16 = softmax(scale * q K^T) V for one query token per sequence. "
       "q: [num_seqs, q_stride] bf16 with q heads first in each row (e.g. the qkv rows); "
-      "k_cache, v_cache: [num_blocks, block_size, nkv, hd] bf16; block_tables: [num_seqs, W] "
+      "k_cache, v_cache: [num_blocks, block_size, nkv, hd], both bf16 or both float8_e4m3fn (an "
+      "FP8 cache, read as float(e4m3) * k_scale / v_scale; q and the probabilities then meet it "
+      "in fp16); block_tables: [num_seqs, W] "
       "int32; context_lens: [num_seqs] int32, each <= max_context_len (a row of length 0 gives "
       "zeros). max_context_len sizes the grid, as in a captured graph. workspace: fp32 tensor of "
       "at least decode_attention_workspace_bytes(plan_num_seqs or num_seqs, ...) bytes (its first "

@@ -3,6 +3,8 @@
 // the last step's hidden states.
 #include <pybind11/numpy.h>
 
+#include <tuple>
+
 #include "../csrc/model.h"
 #include "tensor.h"
 
@@ -53,6 +55,28 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
   Tensor table = cuda_tensor(cos_sin, "cos_sin", "float32");
   expect_shape(table, {-1, c.head_dim});
   c.max_position = static_cast<int>(table.size(0));
+  // The KV cache: "auto" (bf16) or "fp8" (e4m3, with each layer's [k_scale, v_scale] in
+  // "kv_scales").
+  const std::string kv_cache_dtype =
+      cfg.contains("kv_cache_dtype") ? cfg["kv_cache_dtype"].cast<std::string>() : "auto";
+  if (kv_cache_dtype != "auto" && kv_cache_dtype != "fp8") {
+    throw_invalid_argument("config kv_cache_dtype '" + kv_cache_dtype +
+                           "' is not one the core runs; use 'auto' (bf16) or 'fp8' (e4m3)");
+  }
+  c.kv_dtype = kv_cache_dtype == "fp8" ? KvDtype::kFp8E4m3 : KvDtype::kBf16;
+  std::vector<std::pair<float, float>> kv_scales(c.num_layers, {1.f, 1.f});
+  if (c.kv_dtype == KvDtype::kFp8E4m3) {
+    if (!cfg.contains("kv_scales")) {
+      throw_invalid_argument("config kv_cache_dtype 'fp8' needs kv_scales: each layer's "
+                             "[k_scale, v_scale]");
+    }
+    kv_scales = cfg["kv_scales"].cast<std::vector<std::pair<float, float>>>();
+    if (static_cast<int>(kv_scales.size()) != c.num_layers) {
+      throw_invalid_argument("config kv_scales has " + std::to_string(kv_scales.size()) +
+                             " [k_scale, v_scale] pairs; the model has " +
+                             std::to_string(c.num_layers) + " layers");
+    }
+  }
 
   EngineLimits limits{lim["max_num_tokens"].cast<int>(), lim["max_num_seqs"].cast<int>(),
                       lim["max_model_len"].cast<int>(), lim["block_size"].cast<int>()};
@@ -79,6 +103,7 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
     lw.post_norm = weight(weights, p + "post_attention_layernorm", {H});
     lw.gate_up = linear_weight(weights, p + "gate_up_proj", 2 * I, H);
     lw.down = linear_weight(weights, p + "down_proj", H, I);
+    std::tie(lw.k_scale, lw.v_scale) = kv_scales[l];
     w.layers.push_back(lw);
   }
   cudaSetDevice(table.device);

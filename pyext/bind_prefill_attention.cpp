@@ -1,7 +1,7 @@
 // Binding for paged prefill attention (csrc/prefill_attention.cu): checks shapes, dtypes and
 // devices, then runs the kernel on torch's current stream.
 #include "../csrc/attention.h"
-#include "tensor.h"
+#include "rope_args.h"
 
 namespace nanograph::py_ext {
 
@@ -10,10 +10,11 @@ NANOGRAPH_BINDINGS(bind_prefill_attention) {
       "paged_prefill_attention",
       [](py::object q, py::object k_cache, py::object v_cache, py::object block_tables,
          py::object cu_seqlens_q, py::object context_lens, py::object out, int num_q_heads,
-         float scale, int max_q_len) {
+         float scale, int max_q_len, float k_scale, float v_scale) {
         Tensor tq = cuda_tensor(q, "q", "bfloat16");
-        Tensor tk = cuda_tensor(k_cache, "k_cache", "bfloat16");
-        Tensor tv = cuda_tensor(v_cache, "v_cache", "bfloat16");
+        const PagedCaches caches = paged_caches(k_cache, v_cache, k_scale, v_scale);
+        const Tensor& tk = caches.k;
+        const Tensor& tv = caches.v;
         Tensor tbt = cuda_tensor(block_tables, "block_tables", "int32");
         Tensor tcu = cuda_tensor(cu_seqlens_q, "cu_seqlens_q", "int32");
         Tensor tctx = cuda_tensor(context_lens, "context_lens", "int32");
@@ -46,8 +47,11 @@ NANOGRAPH_BINDINGS(bind_prefill_attention) {
         PrefillAttentionArgs args{};
         args.q = tq.data<bf16>();
         args.q_stride = static_cast<int>(tq.size(1));
-        args.kv.k_cache = tk.data<bf16>();
-        args.kv.v_cache = tv.data<bf16>();
+        args.kv.k_cache = tk.ptr;
+        args.kv.v_cache = tv.ptr;
+        args.kv.dtype = caches.dtype;
+        args.kv.k_scale = caches.k_scale;
+        args.kv.v_scale = caches.v_scale;
         args.kv.block_tables = tbt.data<int32_t>();
         args.kv.block_table_stride = static_cast<int>(tbt.size(1));
         args.kv.context_lens = tctx.data<int32_t>();
@@ -65,10 +69,11 @@ NANOGRAPH_BINDINGS(bind_prefill_attention) {
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
       py::arg("cu_seqlens_q"), py::arg("context_lens"), py::arg("out"), py::arg("num_q_heads"),
-      py::arg("scale"), py::arg("max_q_len"),
+      py::arg("scale"), py::arg("max_q_len"), py::arg("k_scale") = 1.f, py::arg("v_scale") = 1.f,
       "Causal variable-length attention of q [total_q, q_stride] over the paged KV cache "
       "[num_blocks, block_size, num_kv_heads, head_dim] into out "
-      "[total_q, num_q_heads * head_dim]. "
+      "[total_q, num_q_heads * head_dim]. The caches are both bf16, or both float8_e4m3fn (read "
+      "as float(e4m3) * k_scale / v_scale). "
       "Query i of sequence s sits at position context_lens[s] - q_len(s) + i; max_q_len must bound "
       "every q_len(s).");
 }

@@ -4,7 +4,8 @@ import math
 import torch
 
 
-def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False):
+def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False, fp8=False):
+    """fp8: an e4m3 cache (scales 0.5 for K, 2.0 for V), one byte per value."""
     from nanograph import ops
 
     dev = "cuda"
@@ -13,6 +14,11 @@ def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False):
     num_blocks = num_seqs * width
     k_cache = torch.randn(num_blocks, block_size, nkv, hd, device=dev).bfloat16()
     v_cache = torch.randn_like(k_cache)
+    scales = {}
+    if fp8:
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        scales = dict(k_scale=0.5, v_scale=2.0)
+        label += " fp8"
     block_tables = torch.randperm(num_blocks, device=dev).to(torch.int32).view(num_seqs, width)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(num_seqs, (nq + 2 * nkv) * hd, device=dev).bfloat16()
@@ -28,9 +34,9 @@ def _case(lens, nq, nkv, hd, block_size, max_context_len, label, ordered=False):
 
     def fn():
         ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out, nq, hd**-0.5,
-                                   max_context_len, workspace, seq_order)
+                                   max_context_len, workspace, seq_order, **scales)
 
-    bytes_moved = sum(lens) * nkv * hd * 2 * 2 + num_seqs * nq * hd * 2 * 2
+    bytes_moved = sum(lens) * nkv * hd * 2 * k_cache.element_size() + num_seqs * nq * hd * 2 * 2
     return f"decode_attn {label} q{nq}/kv{nkv} hd{hd} bs{block_size}", fn, bytes_moved, 0
 
 
@@ -58,3 +64,10 @@ def cases():
         yield _case([length], 16, 8, 128, 16, 40960, f"1x{length} of 40960")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
     yield _case([4096] * 64, 64, 8, 128, 16, 4096, "64x4096")
+    # An FP8 cache: half the bytes of the cases above.
+    yield _case([4096] * 64, 32, 8, 128, 16, 4096, "64x4096", fp8=True)
+    yield _case([1024] * 256, 32, 8, 128, 16, 1024, "256x1024", fp8=True)
+    yield _case(mixed, 16, 8, 128, 16, 2048, "256x(100-2k)", ordered=True, fp8=True)
+    yield _case([32768], 32, 8, 128, 16, 32768, "1x32768", fp8=True)
+    yield _case([16384] * 4, 32, 8, 128, 16, 16384, "4x16384", fp8=True)
+    yield _case([128], 16, 8, 128, 16, 40960, "1x128 of 40960", fp8=True)

@@ -1,0 +1,72 @@
+// The FP8 KV cache's conversions on the device (KvDtype::kFp8E4m3, rope.h): a value x is stored
+// as e4m3(clamp(x / scale, -448, 448)), the division in fp32 and rounded once to nearest even,
+// and read back as float(e4m3) * scale. Every e4m3 value is exact in fp16 and in bf16.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "bf16x8.cuh"
+
+namespace nanograph {
+
+// Eight values as the cache stores them, in order, one byte each. Saturating: finite values past
+// 448 * scale and infinities store +-448; NaN stays NaN.
+__device__ __forceinline__ uint2 quantize_e4m3x8(const Float8& x, float scale) {
+  uint32_t words[2];
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int i = 4 * w + 2 * p;
+      const float2 pair = make_float2(__fdiv_rn(x.v[i], scale), __fdiv_rn(x.v[i + 1], scale));
+      const uint32_t bytes = __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+      word |= bytes << (16 * p);
+    }
+    words[w] = word;
+  }
+  return make_uint2(words[0], words[1]);
+}
+
+// Two e4m3 values (the low and high byte of `bytes`) as an fp16x2 word, low value in the low half.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bytes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+      static_cast<__nv_fp8x2_storage_t>(bytes & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// Eight e4m3 values as eight fp16 (the layout of a 16-byte bf16/fp16 load), in order.
+__device__ __forceinline__ uint4 e4m3x8_to_f16x8(const uint2& v) {
+  return make_uint4(e4m3x2_to_f16x2(v.x), e4m3x2_to_f16x2(v.x >> 16), e4m3x2_to_f16x2(v.y),
+                    e4m3x2_to_f16x2(v.y >> 16));
+}
+
+// Eight e4m3 values as eight bf16, exactly, in order.
+__device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
+  const uint4 h = e4m3x8_to_f16x8(v);
+  uint4 out;
+  const uint32_t* in = &h.x;
+  uint32_t* o = &out.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in[i]));
+    const __nv_bfloat162 b = __float22bfloat162_rn(f);
+    o[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return out;
+}
+
+// Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even.
+__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& v) {
+  const Float8 f = bf16x8_to_float8(v);
+  uint4 out;
+  uint32_t* o = &out.x;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __floats2half2_rn(f.v[2 * i], f.v[2 * i + 1]);
+    o[i] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return out;
+}
+
+}  // namespace nanograph
