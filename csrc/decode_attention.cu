@@ -20,7 +20,9 @@
 // fragment is permuted to match what one lane loads, which a dot product over head_dim does not
 // notice. S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online
 // softmax; decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost
-// nothing. The 4 warps merge through shared memory.
+// nothing. The 4 warps merge through shared memory. An FP8 cache (KvDtype::kFp8E4m3) is loaded
+// 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q and P then meet it as
+// fp16; k_scale folds into the softmax scale and v_scale into each CTA's normalised rows.
 // Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
 // head_dim 128), the steps into as many contiguous chunks as its length fills (one per
 // chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
@@ -131,6 +133,10 @@ __device__ __forceinline__ KeySpan key_span(int len, int split, const KeyLayout&
   const int first = cut.first_step(chunk);
   return {(first + rank) * kStep, min((first + cut.steps_of(chunk)) * kStep, len),
           layout.cluster * kStep};
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // What one lane loads of a key or value: 8 elements, bf16 (16 bytes) or e4m3 (8 bytes).
@@ -406,19 +412,26 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   using Fragment = KvFragment<kFp8>;
   Fragment k_frag[kTilesPerStep][2][kChunks];  // keys g, g + 8
   Fragment v_frag[kTilesPerStep][kHalves][4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
+  using Element = std::conditional_t<kFp8, uint8_t, bf16>;
+  auto tile_rows = [&](int tile_start, int64_t block, const Element*& k, const Element*& v) {
+    const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
+    k = static_cast<const Element*>(kv.k_cache) + slot * key_stride + kv_head * HD;
+    v = static_cast<const Element*>(kv.v_cache) + slot * key_stride + kv_head * HD;
+  };
   // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
   // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
-  // of the warp's next step.
+  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
+  // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
+  // while this step is computed the warp has twice its fragments' bytes in flight without more
+  // registers. (Large grids keep 12 warps per SM loading, and measured slower with it.)
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
       const int64_t block = blocks[tile];
       blocks[tile] = block_of(tile_start + warp_stride);
-      const int64_t slot = block * kv.block_size + (tile_start & (kv.block_size - 1));
-      using Element = std::conditional_t<kFp8, uint8_t, bf16>;
-      const Element* k = static_cast<const Element*>(kv.k_cache) + slot * key_stride + kv_head * HD;
-      const Element* v = static_cast<const Element*>(kv.v_cache) + slot * key_stride + kv_head * HD;
+      const Element *k, *v;
+      tile_rows(tile_start, block, k, v);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const bool valid = tile_start + g + 8 * h < below;
@@ -437,6 +450,22 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
           v_frag[tile][hc][j] =
               valid ? load_streaming<kFp8>(v + key * key_stride + hc * 64 + g * 8) : Fragment{};
         }
+      }
+    }
+    if constexpr (!kEarlyKv) return;
+    constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
+    constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;
+#pragma unroll
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + warp_stride + tile * kTileKeys;
+      if (tile_start >= end) break;
+      const Element *k, *v;
+      tile_rows(tile_start, blocks[tile], k, v);
+#pragma unroll
+      for (int i = 0; i < kLinesPerLane; ++i) {
+        const int line = lane + 32 * i;  // key, then K or V, then the line of the row
+        const int key = line % kTileKeys, part = line / kTileKeys;
+        prefetch_l2((part % 2 ? v : k) + key * key_stride + part / 2 * (128 / int(sizeof(Element))));
       }
     }
   };
