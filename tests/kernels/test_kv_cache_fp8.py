@@ -1,11 +1,11 @@
-"""The CUDA kernels' FP8 (e4m3) KV cache: the RoPE/KV store, decode and prefill attention against the torch
-backend's quantize_kv / dequantize_kv.
+"""GPU tests of the FP8 (e4m3) KV cache in the CUDA kernels: the RoPE/KV store, decode and prefill attention.
 
-A value x is stored as e4m3(clamp(x / scale, -448, 448)) with one K scale and one V scale per tensor, and read back
-as float(e4m3) * scale. The store must write, bit for bit, quantize_kv of what the bf16 store writes; attention over
-an FP8 cache must match a float32 reference over the dequantised cache with the bf16 tests' tolerance. Caches hold,
-beside ordinary values, values that saturate (|x / scale| > 448) and values in e4m3's subnormal range
-(|x / scale| < 2^-6); slots outside any sequence hold e4m3's NaN byte."""
+They hold the kernels to the torch backend's quantize_kv / dequantize_kv: a value x is stored as
+e4m3(clamp(x / scale, -448, 448)), one K scale and one V scale per tensor, and read back as float(e4m3) * scale. The
+store must write, bit for bit, quantize_kv of what the bf16 store writes; attention over an FP8 cache must match a
+float32 reference over the dequantised cache with the bf16 tests' tolerance. Caches hold, beside ordinary values,
+values that saturate (|x / scale| > 448) and values in e4m3's subnormal range (|x / scale| < 2^-6); slots outside
+any sequence hold e4m3's NaN byte."""
 import math
 
 import pytest
@@ -24,7 +24,6 @@ from .test_rope_kv import make_inputs as rope_inputs
 FP8_NAN = 0x7F  # e4m3fn's NaN byte (it has no infinities)
 SUBNORMAL_BOUND = 2.0**-6  # e4m3's smallest normal magnitude
 SCALES = [(0.05, 3.0), (3.0, 0.05), (1.0, 1.0)]  # (k_scale, v_scale)
-SCALE_IDS = [f"k{k}_v{v}" for k, v in SCALES]
 SATURATING, SUBNORMAL = 0.01, 0.03  # fractions of a cache's values moved to e4m3's ends
 
 
@@ -37,14 +36,15 @@ def is_fp8_nan(t):
     return fp8_bytes(t) & 0x7F == FP8_NAN
 
 
-def fp8_cache(cache, scale):
+def fp8_cache(cache, scale, largest=30.0):
     """A bf16 cache from make_inputs / make_batch (NaN in slots outside any sequence) as the FP8 cache holds it:
-    (e4m3 cache, its float32 dequantisation). 1% of the values become 25 to 30 in magnitude (they saturate under
-    scale 0.05: 448 * 0.05 = 22.4) and 3% fall in the subnormal range of the scale; the rest stay O(1), so that
-    outputs keep the magnitudes the bf16 tolerance is made for. NaN slots get the NaN byte."""
+    (e4m3 cache, its float32 dequantisation). 1% of the values become 5/6 * largest to largest in magnitude (by
+    default 25 to 30, which saturate under scale 0.05: 448 * 0.05 = 22.4) and 3% fall in the subnormal range of the
+    scale; the rest stay O(1), so that outputs keep the magnitudes the bf16 tolerance is made for. NaN slots get the
+    NaN byte."""
     x = cache.float()
     pick = torch.rand_like(x)
-    x = torch.where(pick < SATURATING, x.sign() * (25 + 5 * torch.rand_like(x)), x)
+    x = torch.where(pick < SATURATING, x.sign() * largest * (5 + torch.rand_like(x)) / 6, x)
     tiny = scale * SUBNORMAL_BOUND * (2 * torch.rand_like(x) - 1)
     x = torch.where((pick >= SATURATING) & (pick < SATURATING + SUBNORMAL), tiny, x)
     stored = quantize_kv(x, scale)
@@ -76,7 +76,7 @@ def newest_slots(block_tables, context_lens, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_scale,v_scale", SCALES, ids=SCALE_IDS)
+@pytest.mark.parametrize("k_scale,v_scale", SCALES, ids=[f"k{k}_v{v}" for k, v in SCALES])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qk_norm", "no_norm"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_store_quantizes_what_the_bf16_store_writes(head_dim, qk_norm, k_scale, v_scale):
@@ -219,7 +219,8 @@ def test_quantising_a_bf16_cache_costs_what_e4m3_rounding_predicts(calibrated):
     (predicted_error_variance) this gives each output's expected error sigma, plus both outputs' bf16 rounding.
     The test asks that the mean squared difference is that predicted (ratio within [0.5, 2]: e5m2's 2 mantissa
     bits, or truncating instead of rounding, make it about 4), and that no output moves by more than 6 sigma plus
-    2^-7 of its magnitude and 4e-3 (the kernels' own rounding of probabilities and outputs: bf16 and fp16)."""
+    2^-7 of its magnitude and 1e-2 (the kernels' own rounding: of the outputs to bf16, of the probabilities to bf16
+    or fp16)."""
     lens, nq, nkv, hd, bs, max_len = [1, 64, 300, 1000, 4000, 0], 32, 8, 128, 16, 4096
     torch.manual_seed(calibrated)
     q, k_cache, v_cache, block_tables, context_lens, _ = make_inputs(lens, nq, nkv, hd, bs, max_len)
@@ -245,7 +246,7 @@ def test_quantising_a_bf16_cache_costs_what_e4m3_rounding_predicts(calibrated):
     difference = out_fp8 - out_bf16
     ratio = (difference**2).sum() / variance.sum()
     assert 0.5 < ratio < 2, f"mean squared difference {ratio:.2f} x the predicted quantisation error"
-    bound = 6 * variance.sqrt() + 2**-7 * out_bf16.abs() + 4e-3
+    bound = 6 * variance.sqrt() + 2**-7 * out_bf16.abs() + 1e-2
     worst = (difference.abs() / bound).max()
     assert worst <= 1, f"an output moved by {worst:.2f} x its bound"
 
@@ -338,8 +339,14 @@ def test_graph_replay_gives_the_eager_bits(before, after, nq, nkv, max_len):
 # ----------------------------------------------------------------------------------------------- prefill attention
 
 
+# (k_scale, v_scale): values are at most about 4 in magnitude (the prefill kernel's probabilities are bf16, whose
+# rounding error grows with the values), so they saturate under v_scale 0.005 (448 * 0.005 = 2.24); keys saturate
+# under 0.05.
+PREFILL_SCALES = [(0.05, 3.0), (3.0, 0.005)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("k_scale,v_scale", SCALES[:2], ids=SCALE_IDS[:2])
+@pytest.mark.parametrize("k_scale,v_scale", PREFILL_SCALES, ids=[f"k{k}_v{v}" for k, v in PREFILL_SCALES])
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 4, 16), (128, 2, 32)])
 def test_prefill_matches_the_dequantised_reference(head_dim, group, block_size, k_scale, v_scale):
     """Causal prefill over FP8 caches, sequences continuing a cached prefix (context_len > q_len) beside ones
@@ -351,7 +358,7 @@ def test_prefill_matches_the_dequantised_reference(head_dim, group, block_size, 
     nkv = 2
     nq = group * nkv
     b = make_batch(q_lens, context_lens, nq, nkv, head_dim, block_size, seed=head_dim + group)
-    (k_fp8, k_deq), (v_fp8, v_deq) = fp8_cache(b["k_cache"], k_scale), fp8_cache(b["v_cache"], v_scale)
+    (k_fp8, k_deq), (v_fp8, v_deq) = fp8_cache(b["k_cache"], k_scale), fp8_cache(b["v_cache"], v_scale, largest=4.0)
     scale = head_dim**-0.5
     out = torch.full((sum(q_lens), nq * head_dim), float("nan"), device="cuda", dtype=torch.bfloat16)
     ops.paged_prefill_attention(b["q"], k_fp8, v_fp8, b["block_tables"], b["cu_seqlens_q"], b["context_lens"], out,
