@@ -222,7 +222,7 @@ def test_quantising_a_bf16_cache_costs_what_e4m3_rounding_predicts(calibrated):
     2^-7 of its magnitude and 1e-2 (the kernels' own rounding: of the outputs to bf16, of the probabilities to bf16
     or fp16)."""
     lens, nq, nkv, hd, bs, max_len = [1, 64, 300, 1000, 4000, 0], 32, 8, 128, 16, 4096
-    torch.manual_seed(calibrated)
+    torch.manual_seed(int(calibrated))
     q, k_cache, v_cache, block_tables, context_lens, _ = make_inputs(lens, nq, nkv, hd, bs, max_len)
     if calibrated:  # vLLM's calibration: the largest magnitude maps to e4m3's largest value
         k_scale, v_scale = [c.nan_to_num(0).abs().max().item() / FP8_MAX for c in (k_cache, v_cache)]
