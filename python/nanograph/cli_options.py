@@ -21,7 +21,7 @@ ENGINE_OPTIONS = {
     "quantization": (str, "fp8: quantize the weights' linear layers to FP8 at load (an FP8 checkpoint runs as such "
                           "without it)"),
     "kv_cache_dtype": (str, "the KV cache's dtype; auto: the model's; fp8 (or fp8_e4m3): e4m3 with a K and a V "
-                            "scale per layer, twice the tokens of bf16 (the torch backend for now)"),
+                            "scale per layer, twice the tokens of bf16"),
     "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
                                   "or torch:<torch device>)"),
 }

@@ -21,8 +21,8 @@ class LLM:
         revision= picks a branch, tag or commit); None: the bundled SmolLM2-135M-Instruct.
 
         kwargs: vLLM's engine arguments. Config's fields (max_model_len, dtype, quantization ("fp8": weights quantized
-        at load; an FP8 checkpoint runs as such without it), kv_cache_dtype ("fp8": an e4m3 KV cache, on the torch
-        backend for now), max_num_seqs, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed,
+        at load; an FP8 checkpoint runs as such without it), kv_cache_dtype ("fp8": an e4m3 KV cache with a K and a V
+        scale per layer), max_num_seqs, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed,
         tensor_parallel_size, tokenizer, generation_config, ...) take effect; the rest of vLLM's
         (pipeline_parallel_size, cpu_offload_gb, swap_space, ...) are listed in engine_args.VLLM_ARGS with the values
         nanograph implements or ignores, and any other value is a ValueError naming the argument."""

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanograph import LLM, SamplingParams
-from nanograph.backends import make_runner, torch_backend
+from nanograph.backends import torch_backend
 from nanograph.backends.torch_backend import TorchRunner
 from nanograph.config import Config
 from nanograph.model_config import ModelConfig
@@ -66,13 +66,6 @@ def test_config_takes_vllms_fp8_names_and_refuses_the_rest():
         assert str(info.value) == (f"kv_cache_dtype={value!r} is not supported yet: nanograph's KV cache holds the "
                                    "model's dtype or FP8 e4m3; use kv_cache_dtype='auto' (the model's dtype), 'fp8' or "
                                    "'fp8_e4m3' (both e4m3)")
-
-
-def test_the_cuda_core_refuses_an_fp8_kv_cache_naming_the_torch_backend(tiny):
-    config = Config(model=tiny, device="cuda", kv_cache_dtype="fp8")
-    with pytest.raises(NotImplementedError, match=r"kv_cache_dtype='fp8' is not available on the CUDA core yet.*"
-                                                  r"device='cpu'.*kv_cache_dtype='auto'"):
-        make_runner(config, ModelConfig.from_pretrained(tiny))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -43,9 +43,9 @@ def test_an_unsupported_quantization_or_kv_cache_dtype_is_one_error_line(capsys,
 
 
 def test_a_setting_the_cuda_core_lacks_is_one_error_line():
-    """The engine process refuses the FP8 KV cache on the CUDA core before it touches a GPU: the server exits with
+    """The engine process refuses tensor parallelism on the CUDA core before it touches a GPU: the server exits with
     that one line, not a traceback."""
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8"])
-    assert str(exit_info.value).startswith("nanograph serve: NotImplementedError: kv_cache_dtype='fp8' is not "
-                                           "available on the CUDA core yet")
+        main(["serve", "--device", "cuda", "--tensor-parallel-size", "2"])
+    assert str(exit_info.value).startswith("nanograph serve: NotImplementedError: tensor_parallel_size=2 is not "
+                                           "implemented on the CUDA core yet")

@@ -22,10 +22,6 @@ def make_runner(config, model_config: ModelConfig):
             raise NotImplementedError(f"tensor_parallel_size={config.tensor_parallel_size} is not implemented on the "
                                       "CUDA core yet: tensor parallelism runs on the torch backend for now; use "
                                       "device='cpu' or device='torch:<torch device>', or tensor_parallel_size=1")
-        if config.kv_cache_dtype != "auto":
-            raise NotImplementedError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not available on the CUDA core "
-                                      "yet: its FP8 KV cache kernels are still to come; use the torch backend "
-                                      "(device='cpu' or device='torch:cuda'), or kv_cache_dtype='auto'")
         from .cuda_backend import CudaRunner
         return CudaRunner(config, model_config)
     torch_device = _torch_device(device)

@@ -1,6 +1,7 @@
 """CudaRunner: the model forward on the C++/CUDA core, with decode steps replayed from CUDA graphs, and its sampling.
 
-The core owns the KV cache, the activations, the step metadata buffers and the graphs; this
+The core owns the KV cache (bf16, or e4m3 with a K and a V scale per layer for kv_cache_dtype "fp8":
+models/kv_cache.py), the activations, the step metadata buffers and the graphs; this
 runner loads the weights into torch tensors (kept alive here), sizes the KV cache from the memory
 left after a warm-up pass, fills the pinned metadata with numpy, and either lets the core take an
 all-greedy step's argmax inside the step (its tokens come back through pinned memory) or hands the
@@ -17,6 +18,7 @@ import torch
 from .._core import require_core
 from ..engine.batch import storeless_batch
 from ..models.fp8 import check_core_shapes
+from ..models.kv_cache import kv_cache_torch_dtype, load_kv_scales
 from ..models.rope import rope_cos_sin
 from ..models.weights import load_weights
 from ..sampling import Sampler, SamplerOutput
@@ -51,7 +53,9 @@ class CudaRunner(Runner):
         self.config = config
         self.model_config = mc = model_config
         self.block_size = config.block_size
-        self.kv_cache_dtype = torch.bfloat16
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, torch.bfloat16)
+        # FP8: each layer's [K scale, V scale] (models/kv_cache.py); None: the cache holds bf16
+        self.kv_scales = None if config.kv_cache_dtype == "auto" else load_kv_scales(mc.path, mc).tolist()
         self.device = torch.device("cuda", torch.cuda.current_device())
         if "fp8" in (config.quantization, mc.quantization):
             check_core_shapes(mc)
@@ -60,7 +64,10 @@ class CudaRunner(Runner):
         core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
                        "num_layers": mc.num_layers, "num_heads": mc.num_heads,
                        "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-                       "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps}
+                       "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
+                       "kv_cache_dtype": "auto" if self.kv_scales is None else "fp8"}
+        if self.kv_scales is not None:
+            core_config["kv_scales"] = self.kv_scales
         limits = {"max_num_tokens": config.max_num_batched_tokens,
                   "max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len,
                   "block_size": config.block_size}
