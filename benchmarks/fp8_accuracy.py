@@ -1,12 +1,13 @@
-"""FP8 weights against the bf16 model they come from: teacher-forced logprobs over 8 sequences of 256 tokens
+"""FP8 weights (or an FP8 KV cache) against the bf16 model they come from: teacher-forced logprobs over 8 sequences of 256 tokens
 (mean and max |dlogprob| of each sequence's own tokens, top-1 agreement of the next-token predictions), and greedy
 generations of 32 prompts under the top-5 rule (equal, or at the first divergence each side's token is among the
 other's top 5).
 
-    python benchmarks/fp8_accuracy.py MODEL [--device cuda] [--fp8-model FOLDER]
+    python benchmarks/fp8_accuracy.py MODEL [--device cuda] [--fp8-model FOLDER] [--fp8 weights|kv-cache]
 
 MODEL: a bf16 model folder (or None for the default model); the FP8 side is MODEL with quantization="fp8", or
---fp8-model (an FP8 checkpoint of the same model). The teacher sequences are the bf16 model's own greedy text after
+--fp8-model (an FP8 checkpoint of the same model); with --fp8 kv-cache, MODEL with kv_cache_dtype="fp8" (bf16
+weights, an e4m3 KV cache). The teacher sequences are the bf16 model's own greedy text after
 short random prompts, so that both models are scored on text one of them finds likely."""
 import argparse
 import gc
@@ -60,7 +61,7 @@ def top5_rule(a, b) -> bool:
     return True
 
 
-def run(model: str | None, fp8_model: str | None, **llm_kwargs) -> dict:
+def run(model: str | None, fp8_model: str | None, fp8: str = "weights", **llm_kwargs) -> dict:
     bf16 = LLM(model, **llm_kwargs)
     sequences = teacher_sequences(bf16)
     ref_scores, ref_greedy = scored(bf16, sequences), greedy(bf16)
@@ -68,8 +69,11 @@ def run(model: str | None, fp8_model: str | None, **llm_kwargs) -> dict:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    fp8 = LLM(fp8_model or model, **({} if fp8_model else {"quantization": "fp8"}), **llm_kwargs)
-    fp8_scores, fp8_greedy = scored(fp8, sequences), greedy(fp8)
+    if fp8 == "kv-cache":
+        fp8_llm = LLM(model, kv_cache_dtype="fp8", **llm_kwargs)
+    else:
+        fp8_llm = LLM(fp8_model or model, **({} if fp8_model else {"quantization": "fp8"}), **llm_kwargs)
+    fp8_scores, fp8_greedy = scored(fp8_llm, sequences), greedy(fp8_llm)
     deltas, agree, total = [], 0, 0
     per_seq_max = []
     for ref, got in zip(ref_scores, fp8_scores):
@@ -83,7 +87,7 @@ def run(model: str | None, fp8_model: str | None, **llm_kwargs) -> dict:
     result = {"mean_abs_dlogprob": statistics.fmean(deltas), "max_abs_dlogprob": max(deltas),
               "top1_agreement": agree / total, "greedy_top5_rule": passed / len(ref_greedy),
               "greedy_equal": equal / len(ref_greedy)}
-    print(f"FP8 vs bf16, teacher-forced {NUM_TEACHER} x {TEACHER_LEN}: mean |dlogprob| "
+    print(f"FP8 {fp8} vs bf16, teacher-forced {NUM_TEACHER} x {TEACHER_LEN}: mean |dlogprob| "
           f"{result['mean_abs_dlogprob']:.4f}, max {result['max_abs_dlogprob']:.3f}, top-1 agreement "
           f"{100 * result['top1_agreement']:.1f}%; greedy {NUM_GREEDY} x {GREEDY_LEN}: top-5 rule "
           f"{passed}/{len(ref_greedy)}, identical {equal}/{len(ref_greedy)}", flush=True)
@@ -96,8 +100,12 @@ def main():
     parser.add_argument("--fp8-model", default=None)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--fp8", choices=["weights", "kv-cache"], default="weights",
+                        help="what is FP8 on the FP8 side: the weights, or the KV cache (bf16 weights)")
     args = parser.parse_args()
-    run(args.model, args.fp8_model, device=args.device, max_model_len=args.max_model_len)
+    if args.fp8 == "kv-cache" and args.fp8_model:
+        parser.error("--fp8-model is an FP8 weights checkpoint; --fp8 kv-cache compares MODEL with an FP8 KV cache")
+    run(args.model, args.fp8_model, args.fp8, device=args.device, max_model_len=args.max_model_len)
 
 
 if __name__ == "__main__":

@@ -22,21 +22,10 @@ NANOGRAPH_BINDINGS(bind_gemv) {
   m.def(
       "gemv_silu_mul",
       [](py::object x, py::object gate_up_weight, py::object out) {
-        Tensor tx = cuda_tensor(x, "x", "bfloat16");
-        Tensor tw = cuda_tensor(gate_up_weight, "gate_up_weight", "bfloat16");
-        Tensor to = cuda_tensor(out, "out", "bfloat16");
-        expect_shape(tx, {-1, -1});
-        expect_shape(tw, {-1, tx.size(1)});
-        if (tw.size(0) % 2 != 0) {
-          throw_invalid_argument("gemv_silu_mul: gate_up_weight must have 2 * inter rows (gate "
-                                 "rows, then up rows), got " + std::to_string(tw.size(0)));
-        }
-        expect_shape(to, {tx.size(0), tw.size(0) / 2});
-        same_device({&tx, &tw, &to});
+        SiluMulArgs a = silu_mul_args(x, gate_up_weight, py::none(), out, "gemv_silu_mul");
         // gemv_silu_mul() rejects unsupported sizes and misaligned pointers with the limit.
-        gemv_silu_mul(tx.data<bf16>(), tw.data<bf16>(), to.data<bf16>(),
-                      checked_int(tx.size(0), "M"), checked_int(to.size(1), "inter"),
-                      checked_int(tx.size(1), "K"), torch_current_stream());
+        gemv_silu_mul(a.x.data<bf16>(), a.weight.data<bf16>(), a.out.data<bf16>(), a.M, a.inter,
+                      a.K, torch_current_stream());
       },
       py::arg("x"), py::arg("gate_up_weight"), py::arg("out"),
       "out[M, inter] = silu(gate) * up with gate, up = x[M, K] @ gate_up_weight[2 * inter, K].T "
@@ -77,22 +66,10 @@ NANOGRAPH_BINDINGS(bind_gemv) {
   m.def(
       "gemv_silu_mul_fp8",
       [](py::object x, py::object gate_up_weight, py::object scale, py::object out) {
-        Tensor tx = cuda_tensor(x, "x", "bfloat16");
-        Tensor tw = cuda_tensor(gate_up_weight, "gate_up_weight", "float8_e4m3fn");
-        Tensor ts = cuda_tensor(scale, "scale", "float32");
-        Tensor to = cuda_tensor(out, "out", "bfloat16");
-        expect_shape(tx, {-1, -1});
-        expect_shape(tw, {-1, tx.size(1)});
-        if (tw.size(0) % 2 != 0) {
-          throw_invalid_argument("gemv_silu_mul_fp8: gate_up_weight must have 2 * inter rows, "
-                                 "got " + std::to_string(tw.size(0)));
-        }
-        expect_shape(ts, {fp8_scale_rows(tw.size(0)), fp8_scale_cols(tx.size(1))});
-        expect_shape(to, {tx.size(0), tw.size(0) / 2});
-        same_device({&tx, &tw, &ts, &to});
-        gemv_silu_mul_fp8(tx.data<bf16>(), tw.ptr, ts.data<float>(), to.data<bf16>(),
-                          checked_int(tx.size(0), "M"), checked_int(to.size(1), "inter"),
-                          checked_int(tx.size(1), "K"), torch_current_stream());
+        if (scale.is_none()) throw_type_error("gemv_silu_mul_fp8: scale must be a torch.Tensor");
+        SiluMulArgs a = silu_mul_args(x, gate_up_weight, scale, out, "gemv_silu_mul_fp8");
+        gemv_silu_mul_fp8(a.x.data<bf16>(), a.weight.ptr, a.scale.data<float>(), a.out.data<bf16>(),
+                          a.M, a.inter, a.K, torch_current_stream());
       },
       py::arg("x"), py::arg("gate_up_weight"), py::arg("scale"), py::arg("out"),
       "gemv_silu_mul with an FP8 gate_up weight and its block scales (as gemv_fp8).");

@@ -57,4 +57,34 @@ inline LinearArgs fp8_linear_args(py::handle x, py::handle weight, py::handle sc
                     checked_int(tx.size(1), std::string(op) + " K")};
 }
 
+// The arguments of the fused gate/up projection + SiLU-and-mul: out[M, inter] from x[M, K] and
+// gate_up_weight [2 * inter, K] (gate rows first), bf16, or float8_e4m3fn with its block scales
+// (scale given: float32 [ceil(2 * inter / 8), ceil(K / 128)]).
+struct SiluMulArgs {
+  Tensor x, weight, scale, out;  // scale.ptr == nullptr for a bf16 weight
+  int M, inter, K;
+};
+
+inline SiluMulArgs silu_mul_args(py::handle x, py::handle gate_up_weight, py::handle scale,
+                                 py::handle out, const char* op) {
+  const bool fp8 = !scale.is_none();
+  SiluMulArgs a{cuda_tensor(x, "x", "bfloat16"),
+                cuda_tensor(gate_up_weight, "gate_up_weight", fp8 ? "float8_e4m3fn" : "bfloat16"),
+                optional_cuda_tensor(scale, "scale", "float32"), cuda_tensor(out, "out", "bfloat16"),
+                0, 0, 0};
+  expect_shape(a.x, {-1, -1});
+  expect_shape(a.weight, {-1, a.x.size(1)});
+  if (a.weight.size(0) % 2 != 0) {
+    throw_invalid_argument(std::string(op) + ": gate_up_weight must have 2 * inter rows (gate "
+                           "rows, then up rows), got " + std::to_string(a.weight.size(0)));
+  }
+  if (fp8) expect_shape(a.scale, {fp8_scale_rows(a.weight.size(0)), fp8_scale_cols(a.x.size(1))});
+  expect_shape(a.out, {a.x.size(0), a.weight.size(0) / 2});
+  same_device({&a.x, &a.weight, &a.scale, &a.out});
+  a.M = checked_int(a.x.size(0), std::string(op) + " M");
+  a.inter = checked_int(a.out.size(1), std::string(op) + " inter");
+  a.K = checked_int(a.x.size(1), std::string(op) + " K");
+  return a;
+}
+
 }  // namespace nanograph::py_ext
