@@ -3,9 +3,9 @@ events around every step's forward and its sampler, summed by step kind and deco
 its roofline (weights once per step plus the K and V of every context token, at the copy bandwidth measured in the
 same run). The wall time left over is the device idle while the host works, plus the events' own cost.
 
-    python benchmarks/throughput_steps.py MODEL [NUM_SEQS]
+    python benchmarks/throughput_steps.py MODEL [NUM_SEQS] [--kv-cache-dtype fp8]
 """
-import sys
+import argparse
 import time
 from collections import defaultdict
 
@@ -50,8 +50,8 @@ class TimedRunner(Runner):
         return pending
 
 
-def main(model: str, num_seqs: int = 256):
-    llm = LLM(model, max_model_len=2048, device="cuda")
+def main(model: str, num_seqs: int = 256, kv_cache_dtype: str = "auto"):
+    llm = LLM(model, max_model_len=2048, device="cuda", kv_cache_dtype=kv_cache_dtype)
     prompts, params = nano_vllm_workload(num_seqs, 1024, 1024, llm.engine.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)
     engine = llm.engine
@@ -89,4 +89,9 @@ def main(model: str, num_seqs: int = 256):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("num_seqs", nargs="?", type=int, default=256)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    args = parser.parse_args()
+    main(args.model, args.num_seqs, args.kv_cache_dtype)
