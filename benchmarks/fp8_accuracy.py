@@ -87,7 +87,7 @@ def run(model: str | None, fp8_model: str | None, fp8: str = "weights", **llm_kw
     result = {"mean_abs_dlogprob": statistics.fmean(deltas), "max_abs_dlogprob": max(deltas),
               "top1_agreement": agree / total, "greedy_top5_rule": passed / len(ref_greedy),
               "greedy_equal": equal / len(ref_greedy)}
-    print(f"FP8 {fp8} vs bf16, teacher-forced {NUM_TEACHER} x {TEACHER_LEN}: mean |dlogprob| "
+    print(f"FP8 {fp8} vs the model without FP8 (dtype auto), teacher-forced {NUM_TEACHER} x {TEACHER_LEN}: mean |dlogprob| "
           f"{result['mean_abs_dlogprob']:.4f}, max {result['max_abs_dlogprob']:.3f}, top-1 agreement "
           f"{100 * result['top1_agreement']:.1f}%; greedy {NUM_GREEDY} x {GREEDY_LEN}: top-5 rule "
           f"{passed}/{len(ref_greedy)}, identical {equal}/{len(ref_greedy)}", flush=True)
