@@ -21,8 +21,9 @@
 // notice. S = Q K^T and O += P V run on mma.sync with fp32 accumulation and an exp2 online
 // softmax; decode is bandwidth-bound, so the tile rows left empty by a group under 16 cost
 // nothing. The 4 warps merge through shared memory. An FP8 cache (KvDtype::kFp8E4m3) is loaded
-// 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q and P then meet it as
-// fp16; k_scale folds into the softmax scale and v_scale into each CTA's normalised rows.
+// 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q (saturating at fp16's
+// +-65504) and P then meet it as fp16; k_scale folds into the softmax scale and v_scale into each
+// CTA's normalised rows.
 // Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
 // head_dim 128), the steps into as many contiguous chunks as its length fills (one per
 // chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
@@ -45,7 +46,9 @@
 // producers before any read. On small grids (where the wait is on the critical path)
 // split_kernel<HD, true, ...> loads each warp's first step of keys and values before the wait, but
 // for the newest key of the sequence (position len - 1), which the step's RoPE/KV-store kernel
-// (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h.
+// (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h. Its L2
+// prefetch of the next step may touch the newest key's line before that write, which is harmless:
+// L2 is where the device's writes meet, and the prefetch brings nothing nearer the SM.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -71,8 +74,8 @@ constexpr int kMaxSplits = 128;
 // waves that end on short work).
 constexpr int kTargetCtasPerSm = 8;
 // Small grids: at most 2 CTAs per SM, all resident at once. The early-KV variant holds the
-// first step's fragments across the wait (208 registers at head_dim 128); larger grids, which
-// need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
+// first step's fragments across the wait (over 168 registers at head_dim 128); larger grids,
+// which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
 constexpr int kEarlyKvCtasPerSm = 2;
 constexpr int kLargeGridCtasPerSm = 3;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
@@ -154,26 +157,6 @@ __device__ __forceinline__ uint4 mma_operands(const uint2& e4m3x8) {
   return e4m3x8_to_f16x8(e4m3x8);
 }
 
-// The m16n8k16 mma and the packing of P for the cache's operand type: bf16, or fp16 for an FP8
-// cache (q and P rounded to fp16, which keeps 3 more mantissa bits than bf16).
-template <bool kFp8>
-__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (kFp8) {
-    mma_f16_16816(c, a, b0, b1);
-  } else {
-    mma_bf16_16816(c, a, b0, b1);
-  }
-}
-
-template <bool kFp8>
-__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
-  if constexpr (kFp8) {
-    return pack_f16x2(lo, hi);
-  } else {
-    return pack_bf16x2(lo, hi);
-  }
-}
 
 __device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {
   reinterpret_cast<float4*>(dst)[0] = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
@@ -315,10 +298,10 @@ template <int HD, bool kEarlyKv, bool kRope, bool kCluster, bool kFp8>
 __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
     split_kernel(DecodeAttentionArgs args, KeyLayout layout) {
   static_assert(!kCluster || kEarlyKv, "clusters are for small grids");
-  constexpr int kChunks = HD / 32;      // 16-byte K loads per key per lane
-  constexpr int kHalves = HD / 64;      // 16-byte V loads per key per lane
+  constexpr int kChunks = HD / 32;      // K fragments (8 values: 16 or 8 bytes) per key per lane
+  constexpr int kHalves = HD / 64;      // V fragments per key per lane
   constexpr int kNTiles = HD / 8;       // n-tiles of O
-  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of K+V per warp in flight
+  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of bf16 K+V per warp
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
 
@@ -331,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   // embedding launch: launch.h) and the keys and
   // values cached by earlier steps. The newest key of a sequence (position len - 1) is the one
   // this step writes (the RoPE/KV-store kernel, or with kRope this CTA after the wait): it is
-  // loaded after the wait.
+  // loaded after the wait. (The L2 prefetch reads nothing into the SM: see the file comment.)
   extern __shared__ __align__(16) float s_inbox[];
   // Phase 0 of the cluster barrier: no rank writes into rank 0's shared memory before rank 0 has
   // started.
@@ -423,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
   // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
   // while this step is computed the warp has twice its fragments' bytes in flight without more
-  // registers. (Large grids keep 12 warps per SM loading, and measured slower with it.)
+  // registers. Large grids, with 12 warps per SM loading, go without it.
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
@@ -856,9 +839,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
               std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
               "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
               ", max_context_len " + std::to_string(args.max_context_len) + ")");
-  require(kv.dtype == KvDtype::kBf16 || (kv.k_scale > 0.f && kv.v_scale > 0.f &&
-                                          std::isfinite(kv.k_scale) && std::isfinite(kv.v_scale)),
-          "decode attention: an FP8 cache's k_scale and v_scale must be positive and finite");
+  require_kv_scales("decode attention", kv.dtype, kv.k_scale, kv.v_scale);
   require(plan.workspace_bytes == 0 || (args.workspace != nullptr && args.arrivals != nullptr),
           "decode attention needs the plan's workspace and zero-filled arrival counters");
   if (args.num_seqs == 0) return;

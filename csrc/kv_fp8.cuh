@@ -56,9 +56,13 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
   return out;
 }
 
-// Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even.
+// Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even; values beyond fp16's
+// range saturate at +-65504 (NaN stays NaN).
 __device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& v) {
-  const Float8 f = bf16x8_to_float8(v);
+  Float8 f = bf16x8_to_float8(v);
+  constexpr float kF16Max = 65504.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f.v[i] = fabsf(f.v[i]) > kF16Max ? copysignf(kF16Max, f.v[i]) : f.v[i];
   uint4 out;
   uint32_t* o = &out.x;
 #pragma unroll

@@ -126,10 +126,10 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   require(limits.max_model_len <= c.max_position,
           "max_model_len " + std::to_string(limits.max_model_len) + " exceeds the RoPE table (" +
               std::to_string(c.max_position) + " positions)");
-  for (const LayerWeights& w : weights_.layers) {
-    require(c.kv_dtype == KvDtype::kBf16 || (w.k_scale > 0.f && w.v_scale > 0.f &&
-                                             std::isfinite(w.k_scale) && std::isfinite(w.v_scale)),
-            "an FP8 KV cache's k_scale and v_scale must be positive finite numbers");
+  for (int l = 0; l < c.num_layers; ++l) {
+    const LayerWeights& w = weights_.layers[l];
+    require_kv_scales("layer " + std::to_string(l) + " (the checkpoint's self_attn.k_scale and v_scale)",
+                      c.kv_dtype, w.k_scale, w.v_scale);
   }
   // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
   block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;

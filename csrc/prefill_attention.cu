@@ -85,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kTileElems = kBlockN * HEAD_DIM;
   static_assert(kBlockM == kBlockN, "Q and K/V tiles share one copy pattern");
   static_assert(kRowStep % 8 == 0, "a thread's rows must share one swizzle phase");
-  // The cache's rows: 16-byte chunks of kKvElemBytes-byte elements, copied by the same rule.
+  // The cache's rows: 16-byte chunks of CacheElem elements, copied by the same rule.
   using CacheElem = std::conditional_t<kFp8, uint8_t, bf16>;
   constexpr int kKvChunks = HEAD_DIM * int(sizeof(CacheElem)) / 16;
   constexpr int kKvRowStep = kThreads / kKvChunks;
@@ -385,9 +385,7 @@ void paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream_t stre
   if (args.num_seqs == 0 || args.total_q == 0 || args.max_q_len == 0) return;
 
   const bool fp8 = kv.dtype == KvDtype::kFp8E4m3;
-  require(!fp8 || (kv.k_scale > 0.f && kv.v_scale > 0.f && std::isfinite(kv.k_scale) &&
-                   std::isfinite(kv.v_scale)),
-          "prefill attention: an FP8 cache's k_scale and v_scale must be positive and finite");
+  require_kv_scales("prefill attention", kv.dtype, kv.k_scale, kv.v_scale);
   DISPATCH_HEAD_DIM(kv.head_dim, HEAD_DIM, [&] {
     const size_t smem_bytes =
         fp8 ? prefill_smem_bytes<HEAD_DIM, true>() : prefill_smem_bytes<HEAD_DIM, false>();

@@ -25,7 +25,6 @@
 #include "rope.h"
 
 #include <climits>
-#include <cmath>
 
 #include "bf16x8.cuh"
 #include "launch.h"
@@ -92,10 +91,7 @@ void qk_norm_rope_kv_store(const RopeKvArgs& args, cudaStream_t stream) {
           "qk_norm_rope_kv_store: num_q_heads and num_kv_heads must be positive, got " +
               std::to_string(args.num_q_heads) + " and " + std::to_string(args.num_kv_heads));
   require(args.num_tokens >= 0, "qk_norm_rope_kv_store: num_tokens must be >= 0");
-  require(args.kv_dtype == KvDtype::kBf16 || (args.k_scale > 0.f && args.v_scale > 0.f &&
-                                              std::isfinite(args.k_scale) &&
-                                              std::isfinite(args.v_scale)),
-          "qk_norm_rope_kv_store: an FP8 cache's k_scale and v_scale must be positive and finite");
+  require_kv_scales("qk_norm_rope_kv_store", args.kv_dtype, args.k_scale, args.v_scale);
   if (args.num_tokens == 0) return;
   const bool qk_norm = args.q_norm_weight != nullptr;
   DISPATCH_HEAD_DIM(args.head_dim, HEAD_DIM, [&] {

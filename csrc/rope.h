@@ -1,15 +1,9 @@
 // Per-head QK-RMSNorm (optional) + rotary embedding + store of K and V into the paged cache.
 #pragma once
 #include "common.h"
+#include "kv_cache.h"
 
 namespace nanograph {
-
-// The KV cache's element type: bf16, or e4m3 with one float32 scale for K and one for V per layer
-// (per tensor): a value x is stored as e4m3(clamp(x / scale, -448, 448)) and read as
-// float(e4m3) * scale (kv_fp8.cuh). Both caches of a layer have the same type.
-enum class KvDtype { kBf16, kFp8E4m3 };
-
-inline size_t kv_dtype_bytes(KvDtype dtype) { return dtype == KvDtype::kBf16 ? 2 : 1; }
 
 struct RopeKvArgs {
   // qkv: [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim], q | k | v packed per token.

@@ -65,12 +65,21 @@ std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,
   }
   c.kv_dtype = kv_cache_dtype == "fp8" ? KvDtype::kFp8E4m3 : KvDtype::kBf16;
   std::vector<std::pair<float, float>> kv_scales(c.num_layers, {1.f, 1.f});
+  if (c.kv_dtype == KvDtype::kBf16 && cfg.contains("kv_scales")) {
+    throw_invalid_argument("config kv_scales apply to kv_cache_dtype 'fp8' only; drop them, or "
+                           "set kv_cache_dtype 'fp8'");
+  }
   if (c.kv_dtype == KvDtype::kFp8E4m3) {
     if (!cfg.contains("kv_scales")) {
       throw_invalid_argument("config kv_cache_dtype 'fp8' needs kv_scales: each layer's "
                              "[k_scale, v_scale]");
     }
-    kv_scales = cfg["kv_scales"].cast<std::vector<std::pair<float, float>>>();
+    try {
+      kv_scales = cfg["kv_scales"].cast<std::vector<std::pair<float, float>>>();
+    } catch (const py::cast_error&) {
+      throw_type_error("config kv_scales must be a list of [k_scale, v_scale] float pairs, one "
+                       "per layer");
+    }
     if (static_cast<int>(kv_scales.size()) != c.num_layers) {
       throw_invalid_argument("config kv_scales has " + std::to_string(kv_scales.size()) +
                              " [k_scale, v_scale] pairs; the model has " +
