@@ -13,7 +13,7 @@ import torch
 
 from nanograph import LLM, SamplingParams
 from nanograph.backends.base import Runner
-from nanograph.bench import copy_bandwidth_gbs, kv_bytes_per_token, nano_vllm_workload, weight_bytes
+from nanograph.bench import copy_bandwidth_gbs, kv_cache_bytes_per_token, nano_vllm_workload, weight_bytes
 
 BANDS = [(1, 16), (17, 64), (65, 128), (129, 192), (193, 256), (257, 1 << 30)]
 
@@ -55,7 +55,7 @@ def main(model: str, num_seqs: int = 256, kv_cache_dtype: str = "auto"):
     prompts, params = nano_vllm_workload(num_seqs, 1024, 1024, llm.engine.vocab_size)
     llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)
     engine = llm.engine
-    weights, kv_per_token = weight_bytes(llm), kv_bytes_per_token(llm)
+    weights, kv_per_token = weight_bytes(llm), kv_cache_bytes_per_token(llm)
     runner = engine.runner = TimedRunner(engine.runner)
     torch.cuda.synchronize()
     start = time.perf_counter()
