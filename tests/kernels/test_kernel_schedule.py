@@ -141,3 +141,18 @@ def test_norms_before_a_gemv_allow_dependents_before_their_wait(sm90_functions):
     for name, ins in found.items():
         triggers = [i for i, x in enumerate(ins) if x.split()[0] == "PREEXIT" or " PREEXIT" in x]
         assert triggers and triggers[0] < _waits(ins)[0], f"{name}: PREEXIT should come before the wait"
+
+
+def test_small_grid_decode_attention_loads_its_first_keys_before_the_pdl_wait(sm90_functions):
+    """Decode attention on small grids (split_kernel<HD, kEarlyKv = true, ...>, bf16 and FP8 caches) has each lane's
+    first step of K and V fragments in flight before the wait that precedes its keys: 16 streaming loads
+    (ld.global.cs: LDG.E.EF) at head_dim 64 and 128. (A CTA without keys waits on an earlier branch.)"""
+    found = {name: ins for name, ins in sm90_functions.items()
+             if re.search(r"split_kernelILi\d+ELb1E", name)}
+    assert len(found) >= 16, f"expected the early-KV variants of decode attention, found {len(found)}"
+    for name, ins in found.items():
+        kv_loads = [i for i, x in enumerate(ins) if re.search(r"\bLDG\S*\.EF\.(64|128)", x)]
+        waits = _waits(ins)
+        assert waits, f"{name}: no griddepcontrol.wait (ACQBULK)"
+        early = max(sum(1 for i in kv_loads if i < w) for w in waits)
+        assert early >= 16, f"{name}: {early} K/V loads before its PDL wait, expected a step's 16"
