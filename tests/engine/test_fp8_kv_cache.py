@@ -182,6 +182,23 @@ def test_a_checkpoints_kv_scales_set_what_the_cache_stores(tmp_path):
         assert (logprobs[name] - logprobs["auto"]).abs().mean() < 0.2, name
 
 
+def test_missing_scales_are_one_with_a_warning_that_counts_them(tmp_path, caplog):
+    plain = tmp_path / "plain"
+    make_tiny_model(plain, "qwen3-tied")
+    partial = with_tensors(plain, tmp_path / "partial", {"model.layers.0.self_attn.k_scale": torch.tensor(0.5)})
+    mc = ModelConfig.from_pretrained(partial)
+    with caplog.at_level(logging.WARNING, logger="nanograph"):
+        assert load_kv_scales(partial, mc).tolist() == [[0.5, 1.0], [1.0, 1.0]]
+    assert any("gives no k_scale / v_scale for 3 of its 4 layers' K and V; those scales are 1.0" in message
+               for message in caplog.messages), caplog.messages
+    full = with_tensors(plain, tmp_path / "full", {f"model.layers.{layer}.self_attn.{kind}_scale": torch.tensor(2.0)
+                                                   for layer in range(2) for kind in "kv"})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanograph"):
+        assert load_kv_scales(full, mc).tolist() == [[2.0, 2.0], [2.0, 2.0]]
+    assert not caplog.messages
+
+
 @pytest.mark.parametrize("tensor, message", [
     (torch.ones(2), r"model.layers.1.self_attn.v_scale in '.*' has 2 values \(shape \[2\]\); nanograph's FP8 KV cache "
                     r"takes one scale per layer for K and one for V \(per-tensor\), not per-head scales"),

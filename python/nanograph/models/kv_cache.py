@@ -8,6 +8,7 @@ saturates beyond. The scales come from a checkpoint calibrated for an FP8 KV cac
 them a scale is 1.0, as in vLLM, which covers keys and values up to 448 in magnitude."""
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import ExitStack
 from pathlib import Path
@@ -18,6 +19,8 @@ from safetensors import safe_open
 from ..model_config import ModelConfig
 from .fp8 import FP8_DTYPE, FP8_MAX
 from .weights import weight_files
+
+logger = logging.getLogger("nanograph")
 
 # A layer's K and V scale as checkpoints name them under model.layers.{i}.self_attn.: llm-compressor's (vLLM's own
 # name), ModelOpt's, and Quark's and compressed-tensors' older output scales of k_proj / v_proj.
@@ -37,8 +40,9 @@ def kv_bytes_per_token(model_config: ModelConfig, num_kv_heads: int, dtype: torc
 
 def load_kv_scales(path: str | Path, model_config: ModelConfig) -> torch.Tensor:
     """float32 [num_layers, 2]: each layer's K scale and V scale from the checkpoint (SCALE_NAMES), 1.0 where it
-    gives none. A scale must be one positive, finite number."""
+    gives none (with a warning, as vLLM gives). A scale must be one positive, finite number."""
     scales = torch.ones(model_config.num_layers, 2)
+    missing = 0
     with ExitStack() as stack:
         files = [stack.enter_context(safe_open(f, framework="pt")) for f in weight_files(Path(path))]
         file_of = {name: f for f in files for name in f.keys()}
@@ -48,6 +52,13 @@ def load_kv_scales(path: str | Path, model_config: ModelConfig) -> torch.Tensor:
                 found = [name for name in names if name in file_of]
                 if found:
                     scales[layer, column] = _scale_value(found[0], file_of[found[0]].get_tensor(found[0]), path)
+                else:
+                    missing += 1
+    if missing:
+        logger.warning("FP8 KV cache: %s gives no k_scale / v_scale for %d of its %d layers' K and V; those scales "
+                       "are 1.0, which keeps e4m3's precision for keys and values up to 448 in magnitude and "
+                       "saturates larger ones. A checkpoint calibrated for an FP8 KV cache carries its own scales.",
+                       str(path), missing, 2 * model_config.num_layers)
     return scales
 
 
