@@ -57,7 +57,7 @@
 
 #include "attention.h"
 #include "bf16x8.cuh"
-#include "kv_fp8.cuh"
+#include "e4m3.cuh"
 #include "launch.h"
 #include "mma.cuh"
 #include "rope.cuh"

@@ -49,6 +49,7 @@
 #include <cuda_fp8.h>
 
 #include "argmax_order.cuh"
+#include "e4m3.cuh"
 #include "fp8.h"
 #include "launch.h"
 #include "silu_mul.cuh"
@@ -108,22 +109,13 @@ __device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
 
 #undef GEMV_LOAD_16B
 
-// Two e4m3 values (the low byte first) as a bf16x2 (the first in the low half): exact, since
-// every e4m3 value is a bf16 value; through f16, which the hardware converts to directly.
-__device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
-  const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(__half2(h)));
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
 // 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
 __device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    out[2 * i] = fp8x2_to_bf16x2(words[i]);
-    out[2 * i + 1] = fp8x2_to_bf16x2(words[i] >> 16);
+    out[2 * i] = e4m3x2_to_bf16x2(words[i]);
+    out[2 * i + 1] = e4m3x2_to_bf16x2(words[i] >> 16);
   }
 }
 

@@ -1,6 +1,6 @@
 // The KV cache's element type: bf16, or e4m3 with one float32 scale for K and one for V per layer
 // (per tensor): a value x is stored as e4m3(clamp(x / scale, -448, 448)) and read as
-// float(e4m3) * scale (kv_fp8.cuh). Both caches of a layer have the same type.
+// float(e4m3) * scale (e4m3.cuh). Both caches of a layer have the same type.
 #pragma once
 #include <cmath>
 #include <cstddef>

@@ -31,7 +31,7 @@
 
 #include "attention.h"
 #include "cp_async.cuh"
-#include "kv_fp8.cuh"
+#include "e4m3.cuh"
 #include "mma.cuh"
 
 namespace nanograph {

@@ -12,7 +12,7 @@
 // Layouts: qkv [num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim] bf16, q | k | v per token;
 //          cos_sin [max_position, head_dim] fp32 (cos | sin); positions, slot_mapping [num_tokens];
 //          k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] bf16 or e4m3
-//          (KvDtype: an FP8 cache stores bf16(k) / k_scale and v / v_scale, kv_fp8.cuh), so
+//          (KvDtype: an FP8 cache stores bf16(k) / k_scale and v / v_scale, e4m3.cuh), so
 //          element (slot, h, d) sits at (slot * num_kv_heads + h) * head_dim + d.
 //
 // Launch: a group of head_dim / 8 lanes per (token, head item); each lane owns 8 consecutive

@@ -3,7 +3,7 @@
 // step's own token (decode_attention.cu), so that both give the same bits.
 #pragma once
 #include "bf16x8.cuh"
-#include "kv_fp8.cuh"
+#include "e4m3.cuh"
 #include "rope.h"
 
 namespace nanograph {
@@ -82,7 +82,7 @@ __device__ __forceinline__ void norm_rope(Float8& x, const bf16* norm_weight,
 
 // Stores one lane's 8-element slice of a token's key (k, as rotated, not yet rounded) and value (v,
 // the raw bf16 slice) into the caches at element `offset`: bf16(k) and v, or for an FP8 cache
-// each divided by its scale and rounded to e4m3 (kv_fp8.cuh).
+// each divided by its scale and rounded to e4m3 (e4m3.cuh).
 __device__ __forceinline__ void store_kv_slice(const RopeKvArgs& args, int64_t offset, Float8 k,
                                                const uint4& v) {
   if (args.kv_dtype == KvDtype::kBf16) {

@@ -1,6 +1,7 @@
-// The FP8 KV cache's conversions on the device (KvDtype::kFp8E4m3, rope.h): a value x is stored
-// as e4m3(clamp(x / scale, -448, 448)), the division in fp32 and rounded once to nearest even,
-// and read back as float(e4m3) * scale. Every e4m3 value is exact in fp16 and in bf16.
+// e4m3 conversions on the device, for FP8 weights (gemv.cu) and the FP8 KV cache
+// (KvDtype::kFp8E4m3, kv_cache.h): a cached value x is stored as e4m3(clamp(x / scale, -448, 448)),
+// the division in fp32 and rounded once to nearest even, and read back as float(e4m3) * scale.
+// Every e4m3 value is exact in fp16 and in bf16; the hardware widens e4m3 to fp16 directly.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -41,19 +42,22 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16x8(const uint2& v) {
                     e4m3x2_to_f16x2(v.y >> 16));
 }
 
+// An fp16x2 word of e4m3 values as a bf16x2, exactly (every e4m3 value is a bf16 value).
+__device__ __forceinline__ uint32_t e4m3_f16x2_to_bf16x2(uint32_t h) {
+  const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(*reinterpret_cast<const __half2*>(&h)));
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// Two e4m3 values (the low byte of `bytes` first) as a bf16x2, exactly, low value in the low half.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t bytes) {
+  return e4m3_f16x2_to_bf16x2(e4m3x2_to_f16x2(bytes));
+}
+
 // Eight e4m3 values as eight bf16, exactly, in order.
 __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
   const uint4 h = e4m3x8_to_f16x8(v);
-  uint4 out;
-  const uint32_t* in = &h.x;
-  uint32_t* o = &out.x;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&in[i]));
-    const __nv_bfloat162 b = __float22bfloat162_rn(f);
-    o[i] = *reinterpret_cast<const uint32_t*>(&b);
-  }
-  return out;
+  return make_uint4(e4m3_f16x2_to_bf16x2(h.x), e4m3_f16x2_to_bf16x2(h.y), e4m3_f16x2_to_bf16x2(h.z),
+                    e4m3_f16x2_to_bf16x2(h.w));
 }
 
 // Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even; values beyond fp16's
