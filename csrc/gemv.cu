@@ -5,9 +5,7 @@
 // gemv_silu_mul, the gated MLP's gate_up projection with its activation in the epilogue:
 // out[M, inter] = silu(gate) * up over weight [2 * inter, K] (gate rows, then up rows), gate and
 // up each rounded to bf16 first; see gemv_kernel's kSiluMul for how rows map to lanes.
-// gemv_fp8 and gemv_silu_mul_fp8: the weight is e4m3 with a float32 scale per 8 rows x 128
-// columns (fp8.h), x and out bf16 as above; see gemv_kernel's kFp8. dequantize_fp8 writes such a
-// weight as bf16, for cuBLASLt above 16 rows.
+// The FP8-weight GEMVs are in gemv_fp8.cu; gemv_common.cuh holds what both files share.
 //
 // Why: at decode the whole weight (4-300 MB) is read once per step and nothing is reused, so the
 // kernel is bound by how many bytes are in flight across all SMs, not by arithmetic. Every weight
@@ -23,21 +21,14 @@
 // (fragment k = 2c, 2c+1, 2c+8, 2c+9 <-> k0 + 8c + 0..3, resp. + 4..7, in both operands).
 // The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1].
 //
-// Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges; a CTA
-// of kWarps warps holds kWarps / splits row groups with all of their splits, and sums the splits
-// in shared memory in a fixed order (deterministic; no atomics and no workspace but
-// gemv_argmax's keys, below). The host doubles
-// splits (up to kMaxSplits) while the launch stays within kTargetWarps warps (one wave) and
-// every split keeps more than one load batch, so that small-N matrices (o_proj, down: 128 row
-// groups) still spread over the SMs with a whole matrix in flight. CTAs have 8 warps (2 per SM),
-// or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down (K = 3,072) in
-// 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the resident warp
-// slots. Larger matrices, with more than two load batches per warp of a full wave (Qwen3-8B's
-// projections, any lm_head), stream through several waves instead: there splits double (up to 8,
-// in 8-warp CTAs, each split keeping at least 16 steps) until the grid has 8 waves of CTAs, so
-// that the last, partial wave is short (8B gate_up: 8 splits in 3,072 CTAs, where one 1.45-wave
-// launch without splits leaves the GPU part-idle at its end). Grid and splits depend only on
-// (M, N, K), so a captured graph is valid for any data.
+// Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges
+// (choose_splits in gemv_common.cuh says how many); a CTA of kWarps warps holds kWarps / splits
+// row groups with all of their splits, and sums the splits in shared memory in a fixed order
+// (deterministic; no atomics and no workspace but gemv_argmax's keys, below). CTAs have 8 warps
+// (2 per SM), or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down
+// (K = 3,072) in 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the
+// resident warp slots. Grid and splits depend only on (M, N, K), so a captured graph is valid
+// for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction
@@ -45,88 +36,22 @@
 // The separate argmax kernel would re-read the 300 KB of logits after the GEMV has completed.
 #include "gemv.h"
 
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
 #include "argmax_order.cuh"
-#include "e4m3.cuh"
-#include "fp8.h"
+#include "gemv_common.cuh"
 #include "launch.h"
 #include "silu_mul.cuh"
 
-#include <algorithm>
 #include <string>
 
 namespace nanograph {
 
 namespace {
 
-constexpr int kRowsPerGroup = 8;   // the n of one mma.m16n8k16
-constexpr int kStepK = 32;         // K per warp step: 4 lanes x 8 elements
-constexpr int kStepKFp8 = 64;      // the same 16 bytes per lane of an FP8 weight: 16 elements
-constexpr int kUnroll = 8;         // warp steps whose weight loads are in flight together
-constexpr int kWarpsPerCta = 8;    // the usual CTA; 16 when a row group takes 16 splits
-constexpr int kMaxSplits = 16;
-// Resident warps per SM the launch bounds allow: 2 CTAs of 8 or 1 of 16. This caps registers at
-// 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
-// them for occupancy and issues each load just before its MMA.
-constexpr int kWarpsPerSm = 16;
-constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
-constexpr int kAlignmentBytes = 16;
-// Matrices of more than two load batches per warp of a full wave stream through several waves.
-constexpr int kStreamSteps = 16;  // the least warp steps per split there: two load batches
-constexpr int kStreamWaves = 8;   // waves of CTAs at which splitting stops there
+using namespace gemv_detail;
 
-// 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
-// branch), so a batch of these is one basic block that the compiler issues back to back.
-#define GEMV_LOAD_16B(QUALIFIERS)                                           \
-  "{\n"                                                                    \
-  "  .reg .pred p;\n"                                                      \
-  "  setp.ne.b32 p, %5, 0;\n"                                              \
-  "  mov.b32 %0, 0;\n"                                                     \
-  "  mov.b32 %1, 0;\n"                                                     \
-  "  mov.b32 %2, 0;\n"                                                     \
-  "  mov.b32 %3, 0;\n"                                                     \
-  "  @p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n"      \
-  "}\n"
-
-// The weight is streamed once: kept out of L1 so that x, which every warp reads, stays there.
-__device__ __forceinline__ uint4 load_weight(const void* ptr, bool pred) {
-  uint4 v;
-  asm volatile(GEMV_LOAD_16B(".L1::no_allocate")
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr), "r"(static_cast<int>(pred)));
-  return v;
-}
-
-__device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
-  uint4 v;
-  asm volatile(GEMV_LOAD_16B("")
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr), "r"(static_cast<int>(pred)));
-  return v;
-}
-
-#undef GEMV_LOAD_16B
-
-// 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
-__device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
-  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = e4m3x2_to_bf16x2(words[i]);
-    out[2 * i + 1] = e4m3x2_to_bf16x2(words[i] >> 16);
-  }
-}
-
-// d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                            uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+constexpr int kRowsPerGroup = 8;  // the n of one mma.m16n8k16
+constexpr int kStepK = 32;        // K per warp step: 4 lanes x 8 elements
+constexpr int kUnroll = 8;        // warp steps whose weight loads are in flight together
 
 // gemv_kernel's store for gemv_argmax: the warp's sums (nullptr for a warp whose split was
 // summed by another) are stored like gemv's, and each row's best key goes to the CTA's keys, then
@@ -182,22 +107,14 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
 // kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
-// kFp8: the weight is e4m3 with block scales (fp8.h). A warp step then covers kStepKFp8 = 64
-// columns, 16 per lane (the same 16-byte load), converted exactly to bf16 for four MMAs into a
-// fresh step sum, which is multiplied by the scale of its rows' block and added to the
-// accumulator: a step never crosses a 128-column scale block. The scale of accumulator column
-// 2c + j is that of its weight row's 8-row group, the same for the whole row group except in the
-// SiLU layout, where even columns are gate rows and odd ones up rows (N a multiple of 8 there).
-template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax, bool kFp8>
+template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
-    gemv_kernel(const bf16* __restrict__ x, const void* __restrict__ weight,
-                const float* __restrict__ scale, const bf16* __restrict__ bias,
-                bf16* __restrict__ out, int M, int N, int K, int splits, int steps_per_split,
-                unsigned long long* __restrict__ keys) {
+    gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
+                const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
+                int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
-  static_assert(!(kFp8 && kArgmax), "lm_head stays bf16");
-  constexpr int kElems = kFp8 ? 16 : 8;  // weight elements per lane per step
-  constexpr int kStep = 4 * kElems;
+  constexpr int kElems = 8;  // weight elements per lane per step
+  constexpr int kStep = kStepK;
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
   if constexpr (kArgmax) {
     if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
@@ -216,17 +133,10 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   } else {
     row = min(n0 + g, N - 1);
   }
-  const char* w_row = static_cast<const char*>(weight) +
-                     (static_cast<int64_t>(row) * K + kElems * c) * (kFp8 ? 1 : sizeof(bf16));
+  const bf16* w_row = weight + static_cast<int64_t>(row) * K + kElems * c;
   const int steps = (K + kStep - 1) / kStep;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
-  // FP8: the scale rows of accumulator columns 2c (lo) and 2c + 1 (hi), read as each step is
-  // summed (L1 hits: a 128-column block spans two steps).
-  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
-  const float* scale_lo = scale + static_cast<int64_t>(n0 / kFp8ScaleRows) * scale_cols;
-  const float* scale_hi =
-      kSiluMul ? scale + static_cast<int64_t>((N + n0) / kFp8ScaleRows) * scale_cols : scale_lo;
   uint4 w[kUnroll];
   // Steps step0 + u for u in [first, last) into w[u].
   auto load_weights = [&](int step0, int first = 0, int last = kUnroll) {
@@ -234,8 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     for (int u = 0; u < kUnroll; ++u) {
       if (u < first || u >= last) continue;
       const int k = (step0 + u) * kStep;
-      const int64_t offset = static_cast<int64_t>(k) * (kFp8 ? 1 : sizeof(bf16));
-      w[u] = load_weight(w_row + offset, step0 + u < end && k + kElems * c < K);
+      w[u] = load_weight(w_row + k, step0 + u < end && k + kElems * c < K);
     }
   };
   // The weight does not come from the previous kernel: its first batch is in flight before the
@@ -251,43 +160,15 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
-      // FP8 steps take several times the instructions of bf16 ones (the conversions): each half of
-      // the next batch is loaded as soon as its registers are free, so that half a batch is in
-      // flight while the other is converted, rather than none.
-      if (!kFp8 && step0 != begin) load_weights(step0);
+      if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStep;
         const bool in_range = step0 + u < end && k + kElems * c < K;
         const uint4 lo = load_x(x_lo + k, in_range && has_lo);
         const uint4 hi = load_x(x_hi + k, in_range && has_hi);
-        if constexpr (kFp8) {
-          // Elements 0-7 of the lane's 16 pair with lo/hi, 8-15 with lo2/hi2, in the same order.
-          const uint4 lo2 = load_x(x_lo + k + 8, in_range && has_lo);
-          const uint4 hi2 = load_x(x_hi + k + 8, in_range && has_hi);
-          // The MMA sums the step over all four lanes of a row: every lane scales it, including one
-          // whose own columns lie past K.
-          const bool step_in_range = step0 + u < end;
-          const float s_lo = step_in_range ? __ldg(scale_lo + k / kFp8ScaleCols) : 0.0f;
-          const float s_hi = kSiluMul && step_in_range ? __ldg(scale_hi + k / kFp8ScaleCols) : s_lo;
-          uint32_t b[8];
-          fp8x16_to_bf16(w[u], b);
-          float part[4] = {};
-          mma_16x8x16(part, lo.x, hi.x, lo.y, hi.y, b[0], b[1]);
-          mma_16x8x16(part, lo.z, hi.z, lo.w, hi.w, b[2], b[3]);
-          mma_16x8x16(part, lo2.x, hi2.x, lo2.y, hi2.y, b[4], b[5]);
-          mma_16x8x16(part, lo2.z, hi2.z, lo2.w, hi2.w, b[6], b[7]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc[i % 2][i] += (i & 1 ? s_hi : s_lo) * part[i];
-          }
-          constexpr int kHalf = kUnroll / 2;
-          if (u == kHalf - 1) load_weights(step0 + kUnroll, 0, kHalf);
-          if (u == kUnroll - 1) load_weights(step0 + kUnroll, kHalf, kUnroll);
-        } else {
-          mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
-          mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
-        }
+        mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
+        mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
       }
     }
   }
@@ -339,164 +220,60 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   }
 }
 
-std::string shape_str(int M, int N, int K) {
-  return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
-}
-
-void require_aligned(const void* ptr, const char* name) {
-  require(reinterpret_cast<uintptr_t>(ptr) % kAlignmentBytes == 0,
-          std::string("gemv: ") + name + " must be " + std::to_string(kAlignmentBytes) +
-              "-byte aligned; pass a contiguous copy instead of an offset view");
-}
-
-// K splits per row group; see "Launch" above.
-int choose_splits(int row_groups, int steps) {
-  int splits = 1;
-  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * kUnroll * kTargetWarps;
-  if (!streaming) {
-    // Doubled only while the whole launch still fits one wave, so no matrix ends in a partial
-    // second wave (gate_up at N = 6,144 would take 1.5 waves with 4 splits), and while a split
-    // holds more than one load batch: below that, more splits add warps but no bytes in flight
-    // (o_proj, 64 steps: 8 splits in 8-warp CTAs took 3.3 us, 16 in 16-warp CTAs 3.6 us).
-    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps &&
-           ceil_div(steps, splits) > kUnroll) {
-      splits *= 2;
-    }
-    return splits;
-  }
-  // Doubled, in 8-warp CTAs, while the launch has fewer than kStreamWaves waves of CTAs and
-  // every split keeps kStreamSteps steps.
-  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
-  while (2 * splits <= kWarpsPerCta && 2 * splits * kStreamSteps <= steps &&
-         ctas(splits) * kWarpsPerCta < kStreamWaves * kTargetWarps) {
-    splits *= 2;
-  }
-  return splits;
-}
-
 }  // namespace
 
 bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
-bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
-
 namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
-// kArgmax: gemv_argmax's epilogue into argmax_keys. kFp8: an e4m3 weight with block scales.
-template <bool kSiluMul, bool kArgmax = false, bool kFp8 = false>
-void launch_gemv(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                 bf16* out, int M, int N, int K, cudaStream_t stream, const char* op,
+// kArgmax: gemv_argmax's epilogue into argmax_keys.
+template <bool kSiluMul, bool kArgmax = false>
+void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
+                 int K, cudaStream_t stream, const char* op,
                  unsigned long long* argmax_keys = nullptr) {
-  const bool supported = kFp8 ? gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K)
-                              : gemv_supported(M, kSiluMul ? 2 * N : N, K);
-  require(supported, std::string(op) + ": unsupported " + shape_str(M, N, K) +
-                         "; it takes 1 <= M <= " + std::to_string(kGemvMaxM) + ", N >= 1 and K a " +
-                         "positive multiple of " + (kFp8 ? "16" : "8") +
-                         " (use Gemm::linear for other shapes)");
+  require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
+          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
+              std::to_string(kGemvMaxM) +
+              ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
   require_aligned(x, "x");
   require_aligned(weight, "weight");
-  if constexpr (kFp8) {
-    require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
-    require(!kSiluMul || N % kFp8ScaleRows == 0,
-            std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
-                " (the up rows' scales start a block), got " + std::to_string(N));
-  }
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
-  const int steps = ceil_div(K, kFp8 ? kStepKFp8 : kStepK);
-  const int splits = choose_splits(row_groups, steps);
+  const int steps = ceil_div(K, kStepK);
+  const int splits = choose_splits(row_groups, steps, kUnroll);
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
   auto kernel = warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax, kFp8>
-                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax, kFp8>)
-                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax, kFp8>
-                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax, kFp8>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, scale, bias, out, M, N,
-             K, splits, steps_per_split, argmax_keys);
+                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
+                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K, splits,
+             steps_per_split, argmax_keys);
 }
 
 }  // namespace
 
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
           cudaStream_t stream) {
-  launch_gemv<false>(x, weight, nullptr, bias, out, M, N, K, stream, "gemv");
+  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv");
 }
 
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
                    cudaStream_t stream) {
-  launch_gemv<true>(x, gate_up_weight, nullptr, nullptr, out, M, inter, K, stream,
-                    "gemv_silu_mul");
+  launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul");
 }
 
 void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
                  int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream) {
   require(keys != nullptr && out != nullptr, "gemv_argmax: keys and out are required");
   auto* key_words = reinterpret_cast<unsigned long long*>(keys);
-  launch_gemv<false, true>(x, weight, nullptr, bias, logits, M, N, K, stream, "gemv_argmax",
-                           key_words);
+  launch_gemv<false, true>(x, weight, bias, logits, M, N, K, stream, "gemv_argmax", key_words);
   launch_pdl(argmax_keys_kernel, dim3(1), dim3(32), 0, stream, key_words, M, out, host_out);
-}
-
-void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
-              int M, int N, int K, cudaStream_t stream) {
-  launch_gemv<false, false, true>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
-}
-
-void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
-                       int M, int inter, int K, cudaStream_t stream) {
-  launch_gemv<true, false, true>(x, gate_up_weight, scale, nullptr, out, M, inter, K, stream,
-                                 "gemv_silu_mul_fp8");
-}
-
-namespace {
-
-// 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
-__global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
-                                      const float* __restrict__ scale, uint4* __restrict__ out,
-                                      int N, int K) {
-  const int chunks_per_row = K / 16;
-  const int64_t chunks = static_cast<int64_t>(N) * chunks_per_row;
-  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int n = static_cast<int>(i / chunks_per_row);
-    const int k = static_cast<int>(i % chunks_per_row) * 16;
-    const float s = scale[static_cast<int64_t>(n / kFp8ScaleRows) * scale_cols + k / kFp8ScaleCols];
-    uint32_t pairs[8];
-    fp8x16_to_bf16(weight[i], pairs);
-    uint32_t scaled[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]));
-      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
-      scaled[j] = *reinterpret_cast<const uint32_t*>(&b);
-    }
-    out[2 * i] = make_uint4(scaled[0], scaled[1], scaled[2], scaled[3]);
-    out[2 * i + 1] = make_uint4(scaled[4], scaled[5], scaled[6], scaled[7]);
-  }
-}
-
-}  // namespace
-
-void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,
-                    cudaStream_t stream) {
-  require(N >= 1 && K >= 16 && K % 16 == 0,
-          "dequantize_fp8: needs N >= 1 and K a positive multiple of 16, got N=" +
-              std::to_string(N) + " K=" + std::to_string(K));
-  require(scale != nullptr, "dequantize_fp8: scale is required");
-  require_aligned(weight, "weight");
-  require_aligned(out, "out");
-  const int64_t chunks = static_cast<int64_t>(N) * (K / 16);
-  const int threads = 256;
-  const int grid = static_cast<int>(std::min<int64_t>((chunks + threads - 1) / threads, 4096));
-  dequantize_fp8_kernel<<<grid, threads, 0, stream>>>(static_cast<const uint4*>(weight), scale,
-                                                     reinterpret_cast<uint4*>(out), N, K);
-  CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace nanograph

@@ -1,0 +1,109 @@
+// What the bf16 GEMV (gemv.cu) and the FP8 GEMV (gemv_fp8.cu) share: the launch constants, the
+// 16-byte streaming loads, the bf16 MMA, and how a matrix's K range is split over warps. See
+// gemv.cu's header for why the kernels are built this way.
+#pragma once
+#include "common.h"
+
+#include <string>
+
+namespace nanograph::gemv_detail {
+
+constexpr int kWarpsPerCta = 8;  // the usual CTA; 16 when a row group takes 16 splits
+constexpr int kMaxSplits = 16;
+// Resident warps per SM the launch bounds allow: 2 CTAs of 8 or 1 of 16. This caps registers at
+// 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
+// them for occupancy and issues each load just before its MMA.
+constexpr int kWarpsPerSm = 16;
+constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
+constexpr int kAlignmentBytes = 16;
+constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for streamed matrices
+
+// 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
+// branch), so a batch of these is one basic block that the compiler issues back to back.
+#define GEMV_LOAD_16B(QUALIFIERS)                                           \
+  "{\n"                                                                    \
+  "  .reg .pred p;\n"                                                      \
+  "  setp.ne.b32 p, %5, 0;\n"                                              \
+  "  mov.b32 %0, 0;\n"                                                     \
+  "  mov.b32 %1, 0;\n"                                                     \
+  "  mov.b32 %2, 0;\n"                                                     \
+  "  mov.b32 %3, 0;\n"                                                     \
+  "  @p ld.global.nc" QUALIFIERS ".v4.u32 {%0, %1, %2, %3}, [%4];\n"      \
+  "}\n"
+
+// The weight is streamed once: kept out of L1 so that x, which every warp reads, stays there.
+__device__ __forceinline__ uint4 load_weight(const void* ptr, bool pred) {
+  uint4 v;
+  asm volatile(GEMV_LOAD_16B(".L1::no_allocate")
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_x(const bf16* ptr, bool pred) {
+  uint4 v;
+  asm volatile(GEMV_LOAD_16B("")
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+#undef GEMV_LOAD_16B
+
+// 16 bytes of x from an address known to be valid.
+__device__ __forceinline__ uint4 load_x(const bf16* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+// d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+inline std::string shape_str(int M, int N, int K) {
+  return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
+}
+
+inline void require_aligned(const void* ptr, const char* name) {
+  require(reinterpret_cast<uintptr_t>(ptr) % kAlignmentBytes == 0,
+          std::string("gemv: ") + name + " must be " + std::to_string(kAlignmentBytes) +
+              "-byte aligned; pass a contiguous copy instead of an offset view");
+}
+
+// K splits per row group, for a kernel whose warps keep `unroll` steps of loads in flight: a
+// warp owns one row group and one of `splits` contiguous ranges of its `steps` warp steps.
+// Matrices of at most two load batches per warp of a full wave fit one wave: splits double while
+// the launch stays within it (gate_up at N = 6,144 would take 1.5 waves with 4 splits) and while
+// a split holds more than one load batch (below that, more splits add warps but no bytes in
+// flight: o_proj, 64 steps: 8 splits in 8-warp CTAs took 3.3 us, 16 in 16-warp CTAs 3.6 us).
+// Larger ones (Qwen3-8B's projections, any lm_head) stream through several waves of 8-warp CTAs:
+// splits double (up to 8, each split keeping two load batches) until the grid has kStreamWaves
+// waves, so that the last, partial wave is short (8B gate_up: 8 splits in 3,072 CTAs, where one
+// 1.45-wave launch without splits leaves the GPU part-idle at its end).
+inline int choose_splits(int row_groups, int steps, int unroll) {
+  int splits = 1;
+  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * unroll * kTargetWarps;
+  if (!streaming) {
+    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps &&
+           ceil_div(steps, splits) > unroll) {
+      splits *= 2;
+    }
+    return splits;
+  }
+  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
+  while (2 * splits <= kWarpsPerCta && 2 * splits * 2 * unroll <= steps &&
+         ctas(splits) * kWarpsPerCta < kStreamWaves * kTargetWarps) {
+    splits *= 2;
+  }
+  return splits;
+}
+
+}  // namespace nanograph::gemv_detail

@@ -1,0 +1,297 @@
+// Small-M GEMV over FP8 weights: out[M, N] = x[M, K] . dequant(weight)[N, K]^T (+ bias[N]),
+// 1 <= M <= 16, x and out bf16, the weight e4m3 with a float32 scale per 8 rows x 128 columns
+// (fp8.h); fp32 accumulation, (sum + bias) rounded once to bf16. gemv_silu_mul_fp8 is
+// gemv_silu_mul (gemv.cu) over such a weight. dequantize_fp8 writes the weight as bf16, for
+// cuBLASLt above 16 rows.
+//
+// Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
+//
+// Why its own kernel: an e4m3 weight is half the bytes of bf16, but each value must be widened
+// before the bf16 MMA (four instructions per pair), so the kernel runs out of issue slots before
+// it runs out of bandwidth unless every other instruction per weight byte goes. Here the weight is
+// the MMA's A operand (16 rows), and x its B operand (8 columns = the M rows): one MMA covers twice
+// the weight of gemv.cu's layout, and x's fragment serves two weight rows per lane.
+//
+// Math: a warp step at k0 covers 16 weight rows x 64 columns. Lane (g = lane / 4, c = lane % 4)
+// loads 16 e4m3 (16 bytes) of weight rows g and g + 8 of its row group at k0 + 16c .. k0 + 16c + 15,
+// and 16 bf16 of x row g at the same columns; lane element 4j + {0, 1, 2, 3} feeds MMA j as
+// fragment k = 2c, 2c + 1, 2c + 8, 2c + 9 in both operands (a sum over K may visit K in any order
+// as long as x and weight use the same one). The four MMAs sum the step into a fresh fp32 partial;
+// a step never crosses a 128-column scale block, so the partial of row r is multiplied by its
+// row's block scale and added to the accumulator. Lane (g, c) ends with
+// out[m = 2c, 2c + 1][n = row g and row g + 8 of the group]; for M > 8 a second set of MMAs takes
+// x rows 8 + g (m + 8). x rows past M read row M - 1 (their sums are not stored); columns past K
+// load a zero weight against x clamped into the row, so no x load needs a predicate.
+// SiLU layout: a row group covers 8 output columns n0 .. n0 + 7, rows g the gate rows and rows
+// g + 8 the up rows of column n0 + g, so one lane holds both halves of the gated product.
+//
+// Launch: as gemv.cu (one row group and one K split per warp, splits summed in shared memory in
+// a fixed order; choose_splits), with kUnroll steps of two 16-byte weight loads per lane in
+// flight, the next batch's halves issued as soon as their registers are free.
+#include "gemv.h"
+
+#include <cuda_fp8.h>
+
+#include "e4m3.cuh"
+#include "fp8.h"
+#include "gemv_common.cuh"
+#include "launch.h"
+#include "silu_mul.cuh"
+
+#include <algorithm>
+#include <string>
+
+namespace nanograph {
+
+namespace {
+
+using namespace gemv_detail;
+
+constexpr int kRows = 16;  // weight rows per group: the m of one mma.m16n8k16
+constexpr int kStep = 64;  // K per warp step: 4 lanes x 16 e4m3
+constexpr int kUnroll = 4;  // warp steps whose weight loads are in flight together
+constexpr int kHalf = kUnroll / 2;
+
+// 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = e4m3x2_to_bf16x2(words[i]);
+    out[2 * i + 1] = e4m3x2_to_bf16x2(words[i] >> 16);
+  }
+}
+
+// One step's partial sums of weight rows g (d[0], d[1]) and g + 8 (d[2], d[3]) against the x
+// row whose 16 values are xa (elements 0-7) and xb (8-15).
+__device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
+                                         const uint32_t (&hi)[8], const uint4& xa, const uint4& xb) {
+  mma_16x8x16(d, lo[0], hi[0], lo[1], hi[1], xa.x, xa.y);
+  mma_16x8x16(d, lo[2], hi[2], lo[3], hi[3], xa.z, xa.w);
+  mma_16x8x16(d, lo[4], hi[4], lo[5], hi[5], xb.x, xb.y);
+  mma_16x8x16(d, lo[6], hi[6], lo[7], hi[7], xb.z, xb.w);
+}
+
+// kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
+// gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
+template <bool kWideM, int kWarps, bool kSiluMul>
+__global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
+    gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
+                    const float* __restrict__ scale, const bf16* __restrict__ bias,
+                    bf16* __restrict__ out, int M, int N, int K, int splits,
+                    int steps_per_split) {
+  constexpr int kTiles = kWideM ? 2 : 1;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, c = lane % 4;
+  const int split = warp % splits;
+  const int group = blockIdx.x * (kWarps / splits) + warp / splits;
+  // The lane's two weight rows; rows past N read row N - 1 and are not stored.
+  int n0, row_lo, row_hi;
+  if constexpr (kSiluMul) {
+    n0 = group * (kRows / 2);
+    const int column = min(n0 + g, N - 1);
+    row_lo = column;
+    row_hi = N + column;
+  } else {
+    n0 = group * kRows;
+    row_lo = min(n0 + g, N - 1);
+    row_hi = min(n0 + 8 + g, N - 1);
+  }
+  const uint8_t* w_lo = weight + static_cast<int64_t>(row_lo) * K + 16 * c;
+  const uint8_t* w_hi = weight + static_cast<int64_t>(row_hi) * K + 16 * c;
+  const int steps = (K + kStep - 1) / kStep;
+  const int begin = split * steps_per_split;
+  const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
+  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
+  const float* scale_lo = scale + static_cast<int64_t>(row_lo / kFp8ScaleRows) * scale_cols;
+  const float* scale_hi = scale + static_cast<int64_t>(row_hi / kFp8ScaleRows) * scale_cols;
+
+  uint4 w[kUnroll][2];
+  // Steps step0 + u for u in [first, last) into w[u].
+  auto load_weights = [&](int step0, int first, int last) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (u < first || u >= last) continue;
+      const int k = (step0 + u) * kStep;
+      const bool pred = step0 + u < end && k + 16 * c < K;
+      w[u][0] = load_weight(w_lo + k, pred);
+      w[u][1] = load_weight(w_hi + k, pred);
+    }
+  };
+  // The weight does not come from the previous kernel: its first batch is in flight before the
+  // wait for x (PDL, launch.h).
+  load_weights(begin, 0, kUnroll);
+  wait_for_producers_after_loads();
+  allow_dependents();
+
+  float acc[kTiles][4] = {};
+  if (n0 < N) {
+    const bf16* x_rows[kTiles];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;
+    for (int step0 = begin; step0 < end; step0 += kUnroll) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (step0 + u < end) {
+          const int k = (step0 + u) * kStep;
+          const int kx = min(k + 16 * c, K - 16);
+          const float s_lo = __ldg(scale_lo + k / kFp8ScaleCols);
+          const float s_hi = __ldg(scale_hi + k / kFp8ScaleCols);
+          uint32_t lo[8], hi[8];
+          fp8x16_to_bf16(w[u][0], lo);
+          fp8x16_to_bf16(w[u][1], hi);
+#pragma unroll
+          for (int t = 0; t < kTiles; ++t) {
+            const uint4 xa = load_x(x_rows[t] + kx);
+            const uint4 xb = load_x(x_rows[t] + kx + 8);
+            float part[4] = {};
+            step_mma(part, lo, hi, xa, xb);
+            acc[t][0] += s_lo * part[0];
+            acc[t][1] += s_lo * part[1];
+            acc[t][2] += s_hi * part[2];
+            acc[t][3] += s_hi * part[3];
+          }
+        }
+        if (u == kHalf - 1) load_weights(step0 + kUnroll, 0, kHalf);
+        if (u == kUnroll - 1) load_weights(step0 + kUnroll, kHalf, kUnroll);
+      }
+    }
+  }
+
+  if (splits > 1) {
+    __shared__ float partial[kWarps][kTiles * 4][32];
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][4 * t + i][lane] = acc[t][i];
+    }
+    __syncthreads();
+    if (split != 0) return;
+    // The group's splits are warps warp .. warp + splits - 1; summed in that order.
+    for (int s = 1; s < splits; ++s) {
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][i] += partial[warp + s][4 * t + i][lane];
+      }
+    }
+  }
+
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int m = 8 * t + 2 * c + j;
+      if (m >= M) continue;
+      bf16* out_row = out + static_cast<int64_t>(m) * N;
+      if constexpr (kSiluMul) {
+        // Gate and up rounded to bf16, as the unfused gemv_fp8 stores them, then silu_mul's formula.
+        const int n = n0 + g;
+        if (n < N) {
+          const float gate = __bfloat162float(__float2bfloat16_rn(acc[t][j]));
+          const float up = __bfloat162float(__float2bfloat16_rn(acc[t][2 + j]));
+          out_row[n] = __float2bfloat16_rn(silu_mul_value(gate, up));
+        }
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = n0 + 8 * h + g;
+          if (n < N) {
+            const float sum = acc[t][2 * h + j];
+            out_row[n] = __float2bfloat16_rn(bias ? sum + __bfloat162float(bias[n]) : sum);
+          }
+        }
+      }
+    }
+  }
+}
+
+// N: out's width (gemv_fp8's N, or gemv_silu_mul_fp8's inter).
+template <bool kSiluMul>
+void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
+                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
+  require(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K),
+          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
+              std::to_string(kGemvMaxM) +
+              ", N >= 1 and K a positive multiple of 16 (use Gemm::linear for other shapes)");
+  require_aligned(x, "x");
+  require_aligned(weight, "weight");
+  require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
+  require(!kSiluMul || N % kFp8ScaleRows == 0,
+          std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
+              " (the up rows' scales start a block), got " + std::to_string(N));
+
+  const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
+  const int steps = ceil_div(K, kStep);
+  const int splits = choose_splits(row_groups, steps, kUnroll);
+  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
+  const int grid = ceil_div(row_groups, warps / splits);
+  const int steps_per_split = ceil_div(steps, splits);
+  auto kernel = warps == kWarpsPerCta
+                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul>
+                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul>)
+                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul>
+                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x,
+             static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, splits,
+             steps_per_split);
+}
+
+// 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
+__global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
+                                      const float* __restrict__ scale, uint4* __restrict__ out,
+                                      int N, int K) {
+  const int chunks_per_row = K / 16;
+  const int64_t chunks = static_cast<int64_t>(N) * chunks_per_row;
+  const int scale_cols = static_cast<int>(fp8_scale_cols(K));
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int n = static_cast<int>(i / chunks_per_row);
+    const int k = static_cast<int>(i % chunks_per_row) * 16;
+    const float s = scale[static_cast<int64_t>(n / kFp8ScaleRows) * scale_cols + k / kFp8ScaleCols];
+    uint32_t pairs[8];
+    fp8x16_to_bf16(weight[i], pairs);
+    uint32_t scaled[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[j]));
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f.x * s, f.y * s);
+      scaled[j] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    out[2 * i] = make_uint4(scaled[0], scaled[1], scaled[2], scaled[3]);
+    out[2 * i + 1] = make_uint4(scaled[4], scaled[5], scaled[6], scaled[7]);
+  }
+}
+
+}  // namespace
+
+bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
+
+void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
+              int M, int N, int K, cudaStream_t stream) {
+  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
+}
+
+void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
+                       int M, int inter, int K, cudaStream_t stream) {
+  launch_gemv_fp8<true>(x, gate_up_weight, scale, nullptr, out, M, inter, K, stream,
+                        "gemv_silu_mul_fp8");
+}
+
+void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,
+                    cudaStream_t stream) {
+  require(N >= 1 && K >= 16 && K % 16 == 0,
+          "dequantize_fp8: needs N >= 1 and K a positive multiple of 16, got N=" +
+              std::to_string(N) + " K=" + std::to_string(K));
+  require(scale != nullptr, "dequantize_fp8: scale is required");
+  require_aligned(weight, "weight");
+  require_aligned(out, "out");
+  const int64_t chunks = static_cast<int64_t>(N) * (K / 16);
+  const int threads = 256;
+  const int grid = static_cast<int>(std::min<int64_t>((chunks + threads - 1) / threads, 4096));
+  dequantize_fp8_kernel<<<grid, threads, 0, stream>>>(static_cast<const uint4*>(weight), scale,
+                                                     reinterpret_cast<uint4*>(out), N, K);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nanograph
