@@ -1,4 +1,4 @@
-// e4m3 conversions on the device, for FP8 weights (gemv.cu) and the FP8 KV cache
+// e4m3 conversions on the device, for FP8 weights (gemv_fp8.cu) and the FP8 KV cache
 // (KvDtype::kFp8E4m3, kv_cache.h): a cached value x is stored as e4m3(clamp(x / scale, -448, 448)),
 // the division in fp32 and rounded once to nearest even, and read back as float(e4m3) * scale.
 // Every e4m3 value is exact in fp16 and in bf16; the hardware widens e4m3 to fp16 directly.

@@ -50,6 +50,7 @@ namespace {
 using namespace gemv_detail;
 
 constexpr int kRowsPerGroup = 8;  // the n of one mma.m16n8k16
+constexpr int kElems = 8;         // weight elements per lane per step (one 16-byte load)
 constexpr int kStepK = 32;        // K per warp step: 4 lanes x 8 elements
 constexpr int kUnroll = 8;        // warp steps whose weight loads are in flight together
 
@@ -113,8 +114,6 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
                 int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
-  constexpr int kElems = 8;  // weight elements per lane per step
-  constexpr int kStep = kStepK;
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
   if constexpr (kArgmax) {
     if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
@@ -134,16 +133,15 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     row = min(n0 + g, N - 1);
   }
   const bf16* w_row = weight + static_cast<int64_t>(row) * K + kElems * c;
-  const int steps = (K + kStep - 1) / kStep;
+  const int steps = (K + kStepK - 1) / kStepK;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
   uint4 w[kUnroll];
-  // Steps step0 + u for u in [first, last) into w[u].
-  auto load_weights = [&](int step0, int first = 0, int last = kUnroll) {
+  // Steps step0 .. step0 + kUnroll - 1 into w.
+  auto load_weights = [&](int step0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (u < first || u >= last) continue;
-      const int k = (step0 + u) * kStep;
+      const int k = (step0 + u) * kStepK;
       w[u] = load_weight(w_row + k, step0 + u < end && k + kElems * c < K);
     }
   };
@@ -163,7 +161,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
       if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int k = (step0 + u) * kStep;
+        const int k = (step0 + u) * kStepK;
         const bool in_range = step0 + u < end && k + kElems * c < K;
         const uint4 lo = load_x(x_lo + k, in_range && has_lo);
         const uint4 hi = load_x(x_hi + k, in_range && has_hi);

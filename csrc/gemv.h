@@ -37,8 +37,8 @@ void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logi
                  int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream);
 
 // FP8 weights (fp8.h: e4m3 with block scales), in gemv_fp8.cu: each e4m3 value widened exactly to
-// bf16, each 64-column step's sum scaled by its rows' block scale in fp32; same launch and limits
-// as gemv. True when gemv_fp8 takes the shape: gemv_supported and K a multiple of 16.
+// bf16, each 64-column step's sum scaled by its rows' block scale in fp32; the same PDL launch as
+// gemv. True when gemv_fp8 takes the shape: gemv_supported and K a multiple of 16.
 bool gemv_fp8_supported(int M, int N, int K);
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,

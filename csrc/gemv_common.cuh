@@ -1,5 +1,5 @@
-// What the bf16 GEMV (gemv.cu) and the FP8 GEMV (gemv_fp8.cu) share: the launch constants, the
-// 16-byte streaming loads, the bf16 MMA, and how a matrix's K range is split over warps. See
+// Building blocks of the bf16 GEMV (gemv.cu) and the FP8 GEMV (gemv_fp8.cu): the launch constants,
+// the 16-byte streaming loads, the bf16 MMA, and how a matrix's K range is split over warps. See
 // gemv.cu's header for why the kernels are built this way.
 #pragma once
 #include "common.h"
@@ -81,13 +81,11 @@ inline void require_aligned(const void* ptr, const char* name) {
 // K splits per row group, for a kernel whose warps keep `unroll` steps of loads in flight: a
 // warp owns one row group and one of `splits` contiguous ranges of its `steps` warp steps.
 // Matrices of at most two load batches per warp of a full wave fit one wave: splits double while
-// the launch stays within it (gate_up at N = 6,144 would take 1.5 waves with 4 splits) and while
-// a split holds more than one load batch (below that, more splits add warps but no bytes in
-// flight: o_proj, 64 steps: 8 splits in 8-warp CTAs took 3.3 us, 16 in 16-warp CTAs 3.6 us).
+// the launch stays within it (so that no matrix ends in a partial second wave) and while a split
+// holds more than one load batch (below that, more splits add warps but no bytes in flight).
 // Larger ones (Qwen3-8B's projections, any lm_head) stream through several waves of 8-warp CTAs:
 // splits double (up to 8, each split keeping two load batches) until the grid has kStreamWaves
-// waves, so that the last, partial wave is short (8B gate_up: 8 splits in 3,072 CTAs, where one
-// 1.45-wave launch without splits leaves the GPU part-idle at its end).
+// waves, so that the last, partial wave is short against the whole launch.
 inline int choose_splits(int row_groups, int steps, int unroll) {
   int splits = 1;
   const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * unroll * kTargetWarps;

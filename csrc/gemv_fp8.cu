@@ -21,7 +21,8 @@
 // row's block scale and added to the accumulator. Lane (g, c) ends with
 // out[m = 2c, 2c + 1][n = row g and row g + 8 of the group]; for M > 8 a second set of MMAs takes
 // x rows 8 + g (m + 8). x rows past M read row M - 1 (their sums are not stored); columns past K
-// load a zero weight against x clamped into the row, so no x load needs a predicate.
+// load a zero weight against x clamped into the row, so no x load needs a predicate (a non-finite
+// x in the row's last 16 columns then also reaches the lanes past K: NaN where the sum is +-Inf).
 // SiLU layout: a row group covers 8 output columns n0 .. n0 + 7, rows g the gate rows and rows
 // g + 8 the up rows of column n0 + g, so one lane holds both halves of the gated product.
 //
@@ -29,8 +30,6 @@
 // a fixed order; choose_splits), with kUnroll steps of two 16-byte weight loads per lane in
 // flight, the next batch's halves issued as soon as their registers are free.
 #include "gemv.h"
-
-#include <cuda_fp8.h>
 
 #include "e4m3.cuh"
 #include "fp8.h"
@@ -219,7 +218,7 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
   require(!kSiluMul || N % kFp8ScaleRows == 0,
           std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
-              " (the up rows' scales start a block), got " + std::to_string(N));
+              ", got " + std::to_string(N));
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.gpu
 REL_NORM = 5e-3
 
 # (N, K): Qwen3-8B qkv, o, gate_up, down; Qwen3-0.6B qkv, o, gate_up, down; SmolLM2-135M qkv
-# (576 = 4.5 blocks of K), down; tails: N not a multiple of 8, K a multiple of 16 but not of 64 or
-# 128, the smallest K, and a long K split over several waves.
+# (576 = 4.5 blocks of K), down; tails: N not a multiple of 8 or 16, K a multiple of 16 but not of
+# 64 or 128 (the last 64-column step holding 1, 2 or 3 lanes' columns), the smallest K, and a long
+# K split over several waves.
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024), (1024, 2048),
           (6144, 1024), (1024, 3072), (960, 576), (576, 1536), (1001, 208), (3, 16), (20, 4112),
-          (9001, 2064)]
-MS = [1, 2, 7, 8, 9, 16]
+          (9001, 2064), (40, 96), (1000, 176), (24, 1120)]
+MS = list(range(1, 17))  # lane (g, c) holds rows m = 2c, 2c + 1 (and + 8): every M ends the rows differently
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,8 +53,9 @@ def silu_reference(x, w):
     return torch.nn.functional.silu(gate) * up
 
 
-@pytest.mark.parametrize("inter,K", [(3072, 1024), (12288, 4096), (1536, 576), (8, 16), (1000, 208)])
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("inter,K", [(3072, 1024), (12288, 4096), (1536, 576), (8, 16), (1000, 208),
+                                     (64, 4096), (24, 96)])
+@pytest.mark.parametrize("M", [1, 5, 9, 12, 16])
 def test_gemv_silu_mul_fp8_matches_the_reference(inter, K, M):
     """Gate and up rows sit in different scale blocks: each column's pair takes its own two."""
     q, scale, w = fp8_weight(2 * inter, K)
