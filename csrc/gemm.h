@@ -8,6 +8,7 @@
 #pragma once
 #include "common.h"
 #include "fp8.h"
+#include "gemv.h"
 
 #include <map>
 #include <memory>
@@ -23,9 +24,13 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
-  // bias: [N] or nullptr.
+  // bias: [N] or nullptr. `norm` fuses the input's add-RMSNorm into the GEMV (GemvInputNorm,
+  // gemv.h); only for shapes the GEMV takes, and where gemv_input_norm_supported(M, K).
   void linear(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out, int M, int N,
-              int K, cudaStream_t stream);
+              int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);
+
+  // Whether linear() runs this shape on the GEMV.
+  static bool takes_gemv(const LinearWeight& weight, int M, int N, int K);
 
   // Room for the largest FP8 weight (elements) that linear() dequantises; allocate it before any
   // capture. Grows only.

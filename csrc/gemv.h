@@ -12,13 +12,32 @@ constexpr int kGemvMaxM = 16;
 // True when gemv() takes this shape: 1 <= M <= kGemvMaxM, N >= 1, K a positive multiple of 8.
 bool gemv_supported(int M, int N, int K);
 
+// A GEMV's input with the decoder's add-RMSNorm fused into it: the kernel reads x (the last
+// projection's output) and residual, and multiplies rmsnorm(bf16(x + residual)) * weight, bit-equal
+// to what add_rmsnorm (norm.h) leaves in x, without the norm's kernel. Its CTA 0 stores
+// bf16(x + residual) into residual_out, which must be another buffer than x and residual (every
+// CTA reads those). x, residual, residual_out [M, K]; weight [K]; all bf16, 16-byte aligned.
+// Each CTA normalises the rows itself into shared memory, so it pays for small M only:
+// gemv_input_norm_supported says which shapes take it.
+struct GemvInputNorm {
+  const bf16* residual = nullptr;
+  bf16* residual_out = nullptr;
+  const bf16* weight = nullptr;
+  float eps = 0.f;
+};
+
+// True when the GEMVs take a GemvInputNorm for M rows of K: the rows fill at most two rounds of
+// one 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4 rows of 1,024, 2 of 4,096).
+bool gemv_input_norm_supported(int M, int K);
+
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;
 // out: [M, N]. All bf16; fp32 accumulation, fp32 bias add, one rounding to bf16.
 // x and weight must be 16-byte aligned. Deterministic; no allocation (graph-capturable).
 // Launched with PDL (launch.h): the weight is read before the previous kernel on the stream has
-// finished, so that kernel must not be the one writing the weight.
+// finished, so that kernel must not be the one writing the weight. With `norm`, x is normalised
+// first (GemvInputNorm).
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream);
+          cudaStream_t stream, const GemvInputNorm* norm = nullptr);
 
 // The gated MLP's first half in one kernel: out[M, inter] = silu(gate) * up, where gate and up
 // are x . W^T over gate_up_weight [2 * inter, K] (gate rows first, as silu_mul expects its input),
@@ -26,7 +45,7 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
 // Bit-equal to gemv into [M, 2 * inter] followed by silu_mul, without the intermediate tensor or
 // the second kernel. Same limits and launch as gemv (gemv_supported(M, 2 * inter, K)).
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
-                   cudaStream_t stream);
+                   cudaStream_t stream, const GemvInputNorm* norm = nullptr);
 
 // lm_head at a greedy step: gemv into logits [M, N], and out[m] = argmax of logits row m as
 // stored (bf16), in torch.argmax's order (NaN first, then larger values, ties to the lower
@@ -42,10 +61,11 @@ void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logi
 bool gemv_fp8_supported(int M, int N, int K);
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
-              int M, int N, int K, cudaStream_t stream);
+              int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);
 
 // gemv_silu_mul over an FP8 gate_up weight; inter must be a multiple of 8 (kFp8ScaleRows).
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
-                       int M, int inter, int K, cudaStream_t stream);
+                       int M, int inter, int K, cudaStream_t stream,
+                       const GemvInputNorm* norm = nullptr);
 
 }  // namespace nanograph

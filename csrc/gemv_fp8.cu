@@ -73,12 +73,14 @@ __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
 
 // kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
 // gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
-template <bool kWideM, int kWarps, bool kSiluMul>
+// kNorm: x is normalised first (GemvInputNorm), into dynamic shared memory, and read from there.
+template <bool kWideM, int kWarps, bool kSiluMul, bool kNorm>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
                     const float* __restrict__ scale, const bf16* __restrict__ bias,
                     bf16* __restrict__ out, int M, int N, int K, int splits,
-                    int steps_per_split) {
+                    int steps_per_split, GemvInputNorm norm) {
+  static_assert(!(kNorm && kWideM), "a fused input norm takes a few rows");
   constexpr int kTiles = kWideM ? 2 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
@@ -122,12 +124,20 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   load_weights(begin, 0, kUnroll);
   wait_for_producers_after_loads();
   allow_dependents();
+  const bf16* x_base = x;
+  int64_t x_stride = K;
+  if constexpr (kNorm) {
+    extern __shared__ __align__(16) bf16 s_norm_rows[];
+    stage_input_norm<kWarps * 32>(x, norm, M, K, s_norm_rows);
+    x_base = s_norm_rows;
+    x_stride = norm_row_stride(K);
+  }
 
   float acc[kTiles][4] = {};
   if (n0 < N) {
     const bf16* x_rows[kTiles];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;
+    for (int t = 0; t < kTiles; ++t) x_rows[t] = x_base + min(8 * t + g, M - 1) * x_stride;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -141,8 +151,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           fp8x16_to_bf16(w[u][1], hi);
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) {
-            const uint4 xa = load_x(x_rows[t] + kx);
-            const uint4 xb = load_x(x_rows[t] + kx + 8);
+            const uint4 xa = load_x_row<kNorm>(x_rows[t] + kx);
+            const uint4 xb = load_x_row<kNorm>(x_rows[t] + kx + 8);
             float part[4] = {};
             step_mma(part, lo, hi, xa, xb);
             acc[t][0] += s_lo * part[0];
@@ -208,7 +218,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
 // N: out's width (gemv_fp8's N, or gemv_silu_mul_fp8's inter).
 template <bool kSiluMul>
 void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
+                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op,
+                     const GemvInputNorm* norm) {
   require(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K),
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
@@ -226,14 +237,22 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
+  const uint8_t* w = static_cast<const uint8_t*>(weight);
+  if (norm != nullptr) {
+    require_input_norm(*norm, x, M, K, op);
+    auto kernel = warps == kWarpsPerCta ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, true>
+                                        : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, true>;
+    launch_pdl(kernel, dim3(grid), dim3(warps * 32), input_norm_smem_bytes(M, K), stream, x, w,
+               scale, bias, out, M, N, K, splits, steps_per_split, *norm);
+    return;
+  }
   auto kernel = warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul>
-                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul>)
-                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul>
-                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x,
-             static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, splits,
-             steps_per_split);
+                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, false>
+                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, false>)
+                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul, false>
+                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, false>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, w, scale, bias, out, M, N, K,
+             splits, steps_per_split, GemvInputNorm{});
 }
 
 // 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
@@ -267,14 +286,14 @@ __global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
 bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
-              int M, int N, int K, cudaStream_t stream) {
-  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
+              int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm) {
+  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8", norm);
 }
 
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
-                       int M, int inter, int K, cudaStream_t stream) {
+                       int M, int inter, int K, cudaStream_t stream, const GemvInputNorm* norm) {
   launch_gemv_fp8<true>(x, gate_up_weight, scale, nullptr, out, M, inter, K, stream,
-                        "gemv_silu_mul_fp8");
+                        "gemv_silu_mul_fp8", norm);
 }
 
 void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,
