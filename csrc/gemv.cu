@@ -236,7 +236,7 @@ bool gemv_supported(int M, int N, int K) {
 }
 
 bool gemv_input_norm_supported(int M, int K) {
-  return M >= 1 && K >= 8 && K % 8 == 0 && K <= kRmsNormMaxDim &&
+  return M >= 1 && M <= 8 && K >= 8 && K % 8 == 0 && K <= kRmsNormMaxDim &&
          M <= 2 * norm_rows_per_round(kWarpsPerCta * 32, K);
 }
 

@@ -26,8 +26,9 @@ struct GemvInputNorm {
   float eps = 0.f;
 };
 
-// True when the GEMVs take a GemvInputNorm for M rows of K: the rows fill at most two rounds of
-// one 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4 rows of 1,024, 2 of 4,096).
+// True when the GEMVs take a GemvInputNorm for M rows of K: at most 8 rows (one MMA's x rows),
+// filling at most two rounds of one 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4
+// rows of 1,024, 2 of 4,096).
 bool gemv_input_norm_supported(int M, int K);
 
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;

@@ -20,13 +20,20 @@ KS = [256, 512, 576, 1024, 2048, 3072, 4096, 8192]
 NS = [24, 256, 1000, 6144]
 
 
-def max_rows(K):
-    return max(m for m in range(1, 17) if ops.gemv_input_norm_supported(m, K))
+def norm_threads(K):
+    """rmsnorm_cut's threads per row (csrc/norm.h): one warp up to 64 vectors, else at most 256 threads."""
+    vecs = K // 8
+    if vecs <= 64:
+        return 32
+    per_thread = -(-vecs // 256)
+    return -(-(-(-vecs // per_thread)) // 32) * 32
 
 
 def cases():
+    """M = 1, 2 and the most rows the fusion takes at K: 8 rows, or two rounds of 256 threads (checked against the
+    core below)."""
     for K in KS:
-        for M in sorted({1, 2, max_rows(K)}):
+        for M in sorted({1, 2, min(8, 2 * (256 // norm_threads(K)))}):
             yield M, K
 
 
@@ -116,12 +123,16 @@ def test_fused_input_norm_matches_a_float32_reference(M, K):
         assert torch.equal(residual_out.float(), h)
 
 
-def test_supported_rows_follow_the_norms_cut():
+@pytest.mark.parametrize("K", KS)
+def test_supported_rows_follow_the_norms_cut(K):
     """Two rounds of an 8-warp CTA cut into rmsnorm's thread groups: 128 threads per 1,024-wide row, 256 per
     4,096-wide row."""
+    most = min(8, 2 * (256 // norm_threads(K)))
+    assert ops.gemv_input_norm_supported(most, K)
+    assert not ops.gemv_input_norm_supported(most + 1, K)
     assert ops.gemv_input_norm_supported(4, 1024) and not ops.gemv_input_norm_supported(5, 1024)
     assert ops.gemv_input_norm_supported(2, 4096) and not ops.gemv_input_norm_supported(3, 4096)
-    assert ops.gemv_input_norm_supported(16, 256) and not ops.gemv_input_norm_supported(1, 8200)
+    assert ops.gemv_input_norm_supported(8, 256) and not ops.gemv_input_norm_supported(1, 8200)
 
 
 def test_fused_input_norm_refuses_what_it_cannot_do():
