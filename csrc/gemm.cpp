@@ -182,7 +182,7 @@ void Gemm::reserve_dequantized(size_t elements) {
 
 namespace {
 
-// Scales linear_fp8 needs for M rows of K columns: M rounded down to 4 rows, then 4 more rows.
+// Scales linear_fp8_dynamic needs for M rows of K columns: M rounded down to 4 rows, then 4 more.
 size_t fp8_activation_scale_count(size_t rows, size_t K) {
   return (rows / 4 * 4 + 4) * static_cast<size_t>(fp8_scale_cols(static_cast<int64_t>(K)));
 }
@@ -254,8 +254,8 @@ void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const voi
 // is computed from quantized activations. The rows both cover are quantized identically (the
 // quantization is per row) and written twice, the second time last; the two quantizations and
 // GEMMs run in order on the stream.
-void Gemm::linear_fp8(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out, int M,
-                      int N, int K, cudaStream_t stream) {
+void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out,
+                              int M, int N, int K, cudaStream_t stream) {
   require(static_cast<size_t>(M) * K <= fp8_activation_bytes_ &&
               fp8_activation_scale_count(M, K) <= fp8_activation_scale_count_,
           "gemm: an FP8 weight with block scales at " + shape_str(M, N, K) +
@@ -289,7 +289,7 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
   require(M >= 0 && N > 0 && K > 0, "gemm: need M >= 0 and N, K > 0, got " + shape_str(M, N, K));
   if (M == 0) return;
   if (w.fp8() && w.block_scale && fp8_gemm_supported(M, N, K, bias != nullptr)) {
-    linear_fp8(x, w, bias, out, M, N, K, stream);
+    linear_fp8_dynamic(x, w, bias, out, M, N, K, stream);
     return;
   }
   const bf16* weight = w.bf16_data();

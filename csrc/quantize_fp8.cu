@@ -61,7 +61,8 @@ void quantize_fp8_activations(const bf16* x, void* q, float* scale, int M, int K
   require(M >= 0 && K >= 16 && K % 16 == 0,
           "quantize_fp8_activations: needs M >= 0 and K a positive multiple of 16, got M=" +
               std::to_string(M) + " K=" + std::to_string(K));
-  for (auto [ptr, name] : {std::pair<const void*, const char*>{x, "x"}, {q, "q"}, {scale, "scale"}}) {
+  using Named = std::pair<const void*, const char*>;
+  for (auto [ptr, name] : {Named{x, "x"}, Named{q, "q"}, Named{scale, "scale"}}) {
     require(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
             std::string("quantize_fp8_activations: ") + name + " must be 16-byte aligned");
   }

@@ -1,7 +1,6 @@
 // Bindings for Gemm (a cuBLASLt linear layer object that caches one plan per shape) and for the
 // activation quantization of its block-scaled FP8 GEMM.
 #include "../csrc/gemm.h"
-#include "../csrc/gemv.h"
 #include "linear_args.h"
 
 namespace nanograph::py_ext {
@@ -44,7 +43,7 @@ NANOGRAPH_BINDINGS(bind_gemm) {
             same_device({&a.x, &tb});
             if (tb.ptr && self.fp8_gemm_supported(a.M, a.N, a.K, a.bias.ptr != nullptr)) {
               self.reserve_fp8_activations(a.M, a.K);
-            } else if (a.M > kGemvMaxM) {
+            } else {
               self.reserve_dequantized(static_cast<size_t>(a.N) * a.K);
             }
             self.linear(a.x.data<bf16>(),
