@@ -41,4 +41,3 @@ def cases():
                    lambda: gemm.linear_fp8(x, q, packed, None, out, block_scale=blocks), 0, flops)
         yield (f"gemm_fp8 dequant {name} {shape}", lambda: gemm.linear_fp8(x, q, packed, None, out), 0, flops)
         yield f"gemm bf16 {name} {shape}", lambda: gemm.linear(x, bf16, None, out), 0, flops
-        del q, packed, blocks, bf16, x, x_q, x_scale, out

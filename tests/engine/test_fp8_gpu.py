@@ -124,7 +124,6 @@ def test_fp8_runs_as_the_torch_backend_and_transformers(folders, source, monkeyp
         bf16_error = (bf16[i] - reference[i]).abs()
         quantized_error = (quantized[i] - reference[i]).abs()
         assert torch.isfinite(ours[i]).all()
-        assert quantized_error.mean() > bf16_error.mean()  # the prefill's activations were quantized
         yardstick = bf16_error + quantized_error
         assert error.mean() < 1.5 * yardstick.mean() + 1e-3 and error.max() < max(0.25, 2 * yardstick.max()), (
             f"seq {i}: |dlogprob| against the float32 FP8 reference: mean {error.mean():.4f}, max {error.max():.3f}; "

@@ -116,29 +116,33 @@ def test_scales_that_are_not_whole_blocks_take_the_dequantising_path():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="cuBLASLt's block-scaled FP8 GEMM runs on compute capability 9.0")
 def test_the_quantized_gemm_alone_and_scrambled_scale_layouts():
-    """linear_fp8_quantized on quantize_fp8_activations' output equals linear_fp8's bits; the same call with the
-    weight's block scales transposed, or the activation scales stored row-major instead of block-major, is far off."""
-    M, N, K = 128, 1024, 1024  # square scale grids: [8, 8] for the weight and [8, 128] -> [128, 8] for x
+    """linear_fp8_quantized on quantize_fp8_activations' output equals linear_fp8's bits and the reference; the same
+    call with the weight's block scales transposed, or the activation scales stored row-major instead of block-major,
+    is far off (if one of those matched instead, cuBLASLt reads that layout: the message says which)."""
+    M, N, K = 128, 1024, 1024  # square scale grids: [8, 8] for the weight, [8, 128] and [128, 8] for x
     gemm = ops.Gemm()
     q, packed, blocks, w = fp8_weight(N, K)
     x = activations(M, K)
     x_q = torch.empty(M, K, device="cuda", dtype=torch.float8_e4m3fn)
     x_scale = torch.empty(K // 128, M, device="cuda")
     ops.quantize_fp8_activations(x, x_q, x_scale)
-    alone, full = poisoned_out(M, N), poisoned_out(M, N)
-    gemm.linear_fp8_quantized(x_q, x_scale, q, blocks, None, alone)
+    quantized = quantized_reference(x, w, None)
+    errors = {}
+    for layout, weight_scale, activation_scale in [
+            ("as documented", blocks, x_scale),
+            ("weight block scales N-major", blocks.t().contiguous(), x_scale),
+            ("activation scales K-major", blocks, x_scale.t().contiguous().view(K // 128, M))]:
+        out = poisoned_out(M, N)
+        gemm.linear_fp8_quantized(x_q, activation_scale, q, weight_scale, None, out)
+        errors[layout] = rel_error(out, quantized)
+        if layout == "as documented":
+            alone = out
+    assert errors["as documented"] < REL_NORM, f"relative errors by scale layout: {errors}"
+    assert min(errors["weight block scales N-major"], errors["activation scales K-major"]) > QUANTIZATION_REL, errors
+    assert_close(alone, quantized, REL_NORM)
+    full = poisoned_out(M, N)
     gemm.linear_fp8(x, q, packed, None, full, block_scale=blocks)
     assert torch.equal(alone.view(torch.int16), full.view(torch.int16))
-    quantized = quantized_reference(x, w, None)
-    assert_close(alone, quantized, REL_NORM)
-
-    transposed = poisoned_out(M, N)
-    gemm.linear_fp8_quantized(x_q, x_scale, q, blocks.t().contiguous(), None, transposed)
-    assert rel_error(transposed, quantized) > QUANTIZATION_REL
-    row_major = poisoned_out(M, N)
-    wrong_x_scale = x_scale.t().contiguous().view(K // 128, M)  # [M, L] bytes read as [L, M]
-    gemm.linear_fp8_quantized(x_q, wrong_x_scale, q, blocks, None, row_major)
-    assert rel_error(row_major, quantized) > QUANTIZATION_REL
 
     with pytest.raises(ValueError, match="multiple of 4"):
         gemm.linear_fp8_quantized(x_q[:6], x_scale[:, :6].contiguous(), q, blocks, None, poisoned_out(6, N))
