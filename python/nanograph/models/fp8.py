@@ -2,7 +2,9 @@
 form the engine consumes, whose scales cover 8 rows each so that fused q|k|v and gate|up pieces stay exact.
 
 A weight w [n, k] is w ≈ float(fp8) * scale, the scale of the block holding each element. HF calls its block scales
-`weight_scale_inv` (they are multipliers all the same); `expand_block_scales` turns them into packed scales."""
+`weight_scale_inv` (they are multipliers all the same); `expand_block_scales` turns them into packed scales, and
+`gemm_block_scales` back into one scale per 128 x 128 block for the CUDA core's block-scaled FP8 GEMM, whose
+activations `quantize_activations` quantizes as that GEMM's kernel does (the torch reference)."""
 from __future__ import annotations
 
 import torch
@@ -60,7 +62,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_activations(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 [m, k] = float(fp8) * the scale of each element's row and 128-column group (quantize_activations)."""
-    m, k = fp8.shape
+    k = fp8.shape[1]
     return fp8.float() * scale.t().repeat_interleave(PACKED_SCALE_COLS, dim=1)[:, :k]
 
 
