@@ -136,6 +136,11 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias, bool fp8) {
                                                 &a_mode, sizeof(a_mode)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->matmul, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
                                                 &b_mode, sizeof(b_mode)));
+    // The heuristic refuses a block scale mode whose scale pointer is unset; the real pointers are
+    // set per call (linear_fp8_quantized), so the plan carries the workspace's address until then.
+    for (auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER}) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->matmul, attr, &workspace_, sizeof(workspace_)));
+    }
   }
   const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, K, N, K));
