@@ -1,7 +1,7 @@
 """Kernel benchmark: for each case in benchmarks/kernels/*.py, time, achieved GB/s or TFLOP/s, and
 that figure as a % of the device's copy bandwidth or bf16 matmul rate, both measured in this run.
 
-    python benchmarks/bench_kernels.py [module ...]     (modules: basic rope gemm decode_attention ...)
+    python benchmarks/bench_kernels.py [module ...]     (modules: basic rope gemm gemm_fp8 decode_attention ...)
 """
 import importlib
 import os
@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODULES = ["basic", "rope", "gemm", "gemv", "gemv_fp8", "decode_attention", "prefill_attention"]
+MODULES = ["basic", "rope", "gemm", "gemm_fp8", "gemv", "gemv_fp8", "decode_attention", "prefill_attention"]
 
 
 def time_ms(fn, launches=20, repeats=15, graph=True):

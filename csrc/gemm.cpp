@@ -8,13 +8,24 @@
 // The bias epilogue adds bias[n] to row n of D, i.e. to column n of out.
 // bf16 in and out, fp32 accumulation and fp32 alpha/beta (beta = 0, C = D).
 //
+// The block-scaled FP8 GEMM keeps that "TN" layout, which FP8 needs (both operands K-contiguous),
+// with A and B in e4m3 (CUDA_R_8F_E4M3), D in bf16, CUBLAS_COMPUTE_32F, scale type fp32 and no
+// fast accumulation. Its scales follow the cuBLAS documentation, section "128-element 1D and
+// 128x128 2D Block Scaling For FP8 Data Types" and its "Scaling factors layouts" (cuBLAS 12.9+,
+// compute capability 9.0): A (the weight) takes CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F,
+// "K-major", shape ceil(K / 128) rounded up to 4 by ceil(N / 128), the stride between 128-row
+// blocks a multiple of 4; B (the activations) takes CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F,
+// "N-major" (cuBLAS's N is our M: the token index contiguous), shape M x ceil(K / 128); every
+// scale tensor starts 16-byte aligned, and cuBLAS's M and N (our N and M) must be multiples of 4.
+// (BLK128x128 on both operands is the one combination the documentation rules out.)
+//
 // Graph capture: a Plan (descriptors + the heuristic's algo) is built once per
-// (M, N, K, has_bias) and cached; the workspace is allocated once in the constructor. A call
-// therefore only sets the bias pointer on the cached descriptor (host-side) and enqueues
+// (M, N, K, has_bias, fp8) and cached; the workspace is allocated once in the constructor. A call
+// therefore only sets the bias and scale pointers on the cached descriptor (host-side) and enqueues
 // cublasLtMatmul, which is safe to capture. Plan creation is host-side too (descriptors and the
 // heuristic; tests/kernels/test_gemm.py builds one inside a capture), but callers should still
 // run every shape once before capturing it, so that capture does no first-time work at all.
-// A Gemm is not thread-safe (the plan cache and the per-call bias pointer are shared).
+// A Gemm is not thread-safe (the plan cache and the per-call pointers are shared).
 //
 // Alignment: plans are chosen for 16-byte aligned buffers (the TMA minimum), not cuBLASLt's
 // default 256, so that offset views (e.g. slices of a fused projection) are accepted; linear()
@@ -25,6 +36,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "gemv.h"
 
@@ -62,6 +74,7 @@ struct Gemm::Plan {
   cublasLtMatrixLayout_t b = nullptr;  // x
   cublasLtMatrixLayout_t d = nullptr;  // out (also C)
   cublasLtMatmulAlgo_t algo{};
+  bool found = false;  // the heuristic gave an algorithm
 
   Plan() = default;
   Plan(const Plan&) = delete;
@@ -90,12 +103,14 @@ Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
 Gemm::~Gemm() {
   plans_.clear();
   if (dequantized_) cudaFree(dequantized_);
+  if (fp8_activations_) cudaFree(fp8_activations_);
+  if (fp8_activation_scales_) cudaFree(fp8_activation_scales_);
   if (workspace_) cudaFree(workspace_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
-Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias) {
-  auto key = std::make_tuple(M, N, K, has_bias);
+Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias, bool fp8) {
+  auto key = std::make_tuple(M, N, K, has_bias, fp8);
   auto it = plans_.find(key);
   if (it != plans_.end()) return *it->second;
 
@@ -114,8 +129,22 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias) {
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(
         plan->matmul, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
   }
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16BF, K, N, K));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16BF, K, M, K));
+  if (fp8) {
+    int32_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    int32_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->matmul, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                &a_mode, sizeof(a_mode)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->matmul, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                &b_mode, sizeof(b_mode)));
+    // The heuristic refuses a block scale mode whose scale pointer is unset; the real pointers are
+    // set per call (linear_fp8_quantized), so the plan carries the workspace's address until then.
+    for (auto attr : {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER}) {
+      CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->matmul, attr, &workspace_, sizeof(workspace_)));
+    }
+  }
+  const cudaDataType_t in_type = fp8 ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, in_type, K, N, K));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, in_type, K, M, K));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->d, CUDA_R_16BF, N, M, N));
 
   cublasLtMatmulPreference_t raw_pref = nullptr;
@@ -137,14 +166,13 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias) {
   cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       static_cast<cublasLtHandle_t>(handle_), plan->matmul, plan->a, plan->b, plan->d, plan->d,
       pref.get(), 1, &result, &found);
-  if (status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(status);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) {
-    throw CudaError("gemm: cuBLASLt has no algorithm for " + shape_str(M, N, K) +
-                    (has_bias ? " with bias" : "") + " within a " +
-                    std::to_string(workspace_bytes_) +
-                    "-byte workspace; construct Gemm with a larger workspace_bytes");
-  }
-  plan->algo = result.algo;
+  // A device or library without these scale modes answers NOT_SUPPORTED (or INVALID_VALUE for a
+  // mode it does not know): the FP8 plan is then recorded as unsupported, and linear() dequantises.
+  const bool fp8_refused = fp8 && (status == CUBLAS_STATUS_NOT_SUPPORTED ||
+                                   status == CUBLAS_STATUS_INVALID_VALUE);
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED && !fp8_refused) CUBLAS_CHECK(status);
+  plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  if (plan->found) plan->algo = result.algo;
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
@@ -155,6 +183,101 @@ void Gemm::reserve_dequantized(size_t elements) {
   dequantized_elements_ = 0;
   CUDA_CHECK(cudaMalloc(&dequantized_, elements * sizeof(bf16)));
   dequantized_elements_ = elements;
+}
+
+namespace {
+
+// Scales linear_fp8_dynamic needs for M rows of K columns: M rounded down to 4 rows, then 4 more.
+size_t fp8_activation_scale_count(size_t rows, size_t K) {
+  return (rows / 4 * 4 + 4) * static_cast<size_t>(fp8_scale_cols(static_cast<int64_t>(K)));
+}
+
+}  // namespace
+
+void Gemm::reserve_fp8_activations(size_t rows, size_t K) {
+  const size_t bytes = rows * K, scales = fp8_activation_scale_count(rows, K);
+  if (bytes > fp8_activation_bytes_) {
+    if (fp8_activations_) CUDA_CHECK(cudaFree(fp8_activations_));
+    fp8_activations_ = nullptr;
+    fp8_activation_bytes_ = 0;
+    CUDA_CHECK(cudaMalloc(&fp8_activations_, bytes));
+    fp8_activation_bytes_ = bytes;
+  }
+  if (scales > fp8_activation_scale_count_) {
+    if (fp8_activation_scales_) CUDA_CHECK(cudaFree(fp8_activation_scales_));
+    fp8_activation_scales_ = nullptr;
+    fp8_activation_scale_count_ = 0;
+    CUDA_CHECK(cudaMalloc(&fp8_activation_scales_, scales * sizeof(float)));
+    fp8_activation_scale_count_ = scales;
+  }
+}
+
+bool Gemm::fp8_gemm_supported(int M, int N, int K, bool has_bias) {
+  if (M <= kGemvMaxM || K % 16 != 0 || N % 8 != 0) return false;
+  const int rows = M / 4 * 4;
+  return plan_for(rows, N, K, has_bias, true).found &&
+         (rows == M || plan_for(4, N, K, has_bias, true).found);
+}
+
+void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const void* weight,
+                                const float* block_scale, const bf16* bias, bf16* out, int M,
+                                int N, int K, cudaStream_t stream) {
+  require(M > 0 && M % 4 == 0 && N > 0 && K > 0,
+          "gemm: the block-scaled FP8 GEMM needs M a positive multiple of 4, got " +
+              shape_str(M, N, K));
+  require(x_scale != nullptr && block_scale != nullptr,
+          "gemm: the block-scaled FP8 GEMM needs x_scale and block_scale");
+  for (auto [ptr, name] : {std::pair<const void*, const char*>{x_q, "x_q"}, {x_scale, "x_scale"},
+                           {weight, "weight"}, {block_scale, "block_scale"}, {out, "out"}}) {
+    require_aligned(ptr, name);
+  }
+  if (bias) require_aligned(bias, "bias");
+  Plan& plan = plan_for(M, N, K, bias != nullptr, true);
+  if (!plan.found) {
+    throw CudaError("gemm: cuBLASLt has no block-scaled FP8 algorithm for " + shape_str(M, N, K) +
+                    (bias ? " with bias" : "") + " on this device (it needs compute capability "
+                    "9.0 and cuBLAS 12.9+); use Gemm::linear, which dequantises instead");
+  }
+  // The descriptor is cached, so the pointers are set per call; cublasLtMatmul reads them on the
+  // host when it enqueues (and bakes them into a captured graph).
+  if (bias) {
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                &bias, sizeof(bias)));
+  }
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                              &block_scale, sizeof(block_scale)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                              &x_scale, sizeof(x_scale)));
+  const float alpha = 1.0f, beta = 0.0f;
+  CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.matmul, &alpha, weight,
+                              plan.a, x_q, plan.b, &beta, out, plan.d, out, plan.d, &plan.algo,
+                              workspace_, workspace_bytes_, stream));
+}
+
+// cuBLASLt's rule that M be a multiple of 4 for these scale modes: the first M rounded down to 4
+// rows take one GEMM; when rows are left, a second GEMM takes the last 4 rows, so that every row
+// is computed from quantized activations. The rows both cover are quantized identically (the
+// quantization is per row) and written twice, the second time last; the two quantizations and
+// GEMMs run in order on the stream.
+void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out,
+                              int M, int N, int K, cudaStream_t stream) {
+  require(static_cast<size_t>(M) * K <= fp8_activation_bytes_ &&
+              fp8_activation_scale_count(M, K) <= fp8_activation_scale_count_,
+          "gemm: an FP8 weight with block scales at " + shape_str(M, N, K) +
+              " needs reserve_fp8_activations(" + std::to_string(M) + ", " + std::to_string(K) +
+              ") first");
+  const int rows = M / 4 * 4;
+  const size_t head_scales = static_cast<size_t>(rows) * fp8_scale_cols(K);  // a multiple of 4
+  quantize_fp8_activations(x, fp8_activations_, fp8_activation_scales_, rows, K, stream);
+  linear_fp8_quantized(fp8_activations_, fp8_activation_scales_, w.data, w.block_scale, bias, out,
+                       rows, N, K, stream);
+  if (rows == M) return;
+  const size_t first = static_cast<size_t>(M) - 4;
+  uint8_t* tail_q = fp8_activations_ + first * K;
+  float* tail_scale = fp8_activation_scales_ + head_scales;
+  quantize_fp8_activations(x + first * K, tail_q, tail_scale, 4, K, stream);
+  linear_fp8_quantized(tail_q, tail_scale, w.data, w.block_scale, bias, out + first * N, 4, N, K,
+                       stream);
 }
 
 bool Gemm::takes_gemv(const LinearWeight& w, int M, int N, int K) {
@@ -176,6 +299,10 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
                                shape_str(M, N, K) + "; run add_rmsnorm first");
   require(M >= 0 && N > 0 && K > 0, "gemm: need M >= 0 and N, K > 0, got " + shape_str(M, N, K));
   if (M == 0) return;
+  if (w.fp8() && w.block_scale && fp8_gemm_supported(M, N, K, bias != nullptr)) {
+    linear_fp8_dynamic(x, w, bias, out, M, N, K, stream);
+    return;
+  }
   const bf16* weight = w.bf16_data();
   if (w.fp8()) {
     require(static_cast<size_t>(N) * K <= dequantized_elements_,
@@ -190,7 +317,12 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
   require_aligned(out, "out");
   if (bias) require_aligned(bias, "bias");
 
-  Plan& plan = plan_for(M, N, K, bias != nullptr);
+  Plan& plan = plan_for(M, N, K, bias != nullptr, false);
+  if (!plan.found) {
+    throw CudaError("gemm: cuBLASLt has no algorithm for " + shape_str(M, N, K) +
+                    (bias ? " with bias" : "") + " within a " + std::to_string(workspace_bytes_) +
+                    "-byte workspace; construct Gemm with a larger workspace_bytes");
+  }
   if (bias) {
     // The descriptor is cached, so the pointer is set per call; cublasLtMatmul reads it on the
     // host when it enqueues (and bakes it into a captured graph).

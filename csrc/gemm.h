@@ -3,8 +3,12 @@
 // the weights streaming near bandwidth where cuBLAS does not; the rest goes through cuBLASLt,
 // whose heuristic is chosen once per shape and cached. The workspace is fixed at construction so
 // that calls can be captured into a CUDA graph.
-// FP8 weights (fp8.h) take the GEMV's FP8 path at small M; at larger M they are dequantised into a
-// bf16 buffer reserved beforehand (reserve_dequantized) and go through cuBLASLt.
+// FP8 weights (fp8.h) take the GEMV's FP8 path at small M. At larger M, a weight with 128 x 128
+// block scales (LinearWeight::block_scale) takes cuBLASLt's block-scaled FP8 GEMM: x is quantized
+// per row and 128 columns into a buffer reserved beforehand (reserve_fp8_activations), and the
+// tensor cores multiply e4m3 by e4m3 (linear_fp8_quantized). Where cuBLASLt has no algorithm for
+// the shape (decided once per shape, at plan time), or the weight has no block scales, the weight
+// is dequantised into a bf16 buffer reserved beforehand (reserve_dequantized) for the bf16 GEMM.
 #pragma once
 #include "common.h"
 #include "fp8.h"
@@ -36,16 +40,44 @@ class Gemm {
   // capture. Grows only.
   void reserve_dequantized(size_t elements);
 
+  // Room for the quantized activations of up to `rows` rows of `K` columns (the widest K of the
+  // FP8 weights with block scales); allocate it before any capture. Grows only.
+  void reserve_fp8_activations(size_t rows, size_t K);
+
+  // Whether linear() takes the block-scaled FP8 GEMM for a weight with block scales at this shape:
+  // M > kGemvMaxM, K a multiple of 16, N of 8, and cuBLASLt has an algorithm for it (for M
+  // rounded down to a multiple of 4, and for 4 rows when M is not one: see linear_fp8_dynamic). The
+  // heuristic's answer is cached with the plan.
+  bool fp8_gemm_supported(int M, int N, int K, bool has_bias);
+
+  // out[M, N] = dequant(x_q) . dequant(weight)^T (+ bias): the block-scaled FP8 GEMM alone, on
+  // activations that quantize_fp8_activations wrote (x_q [M, K] e4m3, x_scale [ceil(K / 128), M])
+  // and an e4m3 weight [N, K] with its block_scale (fp8.h). cuBLASLt: A = weight with scale mode
+  // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, B = x_q with
+  // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, D = out^T in bf16, fp32 accumulation. M a multiple of 4 (cuBLASLt's rule for these scale
+  // modes); throws when cuBLASLt has no algorithm for the shape. Graph-capturable once planned.
+  void linear_fp8_quantized(const void* x_q, const float* x_scale, const void* weight,
+                            const float* block_scale, const bf16* bias, bf16* out, int M, int N,
+                            int K, cudaStream_t stream);
+
  private:
   struct Plan;
-  Plan& plan_for(int M, int N, int K, bool has_bias);
+  Plan& plan_for(int M, int N, int K, bool has_bias, bool fp8);
+  // linear() for an FP8 weight with block scales: quantize x, then linear_fp8_quantized.
+  void linear_fp8_dynamic(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out,
+                          int M, int N, int K, cudaStream_t stream);
 
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
   bf16* dequantized_ = nullptr;
   size_t dequantized_elements_ = 0;
-  std::map<std::tuple<int, int, int, bool>, std::unique_ptr<Plan>> plans_;
+  uint8_t* fp8_activations_ = nullptr;  // e4m3 [rows, K]
+  size_t fp8_activation_bytes_ = 0;
+  float* fp8_activation_scales_ = nullptr;  // one [ceil(K / 128), M] block, then one for 4 rows
+  size_t fp8_activation_scale_count_ = 0;
+  // (M, N, K, has_bias, fp8 operands)
+  std::map<std::tuple<int, int, int, bool, bool>, std::unique_ptr<Plan>> plans_;
 };
 
 }  // namespace nanograph

@@ -134,16 +134,26 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   // One extra block: the first decode step after a prefill of exactly max_model_len tokens.
   block_table_width_ = ceil_div(limits.max_model_len, limits.block_size) + 1;
   qkv_width_ = (c.num_q_heads + 2 * c.num_kv_heads) * c.head_dim;
-  // FP8 projections run through cuBLASLt above the GEMV's rows from a dequantised copy.
-  size_t dequantized = 0;
+  // FP8 projections above the GEMV's rows: those with 128 x 128 block scales quantize the
+  // activations for the block-scaled FP8 GEMM (room for a whole step at the widest K); every one
+  // may take the dequantised copy through cuBLASLt (no block scales, or a shape cuBLASLt's FP8
+  // GEMM refuses, which is known only once the shape is planned).
+  size_t dequantized = 0, fp8_activation_cols = 0;
   for (const LayerWeights& w : weights_.layers) {
     const int64_t H = c.hidden_size, I = c.intermediate_size, q = c.num_q_heads * c.head_dim;
-    for (auto [weight, elements] : {std::pair{w.qkv, qkv_width_ * H}, std::pair{w.o_proj, H * q},
-                                    std::pair{w.gate_up, 2 * I * H}, std::pair{w.down, H * I}}) {
+    for (auto [weight, elements, K] :
+         {std::tuple{w.qkv, qkv_width_ * H, H}, std::tuple{w.o_proj, H * q, q},
+          std::tuple{w.gate_up, 2 * I * H, H}, std::tuple{w.down, H * I, I}}) {
       if (weight.fp8()) dequantized = std::max(dequantized, static_cast<size_t>(elements));
+      if (weight.block_scale) {
+        fp8_activation_cols = std::max(fp8_activation_cols, static_cast<size_t>(K));
+      }
     }
   }
   if (dequantized > 0) gemm_.reserve_dequantized(dequantized);
+  if (fp8_activation_cols > 0) {
+    gemm_.reserve_fp8_activations(limits.max_num_tokens, fp8_activation_cols);
+  }
 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   for (cudaEvent_t* event : {&meta_copied_, &tokens_ready_[0], &tokens_ready_[1]}) {

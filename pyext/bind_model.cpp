@@ -23,7 +23,9 @@ const bf16* weight(const py::dict& weights, const std::string& name,
   return t.data<bf16>();
 }
 
-// A projection: bf16, or float8_e4m3fn with its block scales in `<name>_scale` (fp8.h).
+// A projection: bf16, or float8_e4m3fn with its block scales in `<name>_scale` and, optionally,
+// the same scales once per 128 x 128 block in `<name>_block_scale` (fp8.h; the block-scaled FP8
+// GEMM at prefill sizes).
 LinearWeight linear_weight(const py::dict& weights, const std::string& name, int64_t N, int64_t K) {
   if (!weights.contains(name)) {
     throw_invalid_argument("weights have no tensor named '" + name + "'");
@@ -38,7 +40,12 @@ LinearWeight linear_weight(const py::dict& weights, const std::string& name, int
   }
   Tensor scale = cuda_tensor(weights[scale_name.c_str()], scale_name.c_str(), "float32");
   expect_shape(scale, {fp8_scale_rows(N), fp8_scale_cols(K)});
-  return LinearWeight(t.ptr, scale.data<float>());
+  const std::string block_name = name + "_block_scale";
+  if (!weights.contains(block_name)) return LinearWeight(t.ptr, scale.data<float>());
+  Tensor block = cuda_tensor(weights[block_name.c_str()], block_name.c_str(), "float32");
+  expect_shape(block, {fp8_block_scale_rows(N), fp8_block_scale_cols(K)});
+  same_device({&t, &scale, &block});
+  return LinearWeight(t.ptr, scale.data<float>(), block.data<float>());
 }
 
 std::unique_ptr<Model> make_model(const py::dict& cfg, const py::dict& weights,

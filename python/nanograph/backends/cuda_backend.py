@@ -20,7 +20,7 @@ from ..engine.batch import storeless_batch
 from ..models.fp8 import check_core_shapes
 from ..models.kv_cache import kv_cache_torch_dtype, load_kv_scales
 from ..models.rope import rope_cos_sin
-from ..models.weights import load_weights
+from ..models.weights import block_scales, load_weights
 from ..sampling import Sampler, SamplerOutput
 from .base import PendingTokens, Runner
 
@@ -60,6 +60,7 @@ class CudaRunner(Runner):
         if "fp8" in (config.quantization, mc.quantization):
             check_core_shapes(mc)
         self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device, quantization=config.quantization)
+        self.weights.update(block_scales(self.weights))  # the FP8 linears' scales for the core's FP8 GEMM
         self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
         core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
                        "num_layers": mc.num_layers, "num_heads": mc.num_heads,

@@ -2,7 +2,9 @@
 form the engine consumes, whose scales cover 8 rows each so that fused q|k|v and gate|up pieces stay exact.
 
 A weight w [n, k] is w ≈ float(fp8) * scale, the scale of the block holding each element. HF calls its block scales
-`weight_scale_inv` (they are multipliers all the same); `expand_block_scales` turns them into packed scales."""
+`weight_scale_inv` (they are multipliers all the same); `expand_block_scales` turns them into packed scales, and
+`gemm_block_scales` back into one scale per 128 x 128 block for the CUDA core's block-scaled FP8 GEMM, whose
+activations `quantize_activations` quantizes as that GEMM's kernel does (the torch reference)."""
 from __future__ import annotations
 
 import torch
@@ -38,6 +40,45 @@ def expand_block_scales(block_scales: torch.Tensor, shape: tuple[int, int]) -> t
                          f"{BLOCK_SIZE} x {BLOCK_SIZE} blocks, which needs {list(expected)}")
     repeated = block_scales.float().repeat_interleave(BLOCK_SIZE // PACKED_SCALE_ROWS, dim=0)
     return repeated[:-(-n // PACKED_SCALE_ROWS)].contiguous()
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] -> (fp8 [m, k], scales float32 [ceil(k / 128), m]): one scale per row per 128 columns, the group's
+    largest magnitude / 448 (1 for an all-zero group), and x / scale rounded to e4m3 (nearest even, saturating at 448),
+    in float32 on x's device. Hugging Face's FineGrainedFP8 layers (activation_scheme "dynamic") and vLLM quantize a
+    token's activations so for their FP8 GEMM; the CUDA core's quantize_fp8_activations writes the same bits, its
+    scales laid out [group, row] as its FP8 GEMM reads them. Divisions are by tensors: a division by a Python number
+    may be computed as a multiplication by its reciprocal, which can differ in the last bit."""
+    m, k = x.shape
+    groups = -(-k // PACKED_SCALE_COLS)
+    padded = torch.zeros(m, groups * PACKED_SCALE_COLS, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x
+    blocks = padded.view(m, groups, PACKED_SCALE_COLS)
+    amax = blocks.abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    fp8 = (blocks / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(m, -1)[:, :k].contiguous()
+    return fp8, scale.t().contiguous()
+
+
+def dequantize_activations(fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 [m, k] = float(fp8) * the scale of each element's row and 128-column group (quantize_activations)."""
+    k = fp8.shape[1]
+    return fp8.float() * scale.t().repeat_interleave(PACKED_SCALE_COLS, dim=1)[:, :k]
+
+
+def gemm_block_scales(scale: torch.Tensor) -> torch.Tensor | None:
+    """Packed scales [ceil(n / 8), ceil(k / 128)] as one scale per 128 x 128 block, in the layout of the CUDA core's
+    block-scaled FP8 GEMM (cuBLASLt's BLK128x128 scales, csrc/fp8.h): float32 [ceil(n / 128), ceil(k / 128) rounded up
+    to 4], the extra columns zero. None where some 128-row block's 8-row scales differ (a fused piece whose rows are
+    not a multiple of 128 shares a block with the next): such a weight is multiplied dequantized on the GPU."""
+    groups_per_block = BLOCK_SIZE // PACKED_SCALE_ROWS
+    per_block = scale[::groups_per_block]
+    if not torch.equal(per_block.repeat_interleave(groups_per_block, dim=0)[:scale.shape[0]], scale):
+        return None
+    cols = scale.shape[1]
+    out = torch.zeros(per_block.shape[0], -(-cols // 4) * 4, dtype=torch.float32, device=scale.device)
+    out[:, :cols] = per_block
+    return out
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, rows_per_scale: int = PACKED_SCALE_ROWS) -> torch.Tensor:

@@ -12,10 +12,12 @@ from safetensors import safe_open
 
 from ..config import SUPPORTED_QUANTIZATION
 from ..model_config import ModelConfig
-from .fp8 import BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales, quantize_fp8
+from .fp8 import (BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales, gemm_block_scales,
+                  quantize_fp8)
 from .sharding import Shard
 
 SCALE_SUFFIX = "_scale"  # weights[name + SCALE_SUFFIX]: an FP8 linear's packed scales
+BLOCK_SCALE_SUFFIX = "_block_scale"  # the same once per 128 x 128 block, for the CUDA core's FP8 GEMM
 _WHOLE = slice(None)
 
 
@@ -168,3 +170,13 @@ def weight_files(path: Path) -> list[Path]:
         raise FileNotFoundError(f"no *.safetensors weights in {str(path)!r}; "
                                 "save the model with save_pretrained(..., safe_serialization=True)")
     return files
+
+
+def block_scales(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """name + BLOCK_SCALE_SUFFIX for each FP8 linear of load_weights' result whose packed scales are whole 128 x 128
+    blocks (models/fp8.py gemm_block_scales): what the CUDA core's block-scaled FP8 GEMM reads at prefill sizes."""
+    out = {}
+    for name, tensor in weights.items():
+        if tensor.dtype == FP8_DTYPE and (blocks := gemm_block_scales(weights[name + SCALE_SUFFIX])) is not None:
+            out[name + BLOCK_SCALE_SUFFIX] = blocks
+    return out
