@@ -29,7 +29,7 @@ class Gemm {
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
   // bias: [N] or nullptr. `norm` fuses the input's add-RMSNorm into the GEMV (GemvInputNorm,
-  // gemv.h); only for shapes the GEMV takes, and where gemv_input_norm_supported(M, K).
+  // gemv.h); only where the GEMV takes it (gemv_input_norm_supported or its FP8 one).
   void linear(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out, int M, int N,
               int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);
 

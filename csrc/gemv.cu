@@ -151,13 +151,15 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin);
+  uint4 norm_weight[kNormMaxVectors];
+  if constexpr (kNorm) load_input_norm_weight(norm, K, norm_weight);
   wait_for_producers_after_loads();
   allow_dependents();
   const bf16* x_rows = x;
   int64_t x_stride = K;
   if constexpr (kNorm) {
     extern __shared__ __align__(16) bf16 s_norm_rows[];
-    stage_input_norm<kWarps * 32>(x, norm, M, K, s_norm_rows);
+    stage_input_norm<kWarps * 32>(x, norm, norm_weight, M, K, s_norm_rows);
     x_rows = s_norm_rows;
     x_stride = norm_row_stride(K);
   }
@@ -235,9 +237,9 @@ bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
-bool gemv_input_norm_supported(int M, int K) {
-  return M >= 1 && M <= 8 && K >= 8 && K % 8 == 0 && K <= kRmsNormMaxDim &&
-         M <= 2 * norm_rows_per_round(kWarpsPerCta * 32, K);
+bool gemv_input_norm_supported(int M, int N, int K) {
+  return input_norm_fits(M, K) && gemv_supported(M, N, K) &&
+         !streams(ceil_div(N, kRowsPerGroup), ceil_div(K, kStepK), kUnroll);
 }
 
 namespace {
@@ -263,7 +265,8 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   const int steps_per_split = ceil_div(steps, splits);
   if (norm != nullptr) {
     if constexpr (!kArgmax) {
-      require_input_norm(*norm, x, M, K, op);
+      require_input_norm(*norm, gemv_input_norm_supported(M, kSiluMul ? 2 * N : N, K), x, M,
+                         kSiluMul ? 2 * N : N, K, op);
       auto kernel = warps == kWarpsPerCta ? gemv_kernel<false, kWarpsPerCta, kSiluMul, false, true>
                                           : gemv_kernel<false, kMaxSplits, kSiluMul, false, true>;
       launch_pdl(kernel, dim3(grid), dim3(warps * 32), input_norm_smem_bytes(M, K), stream, x,

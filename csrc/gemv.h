@@ -26,10 +26,12 @@ struct GemvInputNorm {
   float eps = 0.f;
 };
 
-// True when the GEMVs take a GemvInputNorm for M rows of K: at most 8 rows (one MMA's x rows),
-// filling at most two rounds of one 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4
-// rows of 1,024, 2 of 4,096).
-bool gemv_input_norm_supported(int M, int K);
+// True when gemv and gemv_silu_mul take a GemvInputNorm for M rows of K against a weight of N rows
+// (gemv_silu_mul's 2 * inter): at most 8 rows (one MMA's x rows) of at most 4,096, filling at most
+// two rounds of an 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4 rows of 1,024, 2
+// of 4,096), and a weight that does not stream through several waves of CTAs (each CTA pays for
+// the norm before its weight streams; see choose_splits).
+bool gemv_input_norm_supported(int M, int N, int K);
 
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;
 // out: [M, N]. All bf16; fp32 accumulation, fp32 bias add, one rounding to bf16.
@@ -60,6 +62,9 @@ void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logi
 // bf16, each 64-column step's sum scaled by its rows' block scale in fp32; the same PDL launch as
 // gemv. True when gemv_fp8 takes the shape: gemv_supported and K a multiple of 16.
 bool gemv_fp8_supported(int M, int N, int K);
+
+// gemv_input_norm_supported for gemv_fp8 and gemv_silu_mul_fp8.
+bool gemv_fp8_input_norm_supported(int M, int N, int K);
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
               int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);

@@ -112,15 +112,43 @@ __host__ __device__ inline int norm_rows_per_round(int cta_threads, int K) {
   return cta_threads / rmsnorm_cut(K).threads;
 }
 
+// 16-byte vectors per thread of a fused input norm's row (rmsnorm_cut): rows of up to 4,096.
+constexpr int kNormMaxVectors = 2;
+
+// Whether a fused input norm takes M rows of K: at most 8 rows (one MMA's x rows), K of at most
+// kNormMaxVectors vectors per thread, and at most two rounds of an 8-warp CTA's thread groups.
+inline bool input_norm_fits(int M, int K) {
+  return M >= 1 && M <= 8 && K >= 8 && K % 8 == 0 && K <= kRmsNormMaxDim &&
+         rmsnorm_cut(K).vectors_per_thread <= kNormMaxVectors &&
+         M <= 2 * norm_rows_per_round(kWarpsPerCta * 32, K);
+}
+
+// A fused input norm's weight vectors of this thread (those stage_input_norm multiplies by), loaded
+// before the PDL wait: no kernel writes the weight.
+__device__ __forceinline__ void load_input_norm_weight(const GemvInputNorm& norm, int K,
+                                                       uint4 (&weight)[kNormMaxVectors]) {
+  const RmsNormCut cut = rmsnorm_cut(K);
+  const int j = threadIdx.x % cut.threads;
+#pragma unroll
+  for (int i = 0; i < kNormMaxVectors; ++i) {
+    const int v = j + i * cut.threads;
+    weight[i] = i < cut.vectors_per_thread && v < K / 8
+                    ? *reinterpret_cast<const uint4*>(norm.weight + v * 8)
+                    : make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The fused input norm (GemvInputNorm): rows [0, M) of rmsnorm(bf16(x + residual)) * weight into
 // s_rows (row stride norm_row_stride(K)), bit-equal to add_rmsnorm: thread j of each group of
 // rmsnorm_cut(K).threads threads plays the norm kernel's thread j, with the same vectors, sums and
-// roundings. CTA 0 also stores bf16(x + residual) into residual_out. Every thread of the CTA
-// calls it (barriers); the rows are in s_rows when it returns. After the PDL wait.
+// roundings. `weight` from load_input_norm_weight. CTA 0 also stores bf16(x + residual) into
+// residual_out. Every thread of the CTA calls it (barriers); the rows are in s_rows when it
+// returns. After the PDL wait.
 template <int kThreads>
 __device__ __forceinline__ void stage_input_norm(const bf16* __restrict__ x, const GemvInputNorm& norm,
-                                                 int M, int K, bf16* s_rows) {
-  constexpr int kMaxVectorsPerThread = kRmsNormMaxDim / 8 / 256;
+                                                 const uint4 (&weight)[kNormMaxVectors], int M,
+                                                 int K, bf16* s_rows) {
+  constexpr int kMaxVectorsPerThread = kNormMaxVectors;
   __shared__ float warp_sums[kThreads / 32];
   const RmsNormCut cut = rmsnorm_cut(K);
   const int vecs = K / 8, stride = norm_row_stride(K);
@@ -161,7 +189,7 @@ __device__ __forceinline__ void stage_input_norm(const bf16* __restrict__ x, con
         const int v = j + i * cut.threads;
         if (i >= cut.vectors_per_thread || v >= vecs) break;
         Float8 h = load_bf16x8(s_row + v * 8);
-        const Float8 w = load_bf16x8(norm.weight + v * 8);
+        const Float8 w = bf16x8_to_float8(weight[i]);
 #pragma unroll
         for (int k = 0; k < 8; ++k) h.v[k] *= rstd;
         round_to_bf16(h);
@@ -194,11 +222,13 @@ inline void require_aligned(const void* ptr, const char* name) {
 }
 
 // A launcher's checks of a GemvInputNorm (gemv.h) for M rows of K.
-inline void require_input_norm(const GemvInputNorm& norm, const bf16* x, int M, int K, const char* op) {
-  require(gemv_input_norm_supported(M, K),
-          std::string(op) + ": a fused input norm takes M=" + std::to_string(M) + " rows of K=" +
-              std::to_string(K) + " only where gemv_input_norm_supported(M, K); run add_rmsnorm, "
-              "then the GEMV without it");
+// supported: the kernel's gemv_input_norm_supported (or its FP8 one) for the weight's N rows.
+inline void require_input_norm(const GemvInputNorm& norm, bool supported, const bf16* x, int M,
+                               int N, int K, const char* op) {
+  require(supported, std::string(op) + ": a fused input norm takes " + shape_str(M, N, K) +
+                         " (N: the weight's rows) only where gemv_input_norm_supported (for an FP8 "
+                         "weight gemv_fp8_input_norm_supported) is true; run add_rmsnorm, then the "
+                         "GEMV without it");
   require(norm.residual != nullptr && norm.residual_out != nullptr && norm.weight != nullptr,
           std::string(op) + ": a fused input norm needs residual, residual_out and weight");
   require(norm.residual_out != norm.residual && norm.residual_out != x,
@@ -221,10 +251,14 @@ inline size_t input_norm_smem_bytes(int M, int K) {
 // Larger ones (Qwen3-8B's projections, any lm_head) stream through several waves of 8-warp CTAs:
 // splits double (up to 8, each split keeping two load batches) until the grid has kStreamWaves
 // waves, so that the last, partial wave is short against the whole launch.
+// Whether a matrix streams through several waves (see choose_splits).
+inline bool streams(int row_groups, int steps, int unroll) {
+  return static_cast<int64_t>(row_groups) * steps > 2LL * unroll * kTargetWarps;
+}
+
 inline int choose_splits(int row_groups, int steps, int unroll) {
   int splits = 1;
-  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * unroll * kTargetWarps;
-  if (!streaming) {
+  if (!streams(row_groups, steps, unroll)) {
     while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps &&
            ceil_div(steps, splits) > unroll) {
       splits *= 2;

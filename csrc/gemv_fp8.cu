@@ -122,13 +122,15 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin, 0, kUnroll);
+  uint4 norm_weight[kNormMaxVectors];
+  if constexpr (kNorm) load_input_norm_weight(norm, K, norm_weight);
   wait_for_producers_after_loads();
   allow_dependents();
   const bf16* x_base = x;
   int64_t x_stride = K;
   if constexpr (kNorm) {
     extern __shared__ __align__(16) bf16 s_norm_rows[];
-    stage_input_norm<kWarps * 32>(x, norm, M, K, s_norm_rows);
+    stage_input_norm<kWarps * 32>(x, norm, norm_weight, M, K, s_norm_rows);
     x_base = s_norm_rows;
     x_stride = norm_row_stride(K);
   }
@@ -239,7 +241,8 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   const int steps_per_split = ceil_div(steps, splits);
   const uint8_t* w = static_cast<const uint8_t*>(weight);
   if (norm != nullptr) {
-    require_input_norm(*norm, x, M, K, op);
+    const int rows = kSiluMul ? 2 * N : N;
+    require_input_norm(*norm, gemv_fp8_input_norm_supported(M, rows, K), x, M, rows, K, op);
     auto kernel = warps == kWarpsPerCta ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, true>
                                         : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, true>;
     launch_pdl(kernel, dim3(grid), dim3(warps * 32), input_norm_smem_bytes(M, K), stream, x, w,
@@ -284,6 +287,11 @@ __global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
 }  // namespace
 
 bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
+
+bool gemv_fp8_input_norm_supported(int M, int N, int K) {
+  return input_norm_fits(M, K) && gemv_fp8_supported(M, N, K) &&
+         !streams(ceil_div(N, kRows), ceil_div(K, kStep), kUnroll);
+}
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
               int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm) {

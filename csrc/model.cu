@@ -364,11 +364,13 @@ int Model::decode_plan_seqs(int num_seqs) const {
 bool Model::norms_fuse(int T) const {
   const ModelConfig& c = config_;
   const int H = c.hidden_size, I = c.intermediate_size;
-  if (T > kGemvMaxM || !gemv_input_norm_supported(T, H)) return false;
+  if (!device_props().fused_norms) return false;
+  auto fuses = [&](const LinearWeight& weight, int N) {
+    return weight.fp8() ? gemv_fp8_input_norm_supported(T, N, H)
+                        : gemv_input_norm_supported(T, N, H);
+  };
   for (const LayerWeights& w : weights_.layers) {
-    const bool gate_up_gemv =
-        w.gate_up.fp8() ? gemv_fp8_supported(T, 2 * I, H) : gemv_supported(T, 2 * I, H);
-    if (!gate_up_gemv || !Gemm::takes_gemv(w.qkv, T, qkv_width_, H)) return false;
+    if (!fuses(w.qkv, qkv_width_) || !fuses(w.gate_up, 2 * I)) return false;
   }
   return true;
 }

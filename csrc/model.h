@@ -142,8 +142,8 @@ class Model {
   // default buckets when no graph is captured), so that eager and graph steps give the same bits.
   int decode_plan_seqs(int num_seqs) const;
   // Whether a step of T tokens fuses the norms after the first into the next projection's GEMV
-  // (GemvInputNorm): every qkv and gate_up projection runs on the GEMV at T rows, and
-  // gemv_input_norm_supported(T, hidden).
+  // (GemvInputNorm): every qkv and gate_up projection's GEMV takes it at T rows
+  // (gemv_input_norm_supported or its FP8 one), and NANOGRAPH_FUSED_NORMS is not 0.
   bool norms_fuse(int T) const;
   // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
   void write_inert_decode_metadata(int num_seqs);

@@ -7,8 +7,12 @@ namespace nanograph::py_ext {
 
 NANOGRAPH_BINDINGS(bind_gemv) {
   m.attr("GEMV_MAX_M") = kGemvMaxM;
-  m.def("gemv_input_norm_supported", &gemv_input_norm_supported, py::arg("M"), py::arg("K"),
-        "Whether the GEMVs take norm= (a fused input add-RMSNorm) for M rows of K.");
+  m.def("gemv_input_norm_supported", &gemv_input_norm_supported, py::arg("M"), py::arg("N"),
+        py::arg("K"),
+        "Whether gemv and gemv_silu_mul take norm= (a fused input add-RMSNorm) for M rows of K "
+        "against a weight of N rows (gemv_silu_mul's 2 * inter).");
+  m.def("gemv_fp8_input_norm_supported", &gemv_fp8_input_norm_supported, py::arg("M"),
+        py::arg("N"), py::arg("K"), "gemv_input_norm_supported for the FP8 GEMVs.");
   m.def(
       "gemv",
       [](py::object x, py::object weight, py::object bias, py::object out, py::object norm) {
@@ -23,7 +27,7 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "of 8; bias may be None. bf16, fp32 accumulation, deterministic. Runs on torch's current "
       "stream. norm=(residual, residual_out, weight, eps) multiplies add_rmsnorm's output instead "
       "of x, and writes bf16(x + residual) into residual_out (where "
-      "gemv_input_norm_supported(M, K)).");
+      "gemv_input_norm_supported(M, N, K)).");
   m.def(
       "gemv_silu_mul",
       [](py::object x, py::object gate_up_weight, py::object out, py::object norm) {
