@@ -85,16 +85,12 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
 // Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even; values beyond fp16's
 // range saturate at +-65504 (NaN stays NaN).
 __device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& v) {
-  Float8 f = bf16x8_to_float8(v);
-  constexpr float kF16Max = 65504.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f.v[i] = fabsf(f.v[i]) > kF16Max ? copysignf(kF16Max, f.v[i]) : f.v[i];
+  const Float8 f = bf16x8_to_float8(v);
   uint4 out;
   uint32_t* o = &out.x;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const __half2 h = __floats2half2_rn(f.v[2 * i], f.v[2 * i + 1]);
-    o[i] = *reinterpret_cast<const uint32_t*>(&h);
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(o[i]) : "f"(f.v[2 * i + 1]), "f"(f.v[2 * i]));
   }
   return out;
 }
