@@ -85,12 +85,14 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
 // Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even; values beyond fp16's
 // range saturate at +-65504 (NaN stays NaN).
 __device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& v) {
-  const Float8 f = bf16x8_to_float8(v);
+  const uint32_t* in = &v.x;
   uint4 out;
   uint32_t* o = &out.x;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(o[i]) : "f"(f.v[2 * i + 1]), "f"(f.v[2 * i]));
+    // A bf16 is the high half of the float it equals.
+    const float lo = __uint_as_float(in[i] << 16), hi = __uint_as_float(in[i] & 0xffff0000u);
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(o[i]) : "f"(hi), "f"(lo));
   }
   return out;
 }
