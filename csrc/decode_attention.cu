@@ -151,20 +151,29 @@ __device__ __forceinline__ KvFragment<kFp8> load_streaming(const void* p) {
   return __ldcs(reinterpret_cast<const KvFragment<kFp8>*>(p));
 }
 
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 // A fragment as the 8 mma operands it holds: bf16 as loaded, or e4m3 widened to fp16 (exact).
 __device__ __forceinline__ uint4 mma_operands(const uint4& bf16x8) { return bf16x8; }
 __device__ __forceinline__ uint4 mma_operands(const uint2& e4m3x8) {
   return e4m3x8_to_f16x8(e4m3x8);
 }
 
+// Element j of two keys' fragments as one mma operand {a[j], b[j]}, key a in the low half (a
+// fragment holds one key's dims; the B operand of O = P V pairs two keys per dim). Bf16 pairs
+// the halves of loaded words; e4m3 pairs the bytes, then widens them (exact).
+__device__ __forceinline__ uint32_t key_pair_operand(const uint4& a, const uint4& b, int j) {
+  return __byte_perm(word(a, j / 2), word(b, j / 2), j % 2 ? 0x7632 : 0x5410);
+}
+__device__ __forceinline__ uint32_t key_pair_operand(const uint2& a, const uint2& b, int j) {
+  return zip_e4m3x8_to_f16x2(a, b, j);
+}
 
 __device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {
   reinterpret_cast<float4*>(dst)[0] = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
   reinterpret_cast<float4*>(dst)[1] = make_float4(x.v[4], x.v[5], x.v[6], x.v[7]);
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // The cluster barrier (sm_90), executed by every thread of the CTA at the same point (.aligned).
@@ -571,14 +580,13 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
                              pack_x2<kFp8>(s[1][0], s[1][1]), pack_x2<kFp8>(s[1][2], s[1][3])};
 #pragma unroll
       for (int hc = 0; hc < kHalves; ++hc) {
-        uint4 v_ops[4];
+        Fragment v[4];  // keys 2t, 2t + 1, 2t + 8, 2t + 9
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v_ops[j] = mma_operands(v_frag[tile][hc][j]);
+        for (int j = 0; j < 4; ++j) v[j] = v_frag[tile][hc][j];
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const uint32_t selector = (j & 1) ? 0x7632 : 0x5410;  // high or low half of each key
-          const uint32_t b0 = __byte_perm(word(v_ops[0], j / 2), word(v_ops[1], j / 2), selector);
-          const uint32_t b1 = __byte_perm(word(v_ops[2], j / 2), word(v_ops[3], j / 2), selector);
+          const uint32_t b0 = key_pair_operand(v[0], v[1], j);
+          const uint32_t b1 = key_pair_operand(v[2], v[3], j);
           mma_16816<kFp8>(acc[hc * 8 + j], p, b0, b1);
         }
       }

@@ -36,10 +36,32 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bytes) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// The same for bytes 2 and 3 of `bytes`; sm_89+ converts the high half in place, with no shift.
+__device__ __forceinline__ uint32_t e4m3x2_high_to_f16x2(uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t h;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+      : "=r"(h)
+      : "r"(bytes));
+  return h;
+#else
+  return e4m3x2_to_f16x2(bytes >> 16);
+#endif
+}
+
 // Eight e4m3 values as eight fp16 (the layout of a 16-byte bf16/fp16 load), in order.
 __device__ __forceinline__ uint4 e4m3x8_to_f16x8(const uint2& v) {
-  return make_uint4(e4m3x2_to_f16x2(v.x), e4m3x2_to_f16x2(v.x >> 16), e4m3x2_to_f16x2(v.y),
-                    e4m3x2_to_f16x2(v.y >> 16));
+  return make_uint4(e4m3x2_to_f16x2(v.x), e4m3x2_high_to_f16x2(v.x), e4m3x2_to_f16x2(v.y),
+                    e4m3x2_high_to_f16x2(v.y));
+}
+
+// Value j of two runs of eight e4m3 values, zipped: {a[j], b[j]} as an fp16x2 word, a[j] in the
+// low half. The bytes are zipped first ({a[j], b[j], a[j + 1], b[j + 1]} for even j), so that one
+// conversion of either 16-bit half gives a word: 4 byte permutes and 8 conversions for all 8.
+__device__ __forceinline__ uint32_t zip_e4m3x8_to_f16x2(const uint2& a, const uint2& b, int j) {
+  const uint32_t a4 = j < 4 ? a.x : a.y, b4 = j < 4 ? b.x : b.y;
+  const uint32_t zipped = __byte_perm(a4, b4, j % 4 < 2 ? 0x5140 : 0x7362);
+  return j % 2 ? e4m3x2_high_to_f16x2(zipped) : e4m3x2_to_f16x2(zipped);
 }
 
 // An fp16x2 word of e4m3 values as a bf16x2, exactly (every e4m3 value is a bf16 value).
@@ -63,16 +85,14 @@ __device__ __forceinline__ uint4 e4m3x8_to_bf16x8(const uint2& v) {
 // Eight bf16 values (a 16-byte load) as eight fp16, rounded to nearest even; values beyond fp16's
 // range saturate at +-65504 (NaN stays NaN).
 __device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4& v) {
-  Float8 f = bf16x8_to_float8(v);
-  constexpr float kF16Max = 65504.f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) f.v[i] = fabsf(f.v[i]) > kF16Max ? copysignf(kF16Max, f.v[i]) : f.v[i];
+  const uint32_t* in = &v.x;
   uint4 out;
   uint32_t* o = &out.x;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const __half2 h = __floats2half2_rn(f.v[2 * i], f.v[2 * i + 1]);
-    o[i] = *reinterpret_cast<const uint32_t*>(&h);
+    // A bf16 is the high half of the float it equals.
+    const float lo = __uint_as_float(in[i] << 16), hi = __uint_as_float(in[i] & 0xffff0000u);
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(o[i]) : "f"(hi), "f"(lo));
   }
   return out;
 }

@@ -177,6 +177,32 @@ def test_cases_cover_small_and_large_grids():
         assert any(p["cluster_merge"] for p in plans)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,nq,nkv,hd,max_len", [([300], 16, 8, 128, 300),
+                                                    (random_lens(64, 512, 23), 16, 8, 64, 512)],
+                         ids=["small_grid", "large_grid_hd64"])
+def test_decode_saturates_q_past_fp16(lens, nq, nkv, hd, max_len):
+    """Over an FP8 cache q meets the keys as fp16, so q values past fp16's range (bf16 reaches 3.4e38, and infinity)
+    count as +-65504. Two dims of every q head hold such values and the keys hold 0 or e4m3's smallest subnormal
+    (2^-9) there, so the saturated values move a score by up to 2 * 65504 * 2^-9 / sqrt(head_dim): the output
+    matches the float32 reference over q clamped to +-65504."""
+    torch.manual_seed(len(lens) + nq + hd)
+    q, k_cache, v_cache, block_tables, context_lens, _ = make_inputs(lens, nq, nkv, hd, 16, max_len)
+    dims = [3, hd // 2 + 5]
+    past_fp16 = torch.tensor([float("inf"), -float("inf"), 1e5, -1e5, 3e38, -7e4], device="cuda")
+    heads = q[:, : nq * hd].view(len(lens), nq, hd)
+    heads[:, :, dims] = past_fp16[torch.randint(len(past_fp16), (len(lens), nq, len(dims)), device="cuda")].bfloat16()
+    (k_fp8, _), (v_fp8, v_deq) = fp8_cache(k_cache, 1.0), fp8_cache(v_cache, 1.0)
+    tiny = torch.randint(0, 2, (*k_fp8.shape[:-1], len(dims)), dtype=torch.uint8, device="cuda")  # 0 or 2^-9
+    fp8_bytes(k_fp8)[..., dims] = torch.where(is_fp8_nan(k_fp8)[..., dims], fp8_bytes(k_fp8)[..., dims], tiny)
+    k_deq = dequantize_kv(k_fp8, 1.0, torch.float32)
+    out = decode(q, k_fp8, v_fp8, block_tables, context_lens, nq, max_len, 1.0, 1.0)
+    torch.cuda.synchronize()
+    q_fp16_range = q.float().clamp(-65504, 65504)
+    ref = decode_reference(q_fp16_range, k_deq, v_deq, block_tables, context_lens, nq)
+    torch.testing.assert_close(out.float(), ref, **TOL)
+
+
 def e4m3_error_variance(x, scale):
     """The variance of quantize_kv's rounding error at each value x (float64, no saturation): spacing^2 / 12, where
     the spacing of e4m3's values around |x| / scale is 2^(floor(log2 |x / scale|) - 3), and 2^-9 in the subnormal
