@@ -280,23 +280,17 @@ void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* 
                        stream);
 }
 
-bool Gemm::takes_gemv(const LinearWeight& w, int M, int N, int K) {
-  return w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_supported(M, N, K);
-}
-
 void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out, int M, int N,
-                  int K, cudaStream_t stream, const GemvInputNorm* norm) {
+                  int K, cudaStream_t stream) {
   // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth.
-  if (takes_gemv(w, M, N, K)) {
+  if (w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_supported(M, N, K)) {
     if (w.fp8()) {
-      gemv_fp8(x, w.data, w.scale, bias, out, M, N, K, stream, norm);
+      gemv_fp8(x, w.data, w.scale, bias, out, M, N, K, stream);
     } else {
-      gemv(x, w.bf16_data(), bias, out, M, N, K, stream, norm);
+      gemv(x, w.bf16_data(), bias, out, M, N, K, stream);
     }
     return;
   }
-  require(norm == nullptr, "gemm: a fused input norm needs a shape the GEMV takes, got " +
-                               shape_str(M, N, K) + "; run add_rmsnorm first");
   require(M >= 0 && N > 0 && K > 0, "gemm: need M >= 0 and N, K > 0, got " + shape_str(M, N, K));
   if (M == 0) return;
   if (w.fp8() && w.block_scale && fp8_gemm_supported(M, N, K, bias != nullptr)) {

@@ -12,7 +12,6 @@
 #pragma once
 #include "common.h"
 #include "fp8.h"
-#include "gemv.h"
 
 #include <map>
 #include <memory>
@@ -28,13 +27,9 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); out: [M, N];
-  // bias: [N] or nullptr. `norm` fuses the input's add-RMSNorm into the GEMV (GemvInputNorm,
-  // gemv.h); only where the GEMV takes it (gemv_input_norm_supported or its FP8 one).
+  // bias: [N] or nullptr.
   void linear(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out, int M, int N,
-              int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);
-
-  // Whether linear() runs this shape on the GEMV.
-  static bool takes_gemv(const LinearWeight& weight, int M, int N, int K);
+              int K, cudaStream_t stream);
 
   // Room for the largest FP8 weight (elements) that linear() dequantises; allocate it before any
   // capture. Grows only.

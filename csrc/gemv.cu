@@ -108,15 +108,12 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
 // kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
-// kNorm: x is normalised first (GemvInputNorm), into dynamic shared memory, and read from there.
-template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax, bool kNorm>
+template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
-                int splits, int steps_per_split, unsigned long long* __restrict__ keys,
-                GemvInputNorm norm) {
+                int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
-  static_assert(!(kNorm && (kArgmax || kWideM)), "a fused input norm takes a few rows, not lm_head");
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
   if constexpr (kArgmax) {
     if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
@@ -151,24 +148,14 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin);
-  uint4 norm_weight[kNormMaxVectors];
-  if constexpr (kNorm) load_input_norm_weight(norm, K, norm_weight);
   wait_for_producers_after_loads();
   allow_dependents();
-  const bf16* x_rows = x;
-  int64_t x_stride = K;
-  if constexpr (kNorm) {
-    extern __shared__ __align__(16) bf16 s_norm_rows[];
-    stage_input_norm<kWarps * 32>(x, norm, norm_weight, M, K, s_norm_rows);
-    x_rows = s_norm_rows;
-    x_stride = norm_row_stride(K);
-  }
 
   // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
   float acc[2][4] = {};
   if (n0 < N) {
-    const bf16* x_lo = x_rows + g * x_stride + kElems * c;
-    const bf16* x_hi = x_lo + 8 * x_stride;
+    const bf16* x_lo = x + static_cast<int64_t>(g) * K + kElems * c;
+    const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
     const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
       if (step0 != begin) load_weights(step0);
@@ -176,8 +163,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStepK;
         const bool in_range = step0 + u < end && k + kElems * c < K;
-        const uint4 lo = load_x_row<kNorm>(x_lo + k, in_range && has_lo);
-        const uint4 hi = load_x_row<kNorm>(x_hi + k, in_range && has_hi);
+        const uint4 lo = load_x(x_lo + k, in_range && has_lo);
+        const uint4 hi = load_x(x_hi + k, in_range && has_hi);
         mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
         mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
       }
@@ -237,18 +224,13 @@ bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
-bool gemv_input_norm_supported(int M, int N, int K) {
-  return input_norm_fits(M, K) && gemv_supported(M, N, K) &&
-         !streams(ceil_div(N, kRowsPerGroup), ceil_div(K, kStepK), kUnroll);
-}
-
 namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
 // kArgmax: gemv_argmax's epilogue into argmax_keys.
 template <bool kSiluMul, bool kArgmax = false>
 void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                 int K, cudaStream_t stream, const char* op, const GemvInputNorm* norm,
+                 int K, cudaStream_t stream, const char* op,
                  unsigned long long* argmax_keys = nullptr) {
   require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
@@ -263,44 +245,32 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  if (norm != nullptr) {
-    if constexpr (!kArgmax) {
-      require_input_norm(*norm, gemv_input_norm_supported(M, kSiluMul ? 2 * N : N, K), x, M,
-                         kSiluMul ? 2 * N : N, K, op);
-      auto kernel = warps == kWarpsPerCta ? gemv_kernel<false, kWarpsPerCta, kSiluMul, false, true>
-                                          : gemv_kernel<false, kMaxSplits, kSiluMul, false, true>;
-      launch_pdl(kernel, dim3(grid), dim3(warps * 32), input_norm_smem_bytes(M, K), stream, x,
-                 weight, bias, out, M, N, K, splits, steps_per_split, argmax_keys, *norm);
-      return;
-    }
-  }
   auto kernel = warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax, false>
-                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax, false>)
-                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax, false>
-                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax, false>);
+                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
+                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
+                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
   launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K, splits,
-             steps_per_split, argmax_keys, GemvInputNorm{});
+             steps_per_split, argmax_keys);
 }
 
 }  // namespace
 
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream, const GemvInputNorm* norm) {
-  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv", norm);
+          cudaStream_t stream) {
+  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv");
 }
 
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
-                   cudaStream_t stream, const GemvInputNorm* norm) {
-  launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul", norm);
+                   cudaStream_t stream) {
+  launch_gemv<true>(x, gate_up_weight, nullptr, out, M, inter, K, stream, "gemv_silu_mul");
 }
 
 void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
                  int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream) {
   require(keys != nullptr && out != nullptr, "gemv_argmax: keys and out are required");
   auto* key_words = reinterpret_cast<unsigned long long*>(keys);
-  launch_gemv<false, true>(x, weight, bias, logits, M, N, K, stream, "gemv_argmax", nullptr,
-                           key_words);
+  launch_gemv<false, true>(x, weight, bias, logits, M, N, K, stream, "gemv_argmax", key_words);
   launch_pdl(argmax_keys_kernel, dim3(1), dim3(32), 0, stream, key_words, M, out, host_out);
 }
 

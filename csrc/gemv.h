@@ -12,35 +12,13 @@ constexpr int kGemvMaxM = 16;
 // True when gemv() takes this shape: 1 <= M <= kGemvMaxM, N >= 1, K a positive multiple of 8.
 bool gemv_supported(int M, int N, int K);
 
-// A GEMV's input with the decoder's add-RMSNorm fused into it: the kernel reads x (the last
-// projection's output) and residual, and multiplies rmsnorm(bf16(x + residual)) * weight, bit-equal
-// to what add_rmsnorm (norm.h) leaves in x, without the norm's kernel. Its CTA 0 stores
-// bf16(x + residual) into residual_out, which must be another buffer than x and residual (every
-// CTA reads those). x, residual, residual_out [M, K]; weight [K]; all bf16, 16-byte aligned.
-// Each CTA normalises the rows itself into shared memory, so it pays for small M only:
-// gemv_input_norm_supported says which shapes take it.
-struct GemvInputNorm {
-  const bf16* residual = nullptr;
-  bf16* residual_out = nullptr;
-  const bf16* weight = nullptr;
-  float eps = 0.f;
-};
-
-// True when gemv and gemv_silu_mul take a GemvInputNorm for M rows of K against a weight of N rows
-// (gemv_silu_mul's 2 * inter): at most 8 rows (one MMA's x rows) of at most 4,096, filling at most
-// two rounds of an 8-warp CTA cut as the norm kernels cut them (rmsnorm_cut: 4 rows of 1,024, 2
-// of 4,096), and a weight that does not stream through several waves of CTAs (each CTA pays for
-// the norm before its weight streams; see choose_splits).
-bool gemv_input_norm_supported(int M, int N, int K);
-
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;
 // out: [M, N]. All bf16; fp32 accumulation, fp32 bias add, one rounding to bf16.
 // x and weight must be 16-byte aligned. Deterministic; no allocation (graph-capturable).
 // Launched with PDL (launch.h): the weight is read before the previous kernel on the stream has
-// finished, so that kernel must not be the one writing the weight. With `norm`, x is normalised
-// first (GemvInputNorm).
+// finished, so that kernel must not be the one writing the weight.
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
-          cudaStream_t stream, const GemvInputNorm* norm = nullptr);
+          cudaStream_t stream);
 
 // The gated MLP's first half in one kernel: out[M, inter] = silu(gate) * up, where gate and up
 // are x . W^T over gate_up_weight [2 * inter, K] (gate rows first, as silu_mul expects its input),
@@ -48,7 +26,7 @@ void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M,
 // Bit-equal to gemv into [M, 2 * inter] followed by silu_mul, without the intermediate tensor or
 // the second kernel. Same limits and launch as gemv (gemv_supported(M, 2 * inter, K)).
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,
-                   cudaStream_t stream, const GemvInputNorm* norm = nullptr);
+                   cudaStream_t stream);
 
 // lm_head at a greedy step: gemv into logits [M, N], and out[m] = argmax of logits row m as
 // stored (bf16), in torch.argmax's order (NaN first, then larger values, ties to the lower
@@ -63,15 +41,11 @@ void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logi
 // gemv. True when gemv_fp8 takes the shape: gemv_supported and K a multiple of 16.
 bool gemv_fp8_supported(int M, int N, int K);
 
-// gemv_input_norm_supported for gemv_fp8 and gemv_silu_mul_fp8.
-bool gemv_fp8_input_norm_supported(int M, int N, int K);
-
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
-              int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm = nullptr);
+              int M, int N, int K, cudaStream_t stream);
 
 // gemv_silu_mul over an FP8 gate_up weight; inter must be a multiple of 8 (kFp8ScaleRows).
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
-                       int M, int inter, int K, cudaStream_t stream,
-                       const GemvInputNorm* norm = nullptr);
+                       int M, int inter, int K, cudaStream_t stream);
 
 }  // namespace nanograph

@@ -73,14 +73,12 @@ __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
 
 // kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
 // gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
-// kNorm: x is normalised first (GemvInputNorm), into dynamic shared memory, and read from there.
-template <bool kWideM, int kWarps, bool kSiluMul, bool kNorm>
+template <bool kWideM, int kWarps, bool kSiluMul>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
                     const float* __restrict__ scale, const bf16* __restrict__ bias,
                     bf16* __restrict__ out, int M, int N, int K, int splits,
-                    int steps_per_split, GemvInputNorm norm) {
-  static_assert(!(kNorm && kWideM), "a fused input norm takes a few rows");
+                    int steps_per_split) {
   constexpr int kTiles = kWideM ? 2 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
@@ -122,24 +120,14 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin, 0, kUnroll);
-  uint4 norm_weight[kNormMaxVectors];
-  if constexpr (kNorm) load_input_norm_weight(norm, K, norm_weight);
   wait_for_producers_after_loads();
   allow_dependents();
-  const bf16* x_base = x;
-  int64_t x_stride = K;
-  if constexpr (kNorm) {
-    extern __shared__ __align__(16) bf16 s_norm_rows[];
-    stage_input_norm<kWarps * 32>(x, norm, norm_weight, M, K, s_norm_rows);
-    x_base = s_norm_rows;
-    x_stride = norm_row_stride(K);
-  }
 
   float acc[kTiles][4] = {};
   if (n0 < N) {
     const bf16* x_rows[kTiles];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) x_rows[t] = x_base + min(8 * t + g, M - 1) * x_stride;
+    for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -153,8 +141,8 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           fp8x16_to_bf16(w[u][1], hi);
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) {
-            const uint4 xa = load_x_row<kNorm>(x_rows[t] + kx);
-            const uint4 xb = load_x_row<kNorm>(x_rows[t] + kx + 8);
+            const uint4 xa = load_x(x_rows[t] + kx);
+            const uint4 xb = load_x(x_rows[t] + kx + 8);
             float part[4] = {};
             step_mma(part, lo, hi, xa, xb);
             acc[t][0] += s_lo * part[0];
@@ -220,8 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
 // N: out's width (gemv_fp8's N, or gemv_silu_mul_fp8's inter).
 template <bool kSiluMul>
 void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op,
-                     const GemvInputNorm* norm) {
+                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
   require(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K),
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
@@ -239,23 +226,14 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   const int grid = ceil_div(row_groups, warps / splits);
   const int steps_per_split = ceil_div(steps, splits);
-  const uint8_t* w = static_cast<const uint8_t*>(weight);
-  if (norm != nullptr) {
-    const int rows = kSiluMul ? 2 * N : N;
-    require_input_norm(*norm, gemv_fp8_input_norm_supported(M, rows, K), x, M, rows, K, op);
-    auto kernel = warps == kWarpsPerCta ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, true>
-                                        : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, true>;
-    launch_pdl(kernel, dim3(grid), dim3(warps * 32), input_norm_smem_bytes(M, K), stream, x, w,
-               scale, bias, out, M, N, K, splits, steps_per_split, *norm);
-    return;
-  }
   auto kernel = warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, false>
-                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, false>)
-                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul, false>
-                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, false>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, w, scale, bias, out, M, N, K,
-             splits, steps_per_split, GemvInputNorm{});
+                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul>
+                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul>)
+                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul>
+                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul>);
+  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x,
+             static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, splits,
+             steps_per_split);
 }
 
 // 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
@@ -288,20 +266,15 @@ __global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
 
 bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
 
-bool gemv_fp8_input_norm_supported(int M, int N, int K) {
-  return input_norm_fits(M, K) && gemv_fp8_supported(M, N, K) &&
-         !streams(ceil_div(N, kRows), ceil_div(K, kStep), kUnroll);
-}
-
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
-              int M, int N, int K, cudaStream_t stream, const GemvInputNorm* norm) {
-  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8", norm);
+              int M, int N, int K, cudaStream_t stream) {
+  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
 }
 
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,
-                       int M, int inter, int K, cudaStream_t stream, const GemvInputNorm* norm) {
+                       int M, int inter, int K, cudaStream_t stream) {
   launch_gemv_fp8<true>(x, gate_up_weight, scale, nullptr, out, M, inter, K, stream,
-                        "gemv_silu_mul_fp8", norm);
+                        "gemv_silu_mul_fp8");
 }
 
 void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,

@@ -22,8 +22,6 @@ DeviceProps query(int device) {
   props.clusters = props.compute_major >= 9;
   const char* pdl = std::getenv("NANOGRAPH_PDL");
   props.pdl = props.compute_major >= 9 && (pdl == nullptr || std::strcmp(pdl, "0") != 0);
-  const char* fused_norms = std::getenv("NANOGRAPH_FUSED_NORMS");
-  props.fused_norms = fused_norms == nullptr || std::strcmp(fused_norms, "0") != 0;
   return props;
 }
 

@@ -60,7 +60,6 @@ struct DeviceProps {
   size_t smem_per_block_optin = 0;  // the most shared memory a CTA can opt in to
   bool clusters = false;            // thread block clusters (compute capability 9.0+)
   bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)
-  bool fused_norms = true;          // Model::norms_fuse may fuse (unless NANOGRAPH_FUSED_NORMS=0)
 };
 
 // The current device's properties, read on the first call for that device.

@@ -175,7 +175,6 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   CUDA_CHECK(cudaMemset(stage_ctas_done_, 0, sizeof(unsigned)));
   device_meta_ = alloc<int32_t>(meta);
   residual_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
-  residual_alt_ = alloc<bf16>(static_cast<size_t>(std::min(T, kGemvMaxM)) * c.hidden_size);
   hidden_ = alloc<bf16>(static_cast<size_t>(T) * c.hidden_size);
   qkv_ = alloc<bf16>(static_cast<size_t>(T) * qkv_width_);
   attn_ = alloc<bf16>(static_cast<size_t>(T) * c.num_q_heads * c.head_dim);
@@ -361,20 +360,6 @@ int Model::decode_plan_seqs(int num_seqs) const {
   return num_seqs;
 }
 
-bool Model::norms_fuse(int T) const {
-  const ModelConfig& c = config_;
-  const int H = c.hidden_size, I = c.intermediate_size;
-  if (!device_props().fused_norms) return false;
-  auto fuses = [&](const LinearWeight& weight, int N) {
-    return weight.fp8() ? gemv_fp8_input_norm_supported(T, N, H)
-                        : gemv_input_norm_supported(T, N, H);
-  };
-  for (const LayerWeights& w : weights_.layers) {
-    if (!fuses(w.qkv, qkv_width_) || !fuses(w.gate_up, 2 * I)) return false;
-  }
-  return true;
-}
-
 void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax_host_out) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
@@ -397,32 +382,14 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const bool ordered = plan && plan->reads_order && S > 1 && S <= kOrderMaxSeqs;
   const bool rope_in_attention = plan && plan->fuse_rope;
   if (ordered) order_by_length(context_lens, S, seq_order_, st);
-  // A few tokens: the norms after the first go into the next projection's GEMV (GemvInputNorm),
-  // which reads the residual from one buffer and writes the sum into the other. They are 2L - 1,
-  // so the stream starts in residual_alt_ and ends in residual_, as it does without them.
-  const bool fuse_norms = norms_fuse(T);
-  bf16* residual = fuse_norms ? residual_alt_ : residual_;
-  GemvInputNorm fused;
-  // hidden_ = add_rmsnorm(hidden_, residual) with `weight`, in a kernel of its own or into the
-  // next GEMV (the returned norm, then given to it).
-  auto input_norm = [&](const bf16* weight) -> const GemvInputNorm* {
-    if (!fuse_norms) {
-      add_rmsnorm(hidden_, residual, weight, T, H, c.rms_norm_eps, st);
-      return nullptr;
-    }
-    bf16* next = residual == residual_ ? residual_alt_ : residual_;
-    fused = GemvInputNorm{residual, next, weight, c.rms_norm_eps};
-    residual = next;
-    return &fused;
-  };
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
-  embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual,
+  embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
                     weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st,
                     device_meta_ + layout.input_src, sampled_tokens_);
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
-    const GemvInputNorm* qkv_norm = l > 0 ? input_norm(w.input_norm) : nullptr;
-    gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st, qkv_norm);
+    if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
+    gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st);
 
     char* k_cache = static_cast<char*>(kv_cache_) + 2 * l * kv_layer_bytes;
     char* v_cache = k_cache + kv_layer_bytes;
@@ -446,11 +413,11 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
       paged_prefill_attention(args, st);
     }
     gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
-    const GemvInputNorm* mlp_norm = input_norm(w.post_norm);
+    add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
     if (w.gate_up.fp8() && gemv_fp8_supported(T, 2 * I, H)) {
-      gemv_silu_mul_fp8(hidden_, w.gate_up.data, w.gate_up.scale, act_, T, I, H, st, mlp_norm);
+      gemv_silu_mul_fp8(hidden_, w.gate_up.data, w.gate_up.scale, act_, T, I, H, st);
     } else if (!w.gate_up.fp8() && gemv_supported(T, 2 * I, H)) {
-      gemv_silu_mul(hidden_, w.gate_up.bf16_data(), act_, T, I, H, st, mlp_norm);  // one kernel
+      gemv_silu_mul(hidden_, w.gate_up.bf16_data(), act_, T, I, H, st);  // one kernel
     } else {
       gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
       silu_mul(gate_up_, act_, T, I, st);
@@ -459,11 +426,11 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   }
 
   bf16* last_hidden = hidden_;
-  bf16* last_residual = residual;  // residual_ (see fuse_norms)
+  bf16* last_residual = residual_;
   if (!is_decode) {
     last_hidden = last_hidden_;
     last_residual = last_hidden_ + static_cast<size_t>(limits_.max_num_seqs) * H;
-    gather_last_tokens_kernel<<<S, 128, 0, st>>>(hidden_, residual, cu_seqlens_q, last_hidden,
+    gather_last_tokens_kernel<<<S, 128, 0, st>>>(hidden_, residual_, cu_seqlens_q, last_hidden,
                                                  last_residual, H);
     CUDA_CHECK_LAUNCH();
   }

@@ -141,10 +141,6 @@ class Model {
   // The batch size decode attention plans its splits for: the graph bucket of num_seqs (the
   // default buckets when no graph is captured), so that eager and graph steps give the same bits.
   int decode_plan_seqs(int num_seqs) const;
-  // Whether a step of T tokens fuses the norms after the first into the next projection's GEMV
-  // (GemvInputNorm): every qkv and gate_up projection's GEMV takes it at T rows
-  // (gemv_input_norm_supported or its FP8 one), and NANOGRAPH_FUSED_NORMS is not 0.
-  bool norms_fuse(int T) const;
   // Padding-like metadata for a decode step of num_seqs rows (slot -1, context 0), on the device.
   void write_inert_decode_metadata(int num_seqs);
   // Waits until the last graph step's first kernel has read host_meta_ (stage_ticket_).
@@ -178,7 +174,6 @@ class Model {
   unsigned* stage_ctas_done_ = nullptr;  // device: the staging CTAs that have finished their part
   int32_t* device_meta_ = nullptr;
   bf16* residual_ = nullptr;
-  bf16* residual_alt_ = nullptr;  // [min(max_num_tokens, kGemvMaxM), hidden]: see norms_fuse
   bf16* hidden_ = nullptr;
   bf16* qkv_ = nullptr;
   bf16* attn_ = nullptr;

@@ -6,10 +6,9 @@
 //
 // Layouts: x, residual, out [rows, dim] bf16, row-major; weight [dim] bf16; dim a multiple of 8.
 // Launch: each row is held in registers as VPT 16-byte vectors per thread, so it is read from
-// global memory once. rmsnorm_cut (norm.h) cuts the row: rows of up to 512 elements get one warp
-// each (four rows per CTA, shuffle reduction only); wider rows get one CTA of at most 256 threads
-// (shuffle + shared-memory reduction). VPT = ceil(vectors / threads) is a template parameter so the
-// row stays in registers.
+// global memory once. Rows of up to 512 elements get one warp each (four rows per CTA, shuffle
+// reduction only); wider rows get one CTA of at most 256 threads (shuffle + shared-memory
+// reduction). VPT = ceil(vectors / threads) is a template parameter so the row stays in registers.
 // embedding_rmsnorm, the first layer's input, takes each row from the embedding table (the id
 // resolved as embedding() resolves it), stores it as the residual and normalises it: the
 // embedding kernel and rmsnorm's bits in one launch.
@@ -18,14 +17,21 @@
 #include "bf16x8.cuh"
 #include "embedding.cuh"
 #include "launch.h"
-#include "rmsnorm.cuh"
 
 namespace nanograph {
 
 namespace {
 
-constexpr int kWarpRowsPerCta = 4;  // rows of one warp (rmsnorm_cut) share a CTA
+constexpr int kMaxDim = 8192;
+constexpr int kMaxWarpRowVecs = 64;  // rows of <= 512 elements: one warp per row
+constexpr int kWarpRowsPerCta = 4;
 constexpr int kMaxCtaThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
 
 // blockDim = (threads per row, rows per CTA); blockDim.y > 1 only when blockDim.x == 32.
 // With kAddResidual, `residual` is updated in place and out may alias x. With kEmbed, x is the
@@ -118,24 +124,26 @@ template <bool kAddResidual, bool kEmbed = false>
 void launch_rmsnorm(const bf16* x, bf16* residual, const bf16* weight, bf16* out, int rows,
                     int dim, float eps, cudaStream_t stream, const char* name,
                     EmbeddingIds embed = {}) {
-  require(dim >= 8 && dim <= kRmsNormMaxDim && dim % 8 == 0,
+  require(dim >= 8 && dim <= kMaxDim && dim % 8 == 0,
           std::string(name) + ": hidden size " + std::to_string(dim) +
               " is unsupported; it must be a multiple of 8 between 8 and " +
-              std::to_string(kRmsNormMaxDim) + " (rows are held in registers as 16-byte vectors)");
+              std::to_string(kMaxDim) + " (rows are held in registers as 16-byte vectors)");
   for (const void* p : {static_cast<const void*>(x), static_cast<const void*>(residual),
                         static_cast<const void*>(weight), static_cast<const void*>(out)}) {
     require(reinterpret_cast<uintptr_t>(p) % 16 == 0,
             std::string(name) + ": tensors must be 16-byte aligned (pass whole-row slices)");
   }
   if (rows == 0) return;
-  const RmsNormCut cut = rmsnorm_cut(dim);
-  const int vpt = cut.vectors_per_thread;
+  const int vecs = dim / 8;
   dim3 block, grid;
-  if (cut.threads == 32) {
+  int vpt;
+  if (vecs <= kMaxWarpRowVecs) {
+    vpt = ceil_div(vecs, 32);
     block = dim3(32, kWarpRowsPerCta);
     grid = dim3(ceil_div(rows, kWarpRowsPerCta));
   } else {
-    block = dim3(cut.threads);
+    vpt = ceil_div(vecs, kMaxCtaThreads);
+    block = dim3(ceil_div(ceil_div(vecs, vpt), 32) * 32);
     grid = dim3(rows);
   }
   auto launch = [&](auto kernel) {

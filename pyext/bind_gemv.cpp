@@ -7,37 +7,27 @@ namespace nanograph::py_ext {
 
 NANOGRAPH_BINDINGS(bind_gemv) {
   m.attr("GEMV_MAX_M") = kGemvMaxM;
-  m.def("gemv_input_norm_supported", &gemv_input_norm_supported, py::arg("M"), py::arg("N"),
-        py::arg("K"),
-        "Whether gemv and gemv_silu_mul take norm= (a fused input add-RMSNorm) for M rows of K "
-        "against a weight of N rows (gemv_silu_mul's 2 * inter).");
-  m.def("gemv_fp8_input_norm_supported", &gemv_fp8_input_norm_supported, py::arg("M"),
-        py::arg("N"), py::arg("K"), "gemv_input_norm_supported for the FP8 GEMVs.");
   m.def(
       "gemv",
-      [](py::object x, py::object weight, py::object bias, py::object out, py::object norm) {
+      [](py::object x, py::object weight, py::object bias, py::object out) {
         LinearArgs a = linear_args(x, weight, bias, out, "gemv");
-        InputNormArg n(norm, a.x, "gemv");
         // gemv() rejects unsupported sizes and misaligned pointers with the limit it needs.
         gemv(a.x.data<bf16>(), a.weight.data<bf16>(), a.bias.data<bf16>(), a.out.data<bf16>(),
-             a.M, a.N, a.K, torch_current_stream(), n.get());
+             a.M, a.N, a.K, torch_current_stream());
       },
-      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("norm") = py::none(),
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"),
       "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]) for 1 <= M <= GEMV_MAX_M and K a multiple "
       "of 8; bias may be None. bf16, fp32 accumulation, deterministic. Runs on torch's current "
-      "stream. norm=(residual, residual_out, weight, eps) multiplies add_rmsnorm's output instead "
-      "of x, and writes bf16(x + residual) into residual_out (where "
-      "gemv_input_norm_supported(M, N, K)).");
+      "stream.");
   m.def(
       "gemv_silu_mul",
-      [](py::object x, py::object gate_up_weight, py::object out, py::object norm) {
+      [](py::object x, py::object gate_up_weight, py::object out) {
         SiluMulArgs a = silu_mul_args(x, gate_up_weight, py::none(), out, "gemv_silu_mul");
-        InputNormArg n(norm, a.x, "gemv_silu_mul");
         // gemv_silu_mul() rejects unsupported sizes and misaligned pointers with the limit.
         gemv_silu_mul(a.x.data<bf16>(), a.weight.data<bf16>(), a.out.data<bf16>(), a.M, a.inter,
-                      a.K, torch_current_stream(), n.get());
+                      a.K, torch_current_stream());
       },
-      py::arg("x"), py::arg("gate_up_weight"), py::arg("out"), py::arg("norm") = py::none(),
+      py::arg("x"), py::arg("gate_up_weight"), py::arg("out"),
       "out[M, inter] = silu(gate) * up with gate, up = x[M, K] @ gate_up_weight[2 * inter, K].T "
       "(gate rows first), each rounded to bf16: equal to gemv then silu_mul, in one kernel.");
   m.def(
@@ -63,31 +53,25 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "the device, left zeroed (workspace; one call at a time).");
   m.def(
       "gemv_fp8",
-      [](py::object x, py::object weight, py::object scale, py::object bias, py::object out,
-         py::object norm) {
+      [](py::object x, py::object weight, py::object scale, py::object bias, py::object out) {
         Tensor ts;
         LinearArgs a = fp8_linear_args(x, weight, scale, bias, out, "gemv_fp8", &ts);
-        InputNormArg n(norm, a.x, "gemv_fp8");
         gemv_fp8(a.x.data<bf16>(), a.weight.ptr, ts.data<float>(), a.bias.data<bf16>(),
-                 a.out.data<bf16>(), a.M, a.N, a.K, torch_current_stream(), n.get());
+                 a.out.data<bf16>(), a.M, a.N, a.K, torch_current_stream());
       },
       py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"),
-      py::arg("norm") = py::none(),
       "gemv with an FP8 weight: out[M, N] = x[M, K] @ (weight * scale).T (+ bias), weight "
       "float8_e4m3fn [N, K], scale float32 [ceil(N / 8), ceil(K / 128)] (one per 8 rows x 128 "
       "columns); K a multiple of 16.");
   m.def(
       "gemv_silu_mul_fp8",
-      [](py::object x, py::object gate_up_weight, py::object scale, py::object out,
-         py::object norm) {
+      [](py::object x, py::object gate_up_weight, py::object scale, py::object out) {
         if (scale.is_none()) throw_type_error("gemv_silu_mul_fp8: scale must be a torch.Tensor");
         SiluMulArgs a = silu_mul_args(x, gate_up_weight, scale, out, "gemv_silu_mul_fp8");
-        InputNormArg n(norm, a.x, "gemv_silu_mul_fp8");
         gemv_silu_mul_fp8(a.x.data<bf16>(), a.weight.ptr, a.scale.data<float>(), a.out.data<bf16>(),
-                          a.M, a.inter, a.K, torch_current_stream(), n.get());
+                          a.M, a.inter, a.K, torch_current_stream());
       },
       py::arg("x"), py::arg("gate_up_weight"), py::arg("scale"), py::arg("out"),
-      py::arg("norm") = py::none(),
       "gemv_silu_mul with an FP8 gate_up weight and its block scales (as gemv_fp8).");
   m.def(
       "dequantize_fp8",

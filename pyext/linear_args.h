@@ -5,7 +5,6 @@
 #include <string>
 
 #include "../csrc/fp8.h"
-#include "../csrc/gemv.h"
 #include "tensor.h"
 
 namespace nanograph::py_ext {
@@ -87,41 +86,5 @@ inline SiluMulArgs silu_mul_args(py::handle x, py::handle gate_up_weight, py::ha
   a.K = checked_int(a.x.size(1), std::string(op) + " K");
   return a;
 }
-
-// A GEMV's fused input norm (GemvInputNorm): None, or a tuple (residual, residual_out, weight,
-// eps) with residual and residual_out bfloat16 [M, K] like x, weight bfloat16 [K], on x's device.
-// The tensors are kept in *tensors (for same_device); the kernel's own checks name the limits.
-inline GemvInputNorm input_norm_args(py::handle norm, const Tensor& x, const char* op,
-                                     std::vector<Tensor>* tensors) {
-  if (!py::isinstance<py::tuple>(norm) || py::len(norm) != 4) {
-    throw_type_error(std::string(op) + ": norm must be None or a tuple (residual, residual_out, "
-                     "weight, eps)");
-  }
-  py::tuple t = py::reinterpret_borrow<py::tuple>(norm);
-  tensors->push_back(cuda_tensor(t[0], "norm residual", "bfloat16"));
-  tensors->push_back(cuda_tensor(t[1], "norm residual_out", "bfloat16"));
-  tensors->push_back(cuda_tensor(t[2], "norm weight", "bfloat16"));
-  const Tensor &residual = (*tensors)[0], &residual_out = (*tensors)[1], &weight = (*tensors)[2];
-  expect_shape(residual, x.shape);
-  expect_shape(residual_out, x.shape);
-  expect_shape(weight, {x.size(1)});
-  same_device({&x, &residual, &residual_out, &weight});
-  return GemvInputNorm{residual.data<bf16>(), residual_out.data<bf16>(), weight.data<bf16>(),
-                       t[3].cast<float>()};
-}
-
-// The GemvInputNorm pointer to pass on: nullptr for None.
-struct InputNormArg {
-  std::vector<Tensor> tensors;
-  GemvInputNorm norm;
-  bool given = false;
-
-  InputNormArg(py::handle obj, const Tensor& x, const char* op) {
-    if (obj.is_none()) return;
-    norm = input_norm_args(obj, x, op, &tensors);
-    given = true;
-  }
-  const GemvInputNorm* get() const { return given ? &norm : nullptr; }
-};
 
 }  // namespace nanograph::py_ext
