@@ -18,8 +18,8 @@ from .linear_reference import assert_close, poisoned_out, reference
 pytestmark = pytest.mark.gpu
 
 REL_NORM = 5e-3  # e4m3 products are exact and summed in fp32; the output is rounded once to bf16
-# Quantizing these activations to e4m3 moves a result by 2.0-2.6% of its norm (measured on the CPU with the torch
-# references below): the comparison must tell that apart from the GEMM's own error.
+# Quantizing the activations to e4m3 moves a result by a few percent of its norm, several times REL_NORM: a check
+# against the unquantized reference must not pass within QUANTIZATION_REL (the test asserts the gap).
 QUANTIZATION_REL = 2 * REL_NORM
 
 
