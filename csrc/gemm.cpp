@@ -18,6 +18,11 @@
 // "N-major" (cuBLAS's N is our M: the token index contiguous), shape M x ceil(K / 128); every
 // scale tensor starts 16-byte aligned, and cuBLAS's M and N (our N and M) must be multiples of 4.
 // (BLK128x128 on both operands is the one combination the documentation rules out.)
+// Whether the device and library have these scale modes is decided once, at construction, from
+// cublasLtGetVersion() and the compute capability (and a workspace, whose address stands in for
+// the scale pointers at plan time): elsewhere an FP8 plan is never built (an older library rejects
+// the scale-mode attributes themselves), and linear() dequantises. Where they do, only the
+// heuristic's NOT_SUPPORTED (or no algorithm) means that a shape is refused.
 //
 // Graph capture: a Plan (descriptors + the heuristic's algo) is built once per
 // (M, N, K, has_bias, fp8) and cached; the workspace is allocated once in the constructor. A call
@@ -39,6 +44,7 @@
 #include <utility>
 
 #include "gemv.h"
+#include "launch.h"
 
 namespace nanograph {
 
@@ -55,6 +61,7 @@ void cublas_check(cublasStatus_t status, const char* expr, const char* file, int
 #define CUBLAS_CHECK(expr) cublas_check((expr), #expr, __FILE__, __LINE__)
 
 constexpr uint32_t kMinAlignmentBytes = 16;
+constexpr size_t kBlockScaledFp8Version = 120900;  // cuBLAS 12.9.0, as cublasLtGetVersion() counts
 
 std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
@@ -88,6 +95,9 @@ struct Gemm::Plan {
 };
 
 Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  const DeviceProps& device = device_props();
+  block_scaled_fp8_ = cublasLtGetVersion() >= kBlockScaledFp8Version && device.compute_major == 9 &&
+                      device.compute_minor == 0 && workspace_bytes_ > 0;
   cublasLtHandle_t handle = nullptr;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   handle_ = handle;
@@ -166,11 +176,9 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias, bool fp8) {
   cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       static_cast<cublasLtHandle_t>(handle_), plan->matmul, plan->a, plan->b, plan->d, plan->d,
       pref.get(), 1, &result, &found);
-  // A device or library without these scale modes answers NOT_SUPPORTED (or INVALID_VALUE for a
-  // mode it does not know): the FP8 plan is then recorded as unsupported, and linear() dequantises.
-  const bool fp8_refused = fp8 && (status == CUBLAS_STATUS_NOT_SUPPORTED ||
-                                   status == CUBLAS_STATUS_INVALID_VALUE);
-  if (status != CUBLAS_STATUS_NOT_SUPPORTED && !fp8_refused) CUBLAS_CHECK(status);
+  // NOT_SUPPORTED (or no algorithm) is cuBLASLt refusing the shape: the plan is recorded as such.
+  // Any other failure is a mistake in the descriptors above.
+  if (status != CUBLAS_STATUS_NOT_SUPPORTED) CUBLAS_CHECK(status);
   plan->found = status == CUBLAS_STATUS_SUCCESS && found > 0;
   if (plan->found) plan->algo = result.algo;
   return *plans_.emplace(key, std::move(plan)).first->second;
@@ -213,7 +221,7 @@ void Gemm::reserve_fp8_activations(size_t rows, size_t K) {
 }
 
 bool Gemm::fp8_gemm_supported(int M, int N, int K, bool has_bias) {
-  if (M <= kGemvMaxM || K % 16 != 0 || N % 8 != 0) return false;
+  if (!block_scaled_fp8_ || M <= kGemvMaxM || K % 16 != 0 || N % 8 != 0) return false;
   const int rows = M / 4 * 4;
   return plan_for(rows, N, K, has_bias, true).found &&
          (rows == M || plan_for(4, N, K, has_bias, true).found);
@@ -232,11 +240,20 @@ void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const voi
     require_aligned(ptr, name);
   }
   if (bias) require_aligned(bias, "bias");
+  if (!block_scaled_fp8_) {
+    const DeviceProps& device = device_props();
+    throw CudaError("gemm: the block-scaled FP8 GEMM needs compute capability 9.0 and cuBLAS 12.9+ "
+                    "(and a workspace), have compute capability " +
+                    std::to_string(device.compute_major) + "." +
+                    std::to_string(device.compute_minor) + " and cuBLASLt version " +
+                    std::to_string(cublasLtGetVersion()) + "; use Gemm::linear, which dequantises "
+                    "instead");
+  }
   Plan& plan = plan_for(M, N, K, bias != nullptr, true);
   if (!plan.found) {
     throw CudaError("gemm: cuBLASLt has no block-scaled FP8 algorithm for " + shape_str(M, N, K) +
-                    (bias ? " with bias" : "") + " on this device (it needs compute capability "
-                    "9.0 and cuBLAS 12.9+); use Gemm::linear, which dequantises instead");
+                    (bias ? " with bias" : "") + " within a " + std::to_string(workspace_bytes_) +
+                    "-byte workspace; use Gemm::linear, which dequantises instead");
   }
   // The descriptor is cached, so the pointers are set per call; cublasLtMatmul reads them on the
   // host when it enqueues (and bakes them into a captured graph).

@@ -40,17 +40,18 @@ class Gemm {
   void reserve_fp8_activations(size_t rows, size_t K);
 
   // Whether linear() takes the block-scaled FP8 GEMM for a weight with block scales at this shape:
-  // M > kGemvMaxM, K a multiple of 16, N of 8, and cuBLASLt has an algorithm for it (for M
-  // rounded down to a multiple of 4, and for 4 rows when M is not one: see linear_fp8_dynamic). The
-  // heuristic's answer is cached with the plan.
+  // the device and library have it (block_scaled_fp8_), M > kGemvMaxM, K a multiple of 16, N of 8,
+  // and cuBLASLt has an algorithm for it (for M rounded down to a multiple of 4, and for 4 rows
+  // when M is not one: see linear_fp8_dynamic). The heuristic's answer is cached with the plan.
   bool fp8_gemm_supported(int M, int N, int K, bool has_bias);
 
   // out[M, N] = dequant(x_q) . dequant(weight)^T (+ bias): the block-scaled FP8 GEMM alone, on
   // activations that quantize_fp8_activations wrote (x_q [M, K] e4m3, x_scale [ceil(K / 128), M])
   // and an e4m3 weight [N, K] with its block_scale (fp8.h). cuBLASLt: A = weight with scale mode
   // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, B = x_q with
-  // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, D = out^T in bf16, fp32 accumulation. M a multiple of 4 (cuBLASLt's rule for these scale
-  // modes); throws when cuBLASLt has no algorithm for the shape. Graph-capturable once planned.
+  // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, D = out^T in bf16, fp32 accumulation. M a multiple of 4
+  // (cuBLASLt's rule for these scale modes); throws where the device or library lacks the GEMM, or
+  // cuBLASLt has no algorithm for the shape. Graph-capturable once planned.
   void linear_fp8_quantized(const void* x_q, const float* x_scale, const void* weight,
                             const float* block_scale, const bf16* bias, bf16* out, int M, int N,
                             int K, cudaStream_t stream);
@@ -65,6 +66,9 @@ class Gemm {
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_;
+  // cuBLASLt 12.9+ on compute capability 9.0, with a workspace (gemm.cpp): decided at construction,
+  // before any FP8 plan sets the block scale modes that older libraries reject.
+  bool block_scaled_fp8_ = false;
   bf16* dequantized_ = nullptr;
   size_t dequantized_elements_ = 0;
   uint8_t* fp8_activations_ = nullptr;  // e4m3 [rows, K]

@@ -17,6 +17,7 @@ DeviceProps query(int device) {
   int smem = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&props.sm_count, cudaDevAttrMultiProcessorCount, device));
   CUDA_CHECK(cudaDeviceGetAttribute(&props.compute_major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&props.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
   CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   props.smem_per_block_optin = static_cast<size_t>(smem);
   props.clusters = props.compute_major >= 9;

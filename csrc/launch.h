@@ -57,6 +57,7 @@ __device__ __forceinline__ void allow_dependents() {
 struct DeviceProps {
   int sm_count = 0;
   int compute_major = 0;
+  int compute_minor = 0;
   size_t smem_per_block_optin = 0;  // the most shared memory a CTA can opt in to
   bool clusters = false;            // thread block clusters (compute capability 9.0+)
   bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)

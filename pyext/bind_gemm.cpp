@@ -65,7 +65,8 @@ NANOGRAPH_BINDINGS(bind_gemm) {
           },
           py::arg("M"), py::arg("N"), py::arg("K"), py::arg("has_bias"),
           "Whether linear_fp8 with block_scale takes the block-scaled FP8 GEMM at this shape "
-          "(cuBLASLt's heuristic, asked once per shape on the current device).")
+          "(compute capability 9.0 and cuBLAS 12.9+, then cuBLASLt's heuristic, asked once per "
+          "shape on the device current at construction).")
       .def(
           "linear_fp8_quantized",
           [](Gemm& self, py::object x_q, py::object x_scale, py::object weight,
