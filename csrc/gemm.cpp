@@ -230,9 +230,18 @@ bool Gemm::fp8_gemm_supported(int M, int N, int K, bool has_bias) {
 void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const void* weight,
                                 const float* block_scale, const bf16* bias, bf16* out, int M,
                                 int N, int K, cudaStream_t stream) {
-  require(M > 0 && M % 4 == 0 && N > 0 && K > 0,
-          "gemm: the block-scaled FP8 GEMM needs M a positive multiple of 4, got " +
-              shape_str(M, N, K));
+  require(M > 0 && N > 0 && K > 0,
+          "gemm: the block-scaled FP8 GEMM needs M, N and K positive, got " + shape_str(M, N, K));
+  require(M % 4 == 0, "gemm: the block-scaled FP8 GEMM needs M (x_q's rows) a multiple of 4, got M=" +
+                          std::to_string(M) + "; use Gemm.linear_fp8 (Gemm::linear), which "
+                          "quantizes x itself and takes the rows past a multiple of 4 through a "
+                          "second GEMM");
+  require(K % 16 == 0, "gemm: the block-scaled FP8 GEMM needs K (the columns of x_q and weight) a "
+                       "multiple of 16, got K=" + std::to_string(K) + "; pad x and the weight "
+                       "with zero columns to a multiple of 16");
+  require(N % 8 == 0, "gemm: the block-scaled FP8 GEMM needs N (the weight's rows) a multiple of "
+                      "8, got N=" + std::to_string(N) + "; pad the weight with zero rows to a "
+                      "multiple of 8 and drop out's extra columns");
   require(x_scale != nullptr && block_scale != nullptr,
           "gemm: the block-scaled FP8 GEMM needs x_scale and block_scale");
   for (auto [ptr, name] : {std::pair<const void*, const char*>{x_q, "x_q"}, {x_scale, "x_scale"},

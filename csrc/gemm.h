@@ -50,8 +50,9 @@ class Gemm {
   // and an e4m3 weight [N, K] with its block_scale (fp8.h). cuBLASLt: A = weight with scale mode
   // CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, B = x_q with
   // CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, D = out^T in bf16, fp32 accumulation. M a multiple of 4
-  // (cuBLASLt's rule for these scale modes); throws where the device or library lacks the GEMM, or
-  // cuBLASLt has no algorithm for the shape. Graph-capturable once planned.
+  // (cuBLASLt's rule for these scale modes), K of 16 and N of 8 (16-byte rows of x_q, weight and
+  // out); throws where the device or library lacks the GEMM, or cuBLASLt has no algorithm for the
+  // shape. Graph-capturable once planned.
   void linear_fp8_quantized(const void* x_q, const float* x_scale, const void* weight,
                             const float* block_scale, const bf16* bias, bf16* out, int M, int N,
                             int K, cudaStream_t stream);

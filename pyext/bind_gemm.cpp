@@ -96,7 +96,8 @@ NANOGRAPH_BINDINGS(bind_gemm) {
           py::arg("bias"), py::arg("out"),
           "The block-scaled FP8 GEMM alone: out[M, N] = (x_q * x_scale) @ (weight * "
           "block_scale).T (+ bias), x_q float8_e4m3fn [M, K] and x_scale float32 "
-          "[ceil(K / 128), M] as quantize_fp8_activations writes them; M a multiple of 4.");
+          "[ceil(K / 128), M] as quantize_fp8_activations writes them; M a multiple of 4, K of 16 "
+          "and N of 8.");
 
   m.def(
       "quantize_fp8_activations",

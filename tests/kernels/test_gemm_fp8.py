@@ -144,8 +144,13 @@ def test_the_quantized_gemm_alone_and_scrambled_scale_layouts():
     gemm.linear_fp8(x, q, packed, None, full, block_scale=blocks)
     assert torch.equal(alone.view(torch.int16), full.view(torch.int16))
 
-    with pytest.raises(ValueError, match="multiple of 4"):
+    with pytest.raises(ValueError, match=r"M \(x_q's rows\) a multiple of 4, got M=6; use Gemm.linear_fp8"):
         gemm.linear_fp8_quantized(x_q[:6], x_scale[:, :6].contiguous(), q, blocks, None, poisoned_out(6, N))
+    with pytest.raises(ValueError, match="K .* a multiple of 16, got K=1000; pad"):
+        gemm.linear_fp8_quantized(x_q[:, :1000].contiguous(), x_scale, q[:, :1000].contiguous(), blocks, None,
+                                  poisoned_out(M, N))
+    with pytest.raises(ValueError, match="N .* a multiple of 8, got N=1020; pad"):
+        gemm.linear_fp8_quantized(x_q, x_scale, q[:1020].contiguous(), blocks, None, poisoned_out(M, 1020))
     with pytest.raises(ValueError, match="block_scale"):
         gemm.linear_fp8_quantized(x_q, x_scale, q, blocks[:, :2].contiguous(), None, poisoned_out(M, N))
 
