@@ -195,15 +195,20 @@ void Gemm::reserve_dequantized(size_t elements) {
 
 namespace {
 
-// Scales linear_fp8_dynamic needs for M rows of K columns: M rounded down to 4 rows, then 4 more.
+// Rows of quantized activations (and of their scales) that linear_fp8_dynamic writes for M rows:
+// M rounded down to 4 for the first GEMM, then the last 4 rows again, in a region of their own, for
+// the second.
+size_t fp8_activation_rows(size_t M) { return M / 4 * 4 + 4; }
+
 size_t fp8_activation_scale_count(size_t rows, size_t K) {
-  return (rows / 4 * 4 + 4) * static_cast<size_t>(fp8_scale_cols(static_cast<int64_t>(K)));
+  return fp8_activation_rows(rows) * static_cast<size_t>(fp8_scale_cols(static_cast<int64_t>(K)));
 }
 
 }  // namespace
 
 void Gemm::reserve_fp8_activations(size_t rows, size_t K) {
-  const size_t bytes = rows * K, scales = fp8_activation_scale_count(rows, K);
+  const size_t bytes = fp8_activation_rows(rows) * K;
+  const size_t scales = fp8_activation_scale_count(rows, K);
   if (bytes > fp8_activation_bytes_) {
     if (fp8_activations_) CUDA_CHECK(cudaFree(fp8_activations_));
     fp8_activations_ = nullptr;
@@ -282,12 +287,14 @@ void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const voi
 
 // cuBLASLt's rule that M be a multiple of 4 for these scale modes: the first M rounded down to 4
 // rows take one GEMM; when rows are left, a second GEMM takes the last 4 rows, so that every row
-// is computed from quantized activations. The rows both cover are quantized identically (the
+// is computed from quantized activations. The last 4 rows are quantized into their own region of
+// the buffers, after the first GEMM's operands (fp8_activation_rows), so that nothing the first
+// GEMM reads is rewritten. The output rows both GEMMs cover are quantized identically (the
 // quantization is per row) and written twice, the second time last; the two quantizations and
 // GEMMs run in order on the stream.
 void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out,
                               int M, int N, int K, cudaStream_t stream) {
-  require(static_cast<size_t>(M) * K <= fp8_activation_bytes_ &&
+  require(fp8_activation_rows(M) * K <= fp8_activation_bytes_ &&
               fp8_activation_scale_count(M, K) <= fp8_activation_scale_count_,
           "gemm: an FP8 weight with block scales at " + shape_str(M, N, K) +
               " needs reserve_fp8_activations(" + std::to_string(M) + ", " + std::to_string(K) +
@@ -299,7 +306,7 @@ void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* 
                        rows, N, K, stream);
   if (rows == M) return;
   const size_t first = static_cast<size_t>(M) - 4;
-  uint8_t* tail_q = fp8_activations_ + first * K;
+  uint8_t* tail_q = fp8_activations_ + static_cast<size_t>(rows) * K;  // 16-byte aligned: K % 16 == 0
   float* tail_scale = fp8_activation_scales_ + head_scales;
   quantize_fp8_activations(x + first * K, tail_q, tail_scale, 4, K, stream);
   linear_fp8_quantized(tail_q, tail_scale, w.data, w.block_scale, bias, out + first * N, 4, N, K,

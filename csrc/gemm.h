@@ -36,7 +36,8 @@ class Gemm {
   void reserve_dequantized(size_t elements);
 
   // Room for the quantized activations of up to `rows` rows of `K` columns (the widest K of the
-  // FP8 weights with block scales); allocate it before any capture. Grows only.
+  // FP8 weights with block scales): e4m3 values and scales for `rows` rounded down to 4, then for
+  // 4 more rows (linear_fp8_dynamic's second GEMM); allocate it before any capture. Grows only.
   void reserve_fp8_activations(size_t rows, size_t K);
 
   // Whether linear() takes the block-scaled FP8 GEMM for a weight with block scales at this shape:
@@ -72,9 +73,9 @@ class Gemm {
   bool block_scaled_fp8_ = false;
   bf16* dequantized_ = nullptr;
   size_t dequantized_elements_ = 0;
-  uint8_t* fp8_activations_ = nullptr;  // e4m3 [rows, K]
+  uint8_t* fp8_activations_ = nullptr;  // e4m3 [M rounded down to 4, K], then [4, K]
   size_t fp8_activation_bytes_ = 0;
-  float* fp8_activation_scales_ = nullptr;  // one [ceil(K / 128), M] block, then one for 4 rows
+  float* fp8_activation_scales_ = nullptr;  // [ceil(K / 128), M rounded down to 4], then [.., 4]
   size_t fp8_activation_scale_count_ = 0;
   // (M, N, K, has_bias, fp8 operands)
   std::map<std::tuple<int, int, int, bool, bool>, std::unique_ptr<Plan>> plans_;
