@@ -184,16 +184,19 @@ Gemm::Plan& Gemm::plan_for(int M, int N, int K, bool has_bias, bool fp8) {
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
-void Gemm::reserve_dequantized(size_t elements) {
-  if (elements <= dequantized_elements_) return;
-  if (dequantized_) CUDA_CHECK(cudaFree(dequantized_));
-  dequantized_ = nullptr;
-  dequantized_elements_ = 0;
-  CUDA_CHECK(cudaMalloc(&dequantized_, elements * sizeof(bf16)));
-  dequantized_elements_ = elements;
-}
-
 namespace {
+
+// Makes buffer, which holds `capacity` elements, hold at least `elements`: a smaller one is freed
+// (its contents dropped) and allocated anew. Grows only.
+template <class T>
+void grow(T*& buffer, size_t& capacity, size_t elements) {
+  if (elements <= capacity) return;
+  if (buffer) CUDA_CHECK(cudaFree(buffer));
+  buffer = nullptr;
+  capacity = 0;
+  CUDA_CHECK(cudaMalloc(&buffer, elements * sizeof(T)));
+  capacity = elements;
+}
 
 // Rows of quantized activations (and of their scales) that linear_fp8_dynamic writes for M rows:
 // M rounded down to 4 for the first GEMM, then the last 4 rows again, in a region of their own, for
@@ -206,23 +209,13 @@ size_t fp8_activation_scale_count(size_t rows, size_t K) {
 
 }  // namespace
 
+void Gemm::reserve_dequantized(size_t elements) {
+  grow(dequantized_, dequantized_elements_, elements);
+}
+
 void Gemm::reserve_fp8_activations(size_t rows, size_t K) {
-  const size_t bytes = fp8_activation_rows(rows) * K;
-  const size_t scales = fp8_activation_scale_count(rows, K);
-  if (bytes > fp8_activation_bytes_) {
-    if (fp8_activations_) CUDA_CHECK(cudaFree(fp8_activations_));
-    fp8_activations_ = nullptr;
-    fp8_activation_bytes_ = 0;
-    CUDA_CHECK(cudaMalloc(&fp8_activations_, bytes));
-    fp8_activation_bytes_ = bytes;
-  }
-  if (scales > fp8_activation_scale_count_) {
-    if (fp8_activation_scales_) CUDA_CHECK(cudaFree(fp8_activation_scales_));
-    fp8_activation_scales_ = nullptr;
-    fp8_activation_scale_count_ = 0;
-    CUDA_CHECK(cudaMalloc(&fp8_activation_scales_, scales * sizeof(float)));
-    fp8_activation_scale_count_ = scales;
-  }
+  grow(fp8_activations_, fp8_activation_bytes_, fp8_activation_rows(rows) * K);
+  grow(fp8_activation_scales_, fp8_activation_scale_count_, fp8_activation_scale_count(rows, K));
 }
 
 bool Gemm::fp8_gemm_supported(int M, int N, int K, bool has_bias) {
