@@ -45,6 +45,16 @@ inline void require(bool ok, const std::string& message) {
 
 inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// The alignment the kernels' 16-byte vector loads, and cuBLASLt's plans (gemm.cpp), need.
+constexpr int kAlignmentBytes = 16;
+
+// A ValueError from `op` unless its argument `name` at ptr is kAlignmentBytes-aligned.
+inline void require_aligned(const char* op, const char* name, const void* ptr) {
+  require(reinterpret_cast<uintptr_t>(ptr) % kAlignmentBytes == 0,
+          std::string(op) + ": " + name + " must be " + std::to_string(kAlignmentBytes) +
+              "-byte aligned; pass a contiguous copy instead of an offset view");
+}
+
 // DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, { body using constexpr HEAD_DIM })
 #define DISPATCH_HEAD_DIM(value, NAME, ...)                                               \
   [&] {                                                                                  \

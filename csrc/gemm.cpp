@@ -60,17 +60,11 @@ void cublas_check(cublasStatus_t status, const char* expr, const char* file, int
 
 #define CUBLAS_CHECK(expr) cublas_check((expr), #expr, __FILE__, __LINE__)
 
-constexpr uint32_t kMinAlignmentBytes = 16;
+constexpr uint32_t kMinAlignmentBytes = kAlignmentBytes;
 constexpr size_t kBlockScaledFp8Version = 120900;  // cuBLAS 12.9.0, as cublasLtGetVersion() counts
 
 std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
-}
-
-void require_aligned(const void* ptr, const char* name) {
-  require(reinterpret_cast<uintptr_t>(ptr) % kMinAlignmentBytes == 0,
-          std::string("gemm: ") + name + " must be " + std::to_string(kMinAlignmentBytes) +
-              "-byte aligned; pass a contiguous copy instead of an offset view");
 }
 
 }  // namespace
@@ -244,9 +238,9 @@ void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const voi
           "gemm: the block-scaled FP8 GEMM needs x_scale and block_scale");
   for (auto [ptr, name] : {std::pair<const void*, const char*>{x_q, "x_q"}, {x_scale, "x_scale"},
                            {weight, "weight"}, {block_scale, "block_scale"}, {out, "out"}}) {
-    require_aligned(ptr, name);
+    require_aligned("gemm", name, ptr);
   }
-  if (bias) require_aligned(bias, "bias");
+  if (bias) require_aligned("gemm", "bias", bias);
   if (!block_scaled_fp8_) {
     const DeviceProps& device = device_props();
     throw CudaError("gemm: the block-scaled FP8 GEMM needs compute capability 9.0 and cuBLAS 12.9+ "
@@ -332,10 +326,10 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
     dequantize_fp8(w.data, w.scale, dequantized_, N, K, stream);
     weight = dequantized_;
   }
-  require_aligned(x, "x");
-  require_aligned(weight, "weight");
-  require_aligned(out, "out");
-  if (bias) require_aligned(bias, "bias");
+  require_aligned("gemm", "x", x);
+  require_aligned("gemm", "weight", weight);
+  require_aligned("gemm", "out", out);
+  if (bias) require_aligned("gemm", "bias", bias);
 
   Plan& plan = plan_for(M, N, K, bias != nullptr, false);
   if (!plan.found) {

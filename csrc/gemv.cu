@@ -236,8 +236,8 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
               ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
-  require_aligned(x, "x");
-  require_aligned(weight, "weight");
+  require_aligned(op, "x", x);
+  require_aligned(op, "weight", weight);
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);

@@ -15,7 +15,6 @@ constexpr int kMaxSplits = 16;
 // them for occupancy and issues each load just before its MMA.
 constexpr int kWarpsPerSm = 16;
 constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
-constexpr int kAlignmentBytes = 16;
 constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for streamed matrices
 
 // 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
@@ -70,12 +69,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
 
 inline std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
-}
-
-inline void require_aligned(const void* ptr, const char* name) {
-  require(reinterpret_cast<uintptr_t>(ptr) % kAlignmentBytes == 0,
-          std::string("gemv: ") + name + " must be " + std::to_string(kAlignmentBytes) +
-              "-byte aligned; pass a contiguous copy instead of an offset view");
 }
 
 // K splits per row group, for a kernel whose warps keep `unroll` steps of loads in flight: a

@@ -213,8 +213,8 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
           std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
               std::to_string(kGemvMaxM) +
               ", N >= 1 and K a positive multiple of 16 (use Gemm::linear for other shapes)");
-  require_aligned(x, "x");
-  require_aligned(weight, "weight");
+  require_aligned(op, "x", x);
+  require_aligned(op, "weight", weight);
   require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
   require(!kSiluMul || N % kFp8ScaleRows == 0,
           std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
@@ -283,8 +283,8 @@ void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, in
           "dequantize_fp8: needs N >= 1 and K a positive multiple of 16, got N=" +
               std::to_string(N) + " K=" + std::to_string(K));
   require(scale != nullptr, "dequantize_fp8: scale is required");
-  require_aligned(weight, "weight");
-  require_aligned(out, "out");
+  require_aligned("dequantize_fp8", "weight", weight);
+  require_aligned("dequantize_fp8", "out", out);
   const int64_t chunks = static_cast<int64_t>(N) * (K / 16);
   const int threads = 256;
   const int grid = static_cast<int>(std::min<int64_t>((chunks + threads - 1) / threads, 4096));

@@ -15,7 +15,6 @@
 // amax is a 16-lane shuffle reduction, so every lane reaches it (no early return). Memory-bound:
 // 3 bytes moved per element.
 #include <string>
-#include <utility>
 
 #include "e4m3.cuh"
 #include "fp8.h"
@@ -61,11 +60,9 @@ void quantize_fp8_activations(const bf16* x, void* q, float* scale, int M, int K
   require(M >= 0 && K >= 16 && K % 16 == 0,
           "quantize_fp8_activations: needs M >= 0 and K a positive multiple of 16, got M=" +
               std::to_string(M) + " K=" + std::to_string(K));
-  using Named = std::pair<const void*, const char*>;
-  for (auto [ptr, name] : {Named{x, "x"}, Named{q, "q"}, Named{scale, "scale"}}) {
-    require(reinterpret_cast<uintptr_t>(ptr) % 16 == 0,
-            std::string("quantize_fp8_activations: ") + name + " must be 16-byte aligned");
-  }
+  require_aligned("quantize_fp8_activations", "x", x);
+  require_aligned("quantize_fp8_activations", "q", q);
+  require_aligned("quantize_fp8_activations", "scale", scale);
   if (M == 0) return;
   const int blocks_per_row = static_cast<int>(fp8_scale_cols(K));
   const int64_t threads_needed = static_cast<int64_t>(M) * blocks_per_row * kLanesPerBlock;
