@@ -74,8 +74,9 @@ def test_activation_quantization_is_bit_for_bit_the_reference(M, K):
         assert (scale[0, M // 2] == 1.0).item()  # the all-zero group
 
 
-# (N, K): Qwen3-0.6B qkv and down, Qwen3-8B o; then N and K not multiples of 128.
-SHAPES = [(4096, 1024), (1024, 3072), (4096, 4096), (1000, 1040), (200, 208)]
+# (N, K): Qwen3-0.6B qkv and down, Qwen3-8B o; Qwen2.5-0.5B qkv (K = 896: 7 blocks of 128) and K = 640 (5 blocks), whose
+# weight block scales have padded rows (rounded up to 8 blocks); then N and K not multiples of 128.
+SHAPES = [(4096, 1024), (1024, 3072), (4096, 4096), (1152, 896), (1024, 640), (1000, 1040), (200, 208)]
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -115,11 +116,13 @@ def test_scales_that_are_not_whole_blocks_take_the_dequantising_path():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="cuBLASLt's block-scaled FP8 GEMM runs on compute capability 9.0")
-def test_the_quantized_gemm_alone_and_scrambled_scale_layouts():
+@pytest.mark.parametrize("K", [1024, 640])
+def test_the_quantized_gemm_alone_and_scrambled_scale_layouts(K):
     """linear_fp8_quantized on quantize_fp8_activations' output equals linear_fp8's bits and the reference; the same
     call with the weight's block scales transposed, or the activation scales stored row-major instead of block-major,
-    is far off (if one of those matched instead, cuBLASLt reads that layout: the message says which)."""
-    M, N, K = 128, 1024, 1024  # square scale grids: [8, 8] for the weight, [8, 128] and [128, 8] for x
+    is far off (if one of those matched instead, cuBLASLt reads that layout: the message says which). At K = 640 the
+    weight's 5 block columns are padded to 8, so a stride read as 5 is far off too."""
+    M, N = 128, 1024  # square weight scale grids: [8, 8] (at K = 640, 5 columns and 3 of padding)
     gemm = ops.Gemm()
     q, packed, blocks, w = fp8_weight(N, K)
     x = activations(M, K)
@@ -144,15 +147,27 @@ def test_the_quantized_gemm_alone_and_scrambled_scale_layouts():
     gemm.linear_fp8(x, q, packed, None, full, block_scale=blocks)
     assert torch.equal(alone.view(torch.int16), full.view(torch.int16))
 
+
+def test_the_quantized_gemm_names_the_shape_it_needs():
+    """linear_fp8_quantized rejects M not a multiple of 4, K not of 16, N not of 8 and block scales of the wrong shape
+    with a ValueError that names the field and the fix (checked before whether the device has the GEMM)."""
+    N, K = 1024, 1024
+    gemm = ops.Gemm()
+    q, _, blocks, _ = fp8_weight(N, K)
+
+    def call(M, N, K, block_scale=blocks):
+        x_q = torch.zeros(M, K, device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)
+        x_scale = torch.ones(-(-K // 128), M, device="cuda")
+        gemm.linear_fp8_quantized(x_q, x_scale, q[:N, :K].contiguous(), block_scale, None, poisoned_out(M, N))
+
     with pytest.raises(ValueError, match=r"M \(x_q's rows\) a multiple of 4, got M=6; use Gemm.linear_fp8"):
-        gemm.linear_fp8_quantized(x_q[:6], x_scale[:, :6].contiguous(), q, blocks, None, poisoned_out(6, N))
+        call(6, N, K)
     with pytest.raises(ValueError, match="K .* a multiple of 16, got K=1000; pad"):
-        gemm.linear_fp8_quantized(x_q[:, :1000].contiguous(), x_scale, q[:, :1000].contiguous(), blocks, None,
-                                  poisoned_out(M, N))
+        call(128, N, 1000)  # the same block scale grid as K = 1024
     with pytest.raises(ValueError, match="N .* a multiple of 8, got N=1020; pad"):
-        gemm.linear_fp8_quantized(x_q, x_scale, q[:1020].contiguous(), blocks, None, poisoned_out(M, 1020))
+        call(128, 1020, K)
     with pytest.raises(ValueError, match="block_scale"):
-        gemm.linear_fp8_quantized(x_q, x_scale, q, blocks[:, :2].contiguous(), None, poisoned_out(M, N))
+        call(128, N, K, blocks[:, :2].contiguous())
 
 
 @pytest.mark.parametrize("M", [1000, 1001])
