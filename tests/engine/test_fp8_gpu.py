@@ -73,18 +73,21 @@ def teacher_forced_logprobs(runner, seqs) -> list[torch.Tensor]:
     return [torch.stack(rows) for rows in out]
 
 
-def quantized_projections(runner) -> types.SimpleNamespace:
-    """torch.nn.functional for the torch backend, except that linear() quantizes the input of runner's FP8
+def quantized_projections(runner) -> tuple[types.SimpleNamespace, set[int]]:
+    """(torch.nn.functional for the torch backend, except that linear() quantizes the input of runner's FP8
     projections (q|k|v, o, gate|up, down) as the core's block-scaled FP8 GEMM does, at steps of more than GEMV_MAX_M
-    tokens."""
+    tokens; the data_ptr of each projection whose input it has not quantized yet, which a prefill step empties)."""
     projections = {t.data_ptr() for name, t in runner.weights.items() if name.endswith("_proj")}
+    assert projections, f"no projection (a weight named *_proj) among the torch runner's {sorted(runner.weights)}"
+    unquantized = set(projections)
 
     def linear(x, weight, bias=None):
         if len(x) > ops.GEMV_MAX_M and weight.data_ptr() in projections:
             x = dequantize_activations(*quantize_activations(x)).to(x.dtype)
+            unquantized.discard(weight.data_ptr())
         return torch.nn.functional.linear(x, weight, bias)
 
-    return types.SimpleNamespace(**{**vars(torch.nn.functional), "linear": linear})
+    return types.SimpleNamespace(**{**vars(torch.nn.functional), "linear": linear}), unquantized
 
 
 @pytest.mark.parametrize("source", ["transformers' FP8 checkpoint", "quantization='fp8'"])
@@ -116,9 +119,11 @@ def test_fp8_runs_as_the_torch_backend_and_transformers(folders, source, monkeyp
 
     reference, bf16 = (teacher_forced_logprobs(torch_runner(dtype), seqs) for dtype in (torch.float32, torch.bfloat16))
     quantizing = torch_runner(torch.float32)
-    monkeypatch.setattr(torch_backend, "F", quantized_projections(quantizing))
+    functional, unquantized = quantized_projections(quantizing)
+    monkeypatch.setattr(torch_backend, "F", functional)
     quantized = teacher_forced_logprobs(quantizing, seqs)
     monkeypatch.undo()
+    assert not unquantized, f"{len(unquantized)} projections never saw quantized activations: the yardstick is short"
     for i, (s, n) in enumerate(zip(seqs, PROMPT_LENS)):
         error = (ours[i] - reference[i]).abs()
         bf16_error = (bf16[i] - reference[i]).abs()
