@@ -256,20 +256,12 @@ void Gemm::linear_fp8_quantized(const void* x_q, const float* x_scale, const voi
                     (bias ? " with bias" : "") + " within a " + std::to_string(workspace_bytes_) +
                     "-byte workspace; use Gemm::linear, which dequantises instead");
   }
-  // The descriptor is cached, so the pointers are set per call; cublasLtMatmul reads them on the
-  // host when it enqueues (and bakes them into a captured graph).
-  if (bias) {
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                &bias, sizeof(bias)));
-  }
+  // The scale pointers are set per call, as enqueue sets the bias pointer.
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                               &block_scale, sizeof(block_scale)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.matmul, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                               &x_scale, sizeof(x_scale)));
-  const float alpha = 1.0f, beta = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.matmul, &alpha, weight,
-                              plan.a, x_q, plan.b, &beta, out, plan.d, out, plan.d, &plan.algo,
-                              workspace_, workspace_bytes_, stream));
+  enqueue(plan, weight, x_q, bias, out, stream);
 }
 
 // cuBLASLt's rule that M be a multiple of 4 for these scale modes: the first M rounded down to 4
@@ -337,6 +329,11 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
                     (bias ? " with bias" : "") + " within a " + std::to_string(workspace_bytes_) +
                     "-byte workspace; construct Gemm with a larger workspace_bytes");
   }
+  enqueue(plan, weight, x, bias, out, stream);
+}
+
+void Gemm::enqueue(Plan& plan, const void* a, const void* b, const bf16* bias, bf16* out,
+                   cudaStream_t stream) {
   if (bias) {
     // The descriptor is cached, so the pointer is set per call; cublasLtMatmul reads it on the
     // host when it enqueues (and bakes it into a captured graph).
@@ -344,8 +341,8 @@ void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* 
                                                 &bias, sizeof(bias)));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.matmul, &alpha, weight,
-                              plan.a, x, plan.b, &beta, out, plan.d, out, plan.d, &plan.algo,
+  CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan.matmul, &alpha, a,
+                              plan.a, b, plan.b, &beta, out, plan.d, out, plan.d, &plan.algo,
                               workspace_, workspace_bytes_, stream));
 }
 

@@ -61,6 +61,9 @@ class Gemm {
  private:
   struct Plan;
   Plan& plan_for(int M, int N, int K, bool has_bias, bool fp8);
+  // cublasLtMatmul under a plan: out = a (the weight) . b (x), with the bias pointer set per call.
+  void enqueue(Plan& plan, const void* a, const void* b, const bf16* bias, bf16* out,
+               cudaStream_t stream);
   // linear() for an FP8 weight with block scales: quantize x, then linear_fp8_quantized.
   void linear_fp8_dynamic(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out,
                           int M, int N, int K, cudaStream_t stream);

@@ -241,17 +241,14 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
-  const int splits = choose_splits(row_groups, steps, kUnroll);
-  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
-  const int grid = ceil_div(row_groups, warps / splits);
-  const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = warps == kWarpsPerCta
+  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
+  auto kernel = g.warps == kWarpsPerCta
                     ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
                              : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
                     : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
                              : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x, weight, bias, out, M, N, K, splits,
-             steps_per_split, argmax_keys);
+  launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x, weight, bias, out, M, N, K,
+             g.splits, g.steps_per_split, argmax_keys);
 }
 
 }  // namespace

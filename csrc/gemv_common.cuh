@@ -97,4 +97,19 @@ inline int choose_splits(int row_groups, int steps, int unroll) {
   return splits;
 }
 
+// A GEMV launch: `splits` warps per row group, CTAs of `warps` warps (kWarpsPerCta, or one row
+// group's 16 splits), `ctas` of them, and the warp steps of each split.
+struct GemvGrid {
+  int splits;
+  int warps;
+  int ctas;
+  int steps_per_split;
+};
+
+inline GemvGrid gemv_grid(int row_groups, int steps, int unroll) {
+  const int splits = choose_splits(row_groups, steps, unroll);
+  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
+  return {splits, warps, ceil_div(row_groups, warps / splits), ceil_div(steps, splits)};
+}
+
 }  // namespace nanograph::gemv_detail

@@ -222,18 +222,15 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
-  const int splits = choose_splits(row_groups, steps, kUnroll);
-  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
-  const int grid = ceil_div(row_groups, warps / splits);
-  const int steps_per_split = ceil_div(steps, splits);
-  auto kernel = warps == kWarpsPerCta
+  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
+  auto kernel = g.warps == kWarpsPerCta
                     ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul>
                              : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul>)
                     : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul>
                              : gemv_fp8_kernel<false, kMaxSplits, kSiluMul>);
-  launch_pdl(kernel, dim3(grid), dim3(warps * 32), 0, stream, x,
-             static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, splits,
-             steps_per_split);
+  launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x,
+             static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, g.splits,
+             g.steps_per_split);
 }
 
 // 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
