@@ -24,8 +24,8 @@
 // 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q (saturating at fp16's
 // +-65504) and P then meet it as fp16; k_scale folds into the softmax scale and v_scale into each
 // CTA's normalised rows.
-// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
-// head_dim 128), the steps into as many contiguous chunks as its length fills (one per
+// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: each warp loads 8 KB of
+// K and V per step, one 16-key tile at head_dim 128 in bf16, two in e4m3), the steps into as many contiguous chunks as its length fills (one per
 // chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
 // round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
@@ -75,9 +75,12 @@ constexpr int kMaxSplits = 128;
 constexpr int kTargetCtasPerSm = 8;
 // Small grids: at most 2 CTAs per SM, all resident at once. The early-KV variant holds the
 // first step's fragments across the wait (over 168 registers at head_dim 128); larger grids,
-// which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
+// which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers). An e4m3
+// cache's larger steps (two tiles per warp at head_dim 128) need more than 168 registers: its
+// large grids run 2 CTAs per SM, each warp with as many bytes in flight as a bf16 one.
 constexpr int kEarlyKvCtasPerSm = 2;
 constexpr int kLargeGridCtasPerSm = 3;
+constexpr int kLargeGridFp8CtasPerSm = 2;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
 // On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
@@ -87,8 +90,14 @@ constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The keys that one step of a CTA's warps covers (split_kernel: 128 / HD tiles per warp).
-constexpr int cta_step_keys(int head_dim) { return kWarps * (128 / head_dim) * kTileKeys; }
+// The 16-key tiles a warp loads per step: 8 KB of K and V (bf16 at head_dim 128: one tile), so
+// that an e4m3 cache keeps as many bytes in flight per warp as a bf16 one.
+constexpr int warp_step_tiles(int head_dim, bool fp8) { return (fp8 ? 256 : 128) / head_dim; }
+
+// The keys that one step of a CTA's warps covers.
+constexpr int cta_step_keys(int head_dim, bool fp8) {
+  return kWarps * warp_step_tiles(head_dim, fp8) * kTileKeys;
+}
 
 // What split_kernel needs of the plan.
 struct KeyLayout {
@@ -304,13 +313,15 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
 // to fp16 at use, and q and P go to the mma as fp16. k_scale folds into the softmax scale and
 // v_scale into each CTA's normalised rows.
 template <int HD, bool kEarlyKv, bool kRope, bool kCluster, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
+__global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm
+                                            : kFp8      ? kLargeGridFp8CtasPerSm
+                                                        : kLargeGridCtasPerSm)
     split_kernel(DecodeAttentionArgs args, KeyLayout layout) {
   static_assert(!kCluster || kEarlyKv, "clusters are for small grids");
   constexpr int kChunks = HD / 32;      // K fragments (8 values: 16 or 8 bytes) per key per lane
   constexpr int kHalves = HD / 64;      // V fragments per key per lane
   constexpr int kNTiles = HD / 8;       // n-tiles of O
-  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of bf16 K+V per warp
+  constexpr int kTilesPerStep = warp_step_tiles(HD, kFp8);  // tiles loaded together: 8 KB of K+V
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
 
@@ -335,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   const PagedKv& kv = args.kv;
   // Large grids take the sequences longest first (after the wait: a kernel of the chain wrote the
   // order); CTA order is blockIdx order, so z is the slowest.
-  constexpr int kStep = cta_step_keys(HD);
+  constexpr int kStep = cta_step_keys(HD, kFp8);
   constexpr int kColumns = HD / 4;
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int seq = !kEarlyKv && args.seq_order ? args.seq_order[blockIdx.z] : blockIdx.z;
@@ -727,7 +738,7 @@ void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_ord
 
 DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num_kv_heads,
                                           int head_dim, int max_context_len,
-                                          const DeviceProps& device) {
+                                          const DeviceProps& device, KvDtype kv_dtype) {
   require(num_seqs >= 0 && num_kv_heads > 0 && num_q_heads > 0 && max_context_len >= 0,
           "plan_decode_attention: sizes must be positive (num_seqs and max_context_len at least 0)");
   DecodeAttentionPlan plan;
@@ -736,9 +747,10 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
   plan.num_kv_heads = num_kv_heads;
   plan.head_dim = head_dim;
   plan.max_context_len = max_context_len;
+  plan.kv_dtype = kv_dtype;
   require(head_dim == 64 || head_dim == 128,
           "unsupported head_dim " + std::to_string(head_dim) + "; supported: 64, 128");
-  const int step = cta_step_keys(head_dim);
+  const int step = cta_step_keys(head_dim, kv_dtype == KvDtype::kFp8E4m3);
   const int steps = ceil_div(std::max(max_context_len, 1), step);
   const int64_t rows = std::max<int64_t>(static_cast<int64_t>(num_seqs) * num_kv_heads, 1);
   const int64_t resident = static_cast<int64_t>(kEarlyKvCtasPerSm) * device.sm_count;
@@ -779,9 +791,11 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
   size_t bytes = 0;
   for (int kv_heads = 1; kv_heads <= num_q_heads; ++kv_heads) {
     if (num_q_heads % kv_heads != 0) continue;
-    const DecodeAttentionPlan plan = plan_decode_attention(num_seqs, num_q_heads, kv_heads,
-                                                           head_dim, max_context_len, device_props());
-    bytes = std::max(bytes, arrival_bytes(plan) + plan.workspace_bytes);
+    for (KvDtype kv_dtype : {KvDtype::kBf16, KvDtype::kFp8E4m3}) {
+      const DecodeAttentionPlan plan = plan_decode_attention(
+          num_seqs, num_q_heads, kv_heads, head_dim, max_context_len, device_props(), kv_dtype);
+      bytes = std::max(bytes, arrival_bytes(plan) + plan.workspace_bytes);
+    }
   }
   return bytes;
 }
@@ -838,7 +852,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
   }
   require(plan.num_q_heads == args.num_q_heads && plan.num_kv_heads == kv.num_kv_heads &&
               plan.head_dim == kv.head_dim && plan.max_context_len == args.max_context_len &&
-              args.num_seqs <= plan.num_seqs,
+              args.num_seqs <= plan.num_seqs && plan.kv_dtype == kv.dtype,
           "decode attention: the plan was made for other sizes (" + std::to_string(plan.num_seqs) +
               " sequences, " + std::to_string(plan.num_q_heads) + "/" +
               std::to_string(plan.num_kv_heads) + " heads, head_dim " +
@@ -846,7 +860,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
               std::to_string(plan.max_context_len) + ") than the launch (" +
               std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
               "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
-              ", max_context_len " + std::to_string(args.max_context_len) + ")");
+              ", max_context_len " + std::to_string(args.max_context_len) +
+              "), or for the other KV cache dtype");
   require_kv_scales("decode attention", kv.dtype, kv.k_scale, kv.v_scale);
   require(plan.workspace_bytes == 0 || (args.workspace != nullptr && args.arrivals != nullptr),
           "decode attention needs the plan's workspace and zero-filled arrival counters");
