@@ -25,9 +25,9 @@
 // +-65504) and P then meet it as fp16; k_scale folds into the softmax scale and v_scale into each
 // CTA's normalised rows.
 // Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: each warp loads 8 KB of
-// K and V per step, one 16-key tile at head_dim 128 in bf16, two in e4m3), the steps into as many contiguous chunks as its length fills (one per
-// chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
-// round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
+// K and V per step, one 16-key tile at head_dim 128 in bf16, two in e4m3), the steps into as many
+// contiguous chunks as its length fills (one per chunk_min_keys keys, up to the plan's chunks; the
+// steps shared out evenly), and a chunk's steps go round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
 // Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
 // directly. Otherwise every CTA with keys writes its normalised rows and their lse, and one CTA
