@@ -24,10 +24,11 @@
 // 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q (saturating at fp16's
 // +-65504) and P then meet it as fp16; k_scale folds into the softmax scale and v_scale into each
 // CTA's normalised rows.
-// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: each warp loads 8 KB of
-// K and V per step, one 16-key tile at head_dim 128 in bf16, two in e4m3), the steps into as many
-// contiguous chunks as its length fills (one per chunk_min_keys keys, up to the plan's chunks; the
-// steps shared out evenly), and a chunk's steps go round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
+// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one 16-key tile per
+// warp at head_dim 128, two for an e4m3 cache on a small grid), the steps into as many contiguous
+// chunks as its length fills (one per chunk_min_keys keys, up to the plan's chunks; the steps
+// shared out evenly), and a chunk's steps go round its cluster of CTAs in turn. The work follows
+// the lengths in device memory: a short
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
 // Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
 // directly. Otherwise every CTA with keys writes its normalised rows and their lse, and one CTA
@@ -75,12 +76,9 @@ constexpr int kMaxSplits = 128;
 constexpr int kTargetCtasPerSm = 8;
 // Small grids: at most 2 CTAs per SM, all resident at once. The early-KV variant holds the
 // first step's fragments across the wait (over 168 registers at head_dim 128); larger grids,
-// which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers). An e4m3
-// cache's larger steps (two tiles per warp at head_dim 128) need more than 168 registers: its
-// large grids run 2 CTAs per SM, each warp with as many bytes in flight as a bf16 one.
+// which need 3 CTAs per SM to keep the bandwidth, take the other (168 registers).
 constexpr int kEarlyKvCtasPerSm = 2;
 constexpr int kLargeGridCtasPerSm = 3;
-constexpr int kLargeGridFp8CtasPerSm = 2;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
 // On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
@@ -90,13 +88,15 @@ constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The 16-key tiles a warp loads per step: 8 KB of K and V (bf16 at head_dim 128: one tile), so
-// that an e4m3 cache keeps as many bytes in flight per warp as a bf16 one.
-constexpr int warp_step_tiles(int head_dim, bool fp8) { return (fp8 ? 256 : 128) / head_dim; }
+// The 16-key tiles a warp loads per step: 8 KB of bf16 K and V (one tile at head_dim 128). With
+// an e4m3 cache on a small grid (`wide`) twice the tiles, so that each of its few warps keeps as
+// many bytes in flight as a bf16 one; a large grid's 3 CTAs per SM keep the bytes in flight with
+// one tile (two would need more than its 168 registers).
+constexpr int warp_step_tiles(int head_dim, bool wide) { return (wide ? 256 : 128) / head_dim; }
 
 // The keys that one step of a CTA's warps covers.
-constexpr int cta_step_keys(int head_dim, bool fp8) {
-  return kWarps * warp_step_tiles(head_dim, fp8) * kTileKeys;
+constexpr int cta_step_keys(int head_dim, bool wide) {
+  return kWarps * warp_step_tiles(head_dim, wide) * kTileKeys;
 }
 
 // What split_kernel needs of the plan.
@@ -313,15 +313,14 @@ __device__ __forceinline__ void rotate_own_token(const DecodeAttentionArgs& args
 // to fp16 at use, and q and P go to the mma as fp16. k_scale folds into the softmax scale and
 // v_scale into each CTA's normalised rows.
 template <int HD, bool kEarlyKv, bool kRope, bool kCluster, bool kFp8>
-__global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm
-                                            : kFp8      ? kLargeGridFp8CtasPerSm
-                                                        : kLargeGridCtasPerSm)
+__global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLargeGridCtasPerSm)
     split_kernel(DecodeAttentionArgs args, KeyLayout layout) {
   static_assert(!kCluster || kEarlyKv, "clusters are for small grids");
   constexpr int kChunks = HD / 32;      // K fragments (8 values: 16 or 8 bytes) per key per lane
   constexpr int kHalves = HD / 64;      // V fragments per key per lane
   constexpr int kNTiles = HD / 8;       // n-tiles of O
-  constexpr int kTilesPerStep = warp_step_tiles(HD, kFp8);  // tiles loaded together: 8 KB of K+V
+  constexpr bool kWideStep = kFp8 && kEarlyKv;
+  constexpr int kTilesPerStep = warp_step_tiles(HD, kWideStep);  // tiles loaded together
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
 
@@ -346,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm
   const PagedKv& kv = args.kv;
   // Large grids take the sequences longest first (after the wait: a kernel of the chain wrote the
   // order); CTA order is blockIdx order, so z is the slowest.
-  constexpr int kStep = cta_step_keys(HD, kFp8);
+  constexpr int kStep = cta_step_keys(HD, kWideStep);
   constexpr int kColumns = HD / 4;
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int seq = !kEarlyKv && args.seq_order ? args.seq_order[blockIdx.z] : blockIdx.z;
@@ -750,23 +749,26 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
   plan.kv_dtype = kv_dtype;
   require(head_dim == 64 || head_dim == 128,
           "unsupported head_dim " + std::to_string(head_dim) + "; supported: 64, 128");
-  const int step = cta_step_keys(head_dim, kv_dtype == KvDtype::kFp8E4m3);
-  const int steps = ceil_div(std::max(max_context_len, 1), step);
+  const int keys = std::max(max_context_len, 1);
+  const bool fp8 = kv_dtype == KvDtype::kFp8E4m3;
+  const int small_grid_steps = ceil_div(keys, cta_step_keys(head_dim, fp8));
   const int64_t rows = std::max<int64_t>(static_cast<int64_t>(num_seqs) * num_kv_heads, 1);
   const int64_t resident = static_cast<int64_t>(kEarlyKvCtasPerSm) * device.sm_count;
-  const int cluster = std::min(kMaxClusterSplits, steps);
+  const int cluster = std::min(kMaxClusterSplits, small_grid_steps);
   if (rows * cluster <= resident) {
     // Small grid: clusters of CTAs interleaving a chunk's steps, as many chunks as fit in one
     // resident wave (a long sequence then spreads over every SM).
     plan.cluster = cluster;
     plan.chunks = static_cast<int>(std::clamp<int64_t>(
         resident / (rows * cluster), 1,
-        std::min(kMaxChunks, ceil_div(std::max(max_context_len, 1), kSmallGridChunkKeys))));
+        std::min(kMaxChunks, ceil_div(keys, kSmallGridChunkKeys))));
     plan.chunk_min_keys = kSmallGridChunkKeys;
     plan.early_kv = true;
     plan.cluster_merge = cluster > 1 && device.clusters;
   } else {
     // Large grid: one CTA per chunk, chunks as long as the bound's share of the wanted CTAs.
+    const int step = cta_step_keys(head_dim, false);
+    const int steps = ceil_div(keys, step);
     const int64_t wanted = std::max<int64_t>(kTargetCtasPerSm * device.sm_count / rows, 1);
     plan.chunks = static_cast<int>(std::min<int64_t>({wanted, steps, kMaxSplits}));
     plan.cluster = 1;
