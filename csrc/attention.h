@@ -65,6 +65,7 @@ struct DecodeAttentionPlan {
   int num_kv_heads = 0;
   int head_dim = 0;
   int max_context_len = 0;
+  KvDtype kv_dtype = KvDtype::kBf16;  // an e4m3 cache's warps take two tiles per step (see the .cu)
   // A sequence's keys fall into up to `chunks` contiguous ranges of whole CTA steps (one chunk
   // per chunk_min_keys keys of its length), and each chunk's steps go round its `cluster` CTAs in
   // turn. The grid is chunks * cluster CTAs per (sequence, kv head).
@@ -89,7 +90,8 @@ struct DecodeAttentionPlan {
 
 DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num_kv_heads,
                                           int head_dim, int max_context_len,
-                                          const DeviceProps& device);
+                                          const DeviceProps& device,
+                                          KvDtype kv_dtype = KvDtype::kBf16);
 
 // The plan's arrival counters in bytes, rounded up to 16.
 size_t arrival_bytes(const DecodeAttentionPlan& plan);

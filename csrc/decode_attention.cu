@@ -24,10 +24,11 @@
 // 8 bytes (8 values) per fragment and widened to fp16 at use, exactly; q (saturating at fp16's
 // +-65504) and P then meet it as fp16; k_scale folds into the softmax scale and v_scale into each
 // CTA's normalised rows.
-// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one tile per warp at
-// head_dim 128), the steps into as many contiguous chunks as its length fills (one per
-// chunk_min_keys keys, up to the plan's chunks; the steps shared out evenly), and a chunk's steps go
-// round its cluster of CTAs in turn. The work follows the lengths in device memory: a short
+// Keys (KeySpan): a sequence's keys are cut into CTA steps (cta_step_keys: one 16-key tile per
+// warp at head_dim 128, two for an e4m3 cache on a small grid), the steps into as many contiguous
+// chunks as its length fills (one per chunk_min_keys keys, up to the plan's chunks; the steps
+// shared out evenly), and a chunk's steps go round its cluster of CTAs in turn. The work follows
+// the lengths in device memory: a short
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
 // Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
 // directly. Otherwise every CTA with keys writes its normalised rows and their lse, and one CTA
@@ -87,8 +88,16 @@ constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The keys that one step of a CTA's warps covers (split_kernel: 128 / HD tiles per warp).
-constexpr int cta_step_keys(int head_dim) { return kWarps * (128 / head_dim) * kTileKeys; }
+// The 16-key tiles a warp loads per step: 8 KB of bf16 K and V (one tile at head_dim 128). With
+// an e4m3 cache on a small grid (`wide`) twice the tiles, so that each of its few warps keeps as
+// many bytes in flight as a bf16 one; a large grid's 3 CTAs per SM keep the bytes in flight with
+// one tile (two would need more than its 168 registers).
+constexpr int warp_step_tiles(int head_dim, bool wide) { return (wide ? 256 : 128) / head_dim; }
+
+// The keys that one step of a CTA's warps covers.
+constexpr int cta_step_keys(int head_dim, bool wide) {
+  return kWarps * warp_step_tiles(head_dim, wide) * kTileKeys;
+}
 
 // What split_kernel needs of the plan.
 struct KeyLayout {
@@ -310,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   constexpr int kChunks = HD / 32;      // K fragments (8 values: 16 or 8 bytes) per key per lane
   constexpr int kHalves = HD / 64;      // V fragments per key per lane
   constexpr int kNTiles = HD / 8;       // n-tiles of O
-  constexpr int kTilesPerStep = 128 / HD;  // tiles loaded together: 8 KB of bf16 K+V per warp
+  constexpr bool kWideStep = kFp8 && kEarlyKv;
+  constexpr int kTilesPerStep = warp_step_tiles(HD, kWideStep);  // tiles loaded together
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
 
@@ -335,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   const PagedKv& kv = args.kv;
   // Large grids take the sequences longest first (after the wait: a kernel of the chain wrote the
   // order); CTA order is blockIdx order, so z is the slowest.
-  constexpr int kStep = cta_step_keys(HD);
+  constexpr int kStep = cta_step_keys(HD, kWideStep);
   constexpr int kColumns = HD / 4;
   const int split = blockIdx.x, kv_head = blockIdx.y;
   const int seq = !kEarlyKv && args.seq_order ? args.seq_order[blockIdx.z] : blockIdx.z;
@@ -727,7 +737,7 @@ void order_by_length(const int32_t* context_lens, int num_seqs, int32_t* seq_ord
 
 DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num_kv_heads,
                                           int head_dim, int max_context_len,
-                                          const DeviceProps& device) {
+                                          const DeviceProps& device, KvDtype kv_dtype) {
   require(num_seqs >= 0 && num_kv_heads > 0 && num_q_heads > 0 && max_context_len >= 0,
           "plan_decode_attention: sizes must be positive (num_seqs and max_context_len at least 0)");
   DecodeAttentionPlan plan;
@@ -736,25 +746,29 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
   plan.num_kv_heads = num_kv_heads;
   plan.head_dim = head_dim;
   plan.max_context_len = max_context_len;
+  plan.kv_dtype = kv_dtype;
   require(head_dim == 64 || head_dim == 128,
           "unsupported head_dim " + std::to_string(head_dim) + "; supported: 64, 128");
-  const int step = cta_step_keys(head_dim);
-  const int steps = ceil_div(std::max(max_context_len, 1), step);
+  const int keys = std::max(max_context_len, 1);
+  const bool fp8 = kv_dtype == KvDtype::kFp8E4m3;
+  const int small_grid_steps = ceil_div(keys, cta_step_keys(head_dim, fp8));
   const int64_t rows = std::max<int64_t>(static_cast<int64_t>(num_seqs) * num_kv_heads, 1);
   const int64_t resident = static_cast<int64_t>(kEarlyKvCtasPerSm) * device.sm_count;
-  const int cluster = std::min(kMaxClusterSplits, steps);
+  const int cluster = std::min(kMaxClusterSplits, small_grid_steps);
   if (rows * cluster <= resident) {
     // Small grid: clusters of CTAs interleaving a chunk's steps, as many chunks as fit in one
     // resident wave (a long sequence then spreads over every SM).
     plan.cluster = cluster;
     plan.chunks = static_cast<int>(std::clamp<int64_t>(
         resident / (rows * cluster), 1,
-        std::min(kMaxChunks, ceil_div(std::max(max_context_len, 1), kSmallGridChunkKeys))));
+        std::min(kMaxChunks, ceil_div(keys, kSmallGridChunkKeys))));
     plan.chunk_min_keys = kSmallGridChunkKeys;
     plan.early_kv = true;
     plan.cluster_merge = cluster > 1 && device.clusters;
   } else {
     // Large grid: one CTA per chunk, chunks as long as the bound's share of the wanted CTAs.
+    const int step = cta_step_keys(head_dim, false);
+    const int steps = ceil_div(keys, step);
     const int64_t wanted = std::max<int64_t>(kTargetCtasPerSm * device.sm_count / rows, 1);
     plan.chunks = static_cast<int>(std::min<int64_t>({wanted, steps, kMaxSplits}));
     plan.cluster = 1;
@@ -779,9 +793,11 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
   size_t bytes = 0;
   for (int kv_heads = 1; kv_heads <= num_q_heads; ++kv_heads) {
     if (num_q_heads % kv_heads != 0) continue;
-    const DecodeAttentionPlan plan = plan_decode_attention(num_seqs, num_q_heads, kv_heads,
-                                                           head_dim, max_context_len, device_props());
-    bytes = std::max(bytes, arrival_bytes(plan) + plan.workspace_bytes);
+    for (KvDtype kv_dtype : {KvDtype::kBf16, KvDtype::kFp8E4m3}) {
+      const DecodeAttentionPlan plan = plan_decode_attention(
+          num_seqs, num_q_heads, kv_heads, head_dim, max_context_len, device_props(), kv_dtype);
+      bytes = std::max(bytes, arrival_bytes(plan) + plan.workspace_bytes);
+    }
   }
   return bytes;
 }
@@ -838,7 +854,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
   }
   require(plan.num_q_heads == args.num_q_heads && plan.num_kv_heads == kv.num_kv_heads &&
               plan.head_dim == kv.head_dim && plan.max_context_len == args.max_context_len &&
-              args.num_seqs <= plan.num_seqs,
+              args.num_seqs <= plan.num_seqs && plan.kv_dtype == kv.dtype,
           "decode attention: the plan was made for other sizes (" + std::to_string(plan.num_seqs) +
               " sequences, " + std::to_string(plan.num_q_heads) + "/" +
               std::to_string(plan.num_kv_heads) + " heads, head_dim " +
@@ -846,7 +862,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
               std::to_string(plan.max_context_len) + ") than the launch (" +
               std::to_string(args.num_seqs) + " sequences, " + std::to_string(args.num_q_heads) +
               "/" + std::to_string(kv.num_kv_heads) + ", head_dim " + std::to_string(kv.head_dim) +
-              ", max_context_len " + std::to_string(args.max_context_len) + ")");
+              ", max_context_len " + std::to_string(args.max_context_len) +
+              "), or for the other KV cache dtype");
   require_kv_scales("decode attention", kv.dtype, kv.k_scale, kv.v_scale);
   require(plan.workspace_bytes == 0 || (args.workspace != nullptr && args.arrivals != nullptr),
           "decode attention needs the plan's workspace and zero-filled arrival counters");

@@ -192,7 +192,7 @@ Model::Model(const ModelConfig& config, ModelWeights weights, const EngineLimits
   size_t workspace = 0;
   for (int b = 1; b <= S; ++b) {
     decode_plans_[b] = plan_decode_attention(b, c.num_q_heads, c.num_kv_heads, c.head_dim,
-                                             limits.max_model_len, device_props());
+                                             limits.max_model_len, device_props(), c.kv_dtype);
     workspace = std::max(workspace, decode_plans_[b].workspace_bytes);
   }
   attn_workspace_ = reinterpret_cast<float*>(alloc<char>(workspace));

@@ -71,9 +71,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
                                  ") must be at least the number of sequences (" +
                                  std::to_string(num_seqs) + ")");
         }
-        DecodeAttentionPlan plan =
-            plan_decode_attention(planned, num_q_heads, static_cast<int>(num_kv_heads),
-                                  static_cast<int>(head_dim), max_context_len, device_props());
+        DecodeAttentionPlan plan = plan_decode_attention(
+            planned, num_q_heads, static_cast<int>(num_kv_heads), static_cast<int>(head_dim),
+            max_context_len, device_props(), caches.dtype);
         plan.cluster_merge = plan.cluster_merge && cluster_merge;
         // One buffer: the arrival counters, then the workspace.
         const size_t ws_bytes = plan.workspace_bytes > 0 ? arrival_bytes(plan) + plan.workspace_bytes : 0;
@@ -157,9 +157,11 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
 
   m.def(
       "decode_attention_plan",
-      [](int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int max_context_len) {
-        const DecodeAttentionPlan plan = plan_decode_attention(
-            num_seqs, num_q_heads, num_kv_heads, head_dim, max_context_len, device_props());
+      [](int num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int max_context_len,
+         bool fp8) {
+        const DecodeAttentionPlan plan =
+            plan_decode_attention(num_seqs, num_q_heads, num_kv_heads, head_dim, max_context_len,
+                                  device_props(), fp8 ? KvDtype::kFp8E4m3 : KvDtype::kBf16);
         py::dict d;
         d["chunks"] = plan.chunks;
         d["cluster"] = plan.cluster;
@@ -173,8 +175,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         return d;
       },
       py::arg("num_seqs"), py::arg("num_q_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-      py::arg("max_context_len"),
-      "paged_decode_attention's plan for these sizes on the current GPU, as a dict: chunks, "
+      py::arg("max_context_len"), py::arg("fp8") = false,
+      "paged_decode_attention's plan for these sizes (fp8: an e4m3 KV cache) on the current GPU, "
+      "as a dict: chunks, "
       "cluster (CTAs per chunk), splits (CTAs per sequence and kv head), chunk_min_keys (a "
       "sequence fills one chunk per this many keys), early_kv, cluster_merge, reads_order (takes "
       "seq_order), fuse_rope (the engine passes the RoPE/KV store in), workspace_bytes.");

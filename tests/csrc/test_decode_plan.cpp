@@ -65,7 +65,7 @@ TEST(DecodePlan, LargeGridsSplitByTheBoundAndTakeTheOrder) {
   EXPECT_GE(static_cast<int64_t>(eight.chunks) * eight.chunk_min_keys, 40960);
 }
 
-TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsAndDevice) {
+TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsDeviceAndCache) {
   DeviceProps small = h200();
   small.sm_count = 16;
   small.clusters = false;
@@ -74,23 +74,32 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsAndDevice) {
       for (int kv : {1, 2, 8}) {
         for (int hd : {64, 128}) {
           for (int bound : {0, 1, 64, 65, 400, 2048, 40960}) {
-            const DecodeAttentionPlan p = plan_decode_attention(seqs, 16, kv, hd, bound, device);
-            SCOPED_TRACE(std::to_string(seqs) + " " + std::to_string(kv) + " " +
-                         std::to_string(hd) + " " + std::to_string(bound));
-            const int step = hd == 128 ? 64 : 128;
-            EXPECT_GE(p.chunks, 1);
-            EXPECT_GE(p.cluster, 1);
-            EXPECT_LE(p.cluster, 8);
-            EXPECT_LE(p.splits(), 128);
-            EXPECT_EQ(p.chunk_min_keys % step, 0);
-            EXPECT_GT(p.chunk_min_keys, 0);
-            EXPECT_EQ(p.cluster_merge, p.early_kv && p.cluster > 1 && device.clusters);
-            EXPECT_EQ(p.reads_order, !p.early_kv);
-            if (p.early_kv) {
-              EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
+            for (KvDtype dtype : {KvDtype::kBf16, KvDtype::kFp8E4m3}) {
+              const DecodeAttentionPlan p =
+                  plan_decode_attention(seqs, 16, kv, hd, bound, device, dtype);
+              SCOPED_TRACE(std::to_string(seqs) + " " + std::to_string(kv) + " " +
+                           std::to_string(hd) + " " + std::to_string(bound) + " " +
+                           (dtype == KvDtype::kBf16 ? "bf16" : "fp8"));
+              // A CTA step: 4 warps of 8 KB of bf16 K and V each; twice the keys for an e4m3
+              // cache on a small grid.
+              const bool wide = dtype == KvDtype::kFp8E4m3 && p.early_kv;
+              const int step = (hd == 128 ? 64 : 128) * (wide ? 2 : 1);
+              EXPECT_EQ(p.kv_dtype, dtype);
+              EXPECT_GE(p.chunks, 1);
+              EXPECT_GE(p.cluster, 1);
+              EXPECT_LE(p.cluster, 8);
+              EXPECT_LE(p.cluster, std::max(1, (bound + step - 1) / step));
+              EXPECT_LE(p.splits(), 128);
+              EXPECT_EQ(p.chunk_min_keys % step, 0);
+              EXPECT_GT(p.chunk_min_keys, 0);
+              EXPECT_EQ(p.cluster_merge, p.early_kv && p.cluster > 1 && device.clusters);
+              EXPECT_EQ(p.reads_order, !p.early_kv);
+              if (p.early_kv) {
+                EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
+              }
+              EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
+              EXPECT_EQ(p.arrival_counters, expected_counters(p));
             }
-            EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
-            EXPECT_EQ(p.arrival_counters, expected_counters(p));
           }
         }
       }
