@@ -1,6 +1,7 @@
 """Benchmark cases for the FP8-weight GEMV (e4m3, one float32 scale per 8 rows x 128 columns) at
 decode batch 1 and 8 on the Qwen3-0.6B and Qwen3-8B projections, each beside the bf16 GEMV on the
-same shape; bytes moved count the e4m3 weight, its scales, x and out. Weight copies rotate as in
+same shape, and gate_up also as the gated GEMV a decode step runs; bytes moved count the e4m3
+weight, its scales, x and out. Weight copies rotate as in
 benchmarks/kernels/gemv.py, so that no matrix stays in L2."""
 
 import torch
@@ -32,4 +33,10 @@ def cases():
                    N * K + 4 * fp8[0][1].numel() + act, 0)
             yield (f"gemv bf16 {name} {shape}", rotating(lambda w: ops.gemv(x, w, None, out), bf16),
                    2 * N * K + act, 0)
+            if "gate_up" in name:  # what a decode step runs: the gated product in the epilogue
+                inter = N // 2
+                gated = torch.empty(M, inter, device="cuda", dtype=torch.bfloat16)
+                yield (f"gemv_silu_mul_fp8 {name} M={M} inter={inter} K={K}",
+                       rotating(lambda w: ops.gemv_silu_mul_fp8(x, w[0], w[1], gated), fp8),
+                       N * K + 4 * fp8[0][1].numel() + 2 * (M * K + M * inter), 0)
         del fp8, bf16
