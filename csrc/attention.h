@@ -65,7 +65,7 @@ struct DecodeAttentionPlan {
   int num_kv_heads = 0;
   int head_dim = 0;
   int max_context_len = 0;
-  KvDtype kv_dtype = KvDtype::kBf16;  // an e4m3 cache's warps take two tiles per step (see the .cu)
+  KvDtype kv_dtype = KvDtype::kBf16;  // on small grids an e4m3 cache's warps take two tiles a step
   // A sequence's keys fall into up to `chunks` contiguous ranges of whole CTA steps (one chunk
   // per chunk_min_keys keys of its length), and each chunk's steps go round its `cluster` CTAs in
   // turn. The grid is chunks * cluster CTAs per (sequence, kv head).
