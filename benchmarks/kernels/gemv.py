@@ -24,6 +24,7 @@ SHAPES = [
     ("8B o", 4096, 4096),
     ("8B gate_up", 24576, 4096),
     ("8B down", 4096, 12288),
+    ("8B lm_head", 151936, 4096),
 ]
 TOKEN_COUNTS = (1, 8)
 GRAPH_LAUNCHES = 20  # launches per graph in benchmarks/bench_kernels.py
