@@ -28,7 +28,8 @@
 //
 // Launch: as gemv.cu (one row group and one K split per warp, splits summed in shared memory in
 // a fixed order; choose_splits), with kUnroll steps of two 16-byte weight loads per lane in
-// flight, the next batch's halves issued as soon as their registers are free.
+// flight, the next batch's halves issued as soon as their registers are free. A grid of more than
+// one wave at 2 CTAs per SM runs at 3 (launch_gemv_fp8 says why).
 #include "gemv.h"
 
 #include "e4m3.cuh"
@@ -50,6 +51,7 @@ constexpr int kRows = 16;  // weight rows per group: the m of one mma.m16n8k16
 constexpr int kStep = 64;  // K per warp step: 4 lanes x 16 e4m3
 constexpr int kUnroll = 4;  // warp steps whose weight loads are in flight together
 constexpr int kHalf = kUnroll / 2;
+constexpr int kFp8WarpsPerSm = 24;  // 3 CTAs of 8: the launch bounds of large grids (launch_gemv_fp8)
 
 // 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
 __device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
@@ -73,8 +75,8 @@ __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
 
 // kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
 // gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
-template <bool kWideM, int kWarps, bool kSiluMul>
-__global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
+template <bool kWideM, int kWarps, bool kSiluMul, int kResidentWarps>
+__global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
     gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
                     const float* __restrict__ scale, const bf16* __restrict__ bias,
                     bf16* __restrict__ out, int M, int N, int K, int splits,
@@ -128,23 +130,43 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     const bf16* x_rows[kTiles];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;
+    // At 16 resident warps x is loaded one step ahead, so that its load (an L1 or, often, an L2
+    // hit) overlaps the widening and the MMAs of the step before instead of stalling the step that
+    // reads it; at 24 the registers this holds would spill.
+    constexpr bool kXAhead = kResidentWarps == kWarpsPerSm;
+    uint4 x_next[kTiles][2];
+    auto load_x_step = [&](int step) {
+      const int kx = min(step * kStep + 16 * c, K - 16);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        x_next[t][0] = load_x(x_rows[t] + kx);
+        x_next[t][1] = load_x(x_rows[t] + kx + 8);
+      }
+    };
+    if constexpr (kXAhead) load_x_step(begin);
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (step0 + u < end) {
           const int k = (step0 + u) * kStep;
-          const int kx = min(k + 16 * c, K - 16);
           const float s_lo = __ldg(scale_lo + k / kFp8ScaleCols);
           const float s_hi = __ldg(scale_hi + k / kFp8ScaleCols);
+          if constexpr (!kXAhead) load_x_step(step0 + u);
+          uint4 xs[kTiles][2];
+#pragma unroll
+          for (int t = 0; t < kTiles; ++t) {
+            xs[t][0] = x_next[t][0];
+            xs[t][1] = x_next[t][1];
+          }
+          // In bounds past the split too: the column is clamped.
+          if constexpr (kXAhead) load_x_step(step0 + u + 1);
           uint32_t lo[8], hi[8];
           fp8x16_to_bf16(w[u][0], lo);
           fp8x16_to_bf16(w[u][1], hi);
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) {
-            const uint4 xa = load_x(x_rows[t] + kx);
-            const uint4 xb = load_x(x_rows[t] + kx + 8);
             float part[4] = {};
-            step_mma(part, lo, hi, xa, xb);
+            step_mma(part, lo, hi, xs[t][0], xs[t][1]);
             acc[t][0] += s_lo * part[0];
             acc[t][1] += s_lo * part[1];
             acc[t][2] += s_hi * part[2];
@@ -223,11 +245,18 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
   const GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
-  auto kernel = g.warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul>
-                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul>)
-                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul>
-                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul>);
+  // A grid of more than one wave at 2 CTAs per SM runs at 3 (80 registers, x not loaded ahead):
+  // the longer wait between a warp's instructions is hidden by more warps, and Qwen3-8B's qkv
+  // (384 CTAs) then fits one wave. Grids of one wave keep 2 CTAs and the registers. M > 8 (two
+  // sets of MMAs) would spill at 80 registers.
+  const bool three_per_sm = M <= 8 && g.warps == kWarpsPerCta &&
+                            g.ctas > 2 * device_props().sm_count;
+  auto kernel = three_per_sm       ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kFp8WarpsPerSm>
+                : g.warps == kWarpsPerCta
+                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, kWarpsPerSm>
+                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kWarpsPerSm>)
+                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul, kWarpsPerSm>
+                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, kWarpsPerSm>);
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x,
              static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, g.splits,
              g.steps_per_split);

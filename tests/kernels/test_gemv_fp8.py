@@ -19,7 +19,8 @@ REL_NORM = 5e-3
 # (N, K): Qwen3-8B qkv, o, gate_up, down; Qwen3-0.6B qkv, o, gate_up, down; SmolLM2-135M qkv
 # (576 = 4.5 blocks of K), down; tails: N not a multiple of 8 or 16, K a multiple of 16 but not of
 # 64 or 128 (the last 64-column step holding 1, 2 or 3 lanes' columns), the smallest K, and a long
-# K split over several waves.
+# K split over several waves. At M <= 8 the grids of more than one wave (8B qkv and gate_up, 9001 x
+# 2064) take the 3-CTAs-per-SM kernel, the others the 2-CTA one that loads x a step ahead.
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024), (1024, 2048),
           (6144, 1024), (1024, 3072), (960, 576), (576, 1536), (1001, 208), (3, 16), (20, 4112),
           (9001, 2064), (40, 96), (1000, 176), (24, 1120)]
