@@ -7,14 +7,14 @@
 BATCH sequences (default 1) each attend CONTEXT cached tokens (default 131: the middle of the latency
 benchmark's batch-1 run); the cache holds unwritten memory, which costs the same time to read. A fourth argument,
 MAX_MODEL_LEN (default max(512, CONTEXT + 1)), sizes the engine, and with it the attention grid.
-`--kv-cache-dtype fp8` profiles the FP8 KV cache.
+`--kv-cache-dtype fp8` profiles the FP8 KV cache, `--quantization fp8` FP8 weights.
 """
 import csv
 import sys
 from collections import defaultdict
 
 
-def run(model, batch=1, context=131, max_model_len=None, kv_cache_dtype="auto"):
+def run(model, batch=1, context=131, max_model_len=None, kv_cache_dtype="auto", quantization=None):
     import numpy as np
     import torch
 
@@ -26,7 +26,7 @@ def run(model, batch=1, context=131, max_model_len=None, kv_cache_dtype="auto"):
     width = -(-max_model_len // block_size) + 1  # the core's block-table width
     llm = LLM(model, device="cuda", enforce_eager=True, max_num_seqs=batch, max_model_len=max_model_len,
               max_num_batched_tokens=max(4096, batch), block_size=block_size, num_kv_blocks=batch * width,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     llm.generate([list(range(100, 228))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)  # warms cuBLASLt
     runner = llm.engine.runner
@@ -69,9 +69,11 @@ if __name__ == "__main__":
         summarize(sys.argv[2])
     else:
         args = sys.argv[1:]
-        kv_cache_dtype = "auto"
-        if "--kv-cache-dtype" in args:
-            i = args.index("--kv-cache-dtype")
-            kv_cache_dtype = args[i + 1]
-            del args[i:i + 2]
-        run(args[0], *map(int, args[1:4]), kv_cache_dtype=kv_cache_dtype)
+        options = {"--kv-cache-dtype": "auto", "--quantization": None}
+        for flag in options:
+            if flag in args:
+                i = args.index(flag)
+                options[flag] = args[i + 1]
+                del args[i:i + 2]
+        run(args[0], *map(int, args[1:4]), kv_cache_dtype=options["--kv-cache-dtype"],
+            quantization=options["--quantization"])
