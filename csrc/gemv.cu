@@ -232,10 +232,7 @@ template <bool kSiluMul, bool kArgmax = false>
 void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
                  int K, cudaStream_t stream, const char* op,
                  unsigned long long* argmax_keys = nullptr) {
-  require(gemv_supported(M, kSiluMul ? 2 * N : N, K),
-          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
-              std::to_string(kGemvMaxM) +
-              ", N >= 1 and K a positive multiple of 8 (use Gemm::linear for other shapes)");
+  require_gemv_shape(gemv_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 8);
   require_aligned(op, "x", x);
   require_aligned(op, "weight", weight);
 

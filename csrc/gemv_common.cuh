@@ -3,6 +3,7 @@
 // gemv.cu's header for why the kernels are built this way.
 #pragma once
 #include "common.h"
+#include "gemv.h"
 
 #include <string>
 
@@ -69,6 +70,16 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
 
 inline std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
+}
+
+// Throws unless `supported`, naming the op, the shape and the limits of a GEMV whose K must be a
+// positive multiple of k_multiple.
+inline void require_gemv_shape(bool supported, const char* op, int M, int N, int K,
+                               int k_multiple) {
+  require(supported, std::string(op) + ": unsupported " + shape_str(M, N, K) +
+                         "; it takes 1 <= M <= " + std::to_string(kGemvMaxM) +
+                         ", N >= 1 and K a positive multiple of " + std::to_string(k_multiple) +
+                         " (use Gemm::linear for other shapes)");
 }
 
 // K splits per row group, for a kernel whose warps keep `unroll` steps of loads in flight: a

@@ -231,10 +231,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 template <bool kSiluMul>
 void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
                      bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
-  require(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K),
-          std::string(op) + ": unsupported " + shape_str(M, N, K) + "; it takes 1 <= M <= " +
-              std::to_string(kGemvMaxM) +
-              ", N >= 1 and K a positive multiple of 16 (use Gemm::linear for other shapes)");
+  require_gemv_shape(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 16);
   require_aligned(op, "x", x);
   require_aligned(op, "weight", weight);
   require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
