@@ -117,10 +117,14 @@ struct GemvGrid {
   int steps_per_split;
 };
 
-inline GemvGrid gemv_grid(int row_groups, int steps, int unroll) {
-  const int splits = choose_splits(row_groups, steps, unroll);
+// The launch of `splits` splits per row group.
+inline GemvGrid gemv_grid_of(int row_groups, int steps, int splits) {
   const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
   return {splits, warps, ceil_div(row_groups, warps / splits), ceil_div(steps, splits)};
+}
+
+inline GemvGrid gemv_grid(int row_groups, int steps, int unroll) {
+  return gemv_grid_of(row_groups, steps, choose_splits(row_groups, steps, unroll));
 }
 
 }  // namespace nanograph::gemv_detail

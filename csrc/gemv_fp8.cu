@@ -241,13 +241,26 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
-  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
+  GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
   // A grid of more than one wave at 2 CTAs per SM runs at 3 (80 registers, x not loaded ahead):
   // the longer wait between a warp's instructions is hidden by more warps, and Qwen3-8B's qkv
   // (384 CTAs) then fits one wave. Grids of one wave keep 2 CTAs and the registers. M > 8 (two
   // sets of MMAs) would spill at 80 registers.
-  const bool three_per_sm = M <= 8 && g.warps == kWarpsPerCta &&
-                            g.ctas > 2 * device_props().sm_count;
+  const int sms = device_props().sm_count;
+  const int one_wave = kFp8WarpsPerSm / kWarpsPerCta * sms;  // CTAs at 3 per SM
+  if (M <= 8 && g.warps == kWarpsPerCta && g.ctas > one_wave) {
+    // A grid of several waves even at 3 CTAs per SM (Qwen3-8B's gate_up: 1,536 CTAs of 8 splits)
+    // takes the fewest splits that fill one such wave, if any do: longer splits and no partial
+    // last wave.
+    for (int splits = 1; splits < g.splits; splits *= 2) {
+      const GemvGrid fewer = gemv_grid_of(row_groups, steps, splits);
+      if (fewer.ctas > 2 * sms && fewer.ctas <= one_wave) {
+        g = fewer;
+        break;
+      }
+    }
+  }
+  const bool three_per_sm = M <= 8 && g.warps == kWarpsPerCta && g.ctas > 2 * sms;
   auto kernel = three_per_sm       ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kFp8WarpsPerSm>
                 : g.warps == kWarpsPerCta
                     ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, kWarpsPerSm>
