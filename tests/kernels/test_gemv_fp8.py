@@ -20,7 +20,8 @@ REL_NORM = 5e-3
 # (576 = 4.5 blocks of K), down; tails: N not a multiple of 8 or 16, K a multiple of 16 but not of
 # 64 or 128 (the last 64-column step holding 1, 2 or 3 lanes' columns), the smallest K, and a long
 # K split over several waves. At M <= 8 the grids of more than one wave (8B qkv and gate_up, 9001 x
-# 2064) take the 3-CTAs-per-SM kernel, the others the 2-CTA one that loads x a step ahead.
+# 2064) take the 3-CTAs-per-SM kernel, the others the 2-CTA one that loads x a step ahead; 8B
+# gate_up (here and as the gated 12288 x 4096), several waves even at 3 per SM, takes 2 K splits.
 SHAPES = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (4096, 1024), (1024, 2048),
           (6144, 1024), (1024, 3072), (960, 576), (576, 1536), (1001, 208), (3, 16), (20, 4112),
           (9001, 2064), (40, 96), (1000, 176), (24, 1120)]
