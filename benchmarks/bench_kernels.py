@@ -1,8 +1,11 @@
 """Kernel benchmark: for each case in benchmarks/kernels/*.py, time, achieved GB/s or TFLOP/s, and
 that figure as a % of the device's copy bandwidth or bf16 matmul rate, both measured in this run.
 
-    python benchmarks/bench_kernels.py [module ...]     (modules: basic rope gemm gemm_fp8 decode_attention ...)
+    python benchmarks/bench_kernels.py [module ...] [-k TEXT ...]
+        modules: basic rope gemm gemm_fp8 gemv gemv_fp8 decode_attention prefill_attention (default: all)
+        -k TEXT: time only the cases whose label contains TEXT (any of several -k; case-sensitive)
 """
+import argparse
 import importlib
 import os
 import statistics
@@ -61,7 +64,25 @@ def matmul_tflops():
     return 2 * 8192**3 / ms / 1e9
 
 
-def main(names):
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description="Times the kernel cases of benchmarks/kernels/*.py.")
+    parser.add_argument("modules", nargs="*", metavar="module",
+                        help=f"case modules to run (default: all of {' '.join(MODULES)})")
+    parser.add_argument("-k", dest="filters", action="append", default=[], metavar="TEXT",
+                        help="time only the cases whose label contains TEXT (repeatable: any of them)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.modules if name not in MODULES]
+    if unknown:
+        parser.error(f"unknown module {', '.join(unknown)}; the modules are {' '.join(MODULES)}")
+    return args.modules or MODULES, args.filters
+
+
+def selected(label, filters):
+    """Whether a case runs: every case without filters, else one whose label contains any of them."""
+    return not filters or any(text in label for text in filters)
+
+
+def main(names, filters=()):
     bw, mm = copy_bandwidth_gbs(), matmul_tflops()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s  "
           f"bf16 matmul {mm:.0f} TFLOP/s (measured now)")
@@ -69,6 +90,8 @@ def main(names):
     for name in names:
         module = importlib.import_module(f"benchmarks.kernels.{name}")
         for label, fn, bytes_moved, flops in module.cases():
+            if not selected(label, filters):
+                continue
             ms = time_ms(fn)
             if flops:
                 rate = flops / ms / 1e9
@@ -81,4 +104,4 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or MODULES)
+    main(*parse_args(sys.argv[1:]))
