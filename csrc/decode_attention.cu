@@ -57,6 +57,9 @@
 #include <type_traits>
 
 #include "attention.h"
+#include <cstdlib>
+#include <string>
+
 #include "bf16x8.cuh"
 #include "e4m3.cuh"
 #include "launch.h"
@@ -104,6 +107,7 @@ struct KeyLayout {
   int chunks;
   int cluster;
   int chunk_min_keys;  // a multiple of cta_step_keys
+  int prefetch;  // experiment: large grids request the next step into L2
 };
 
 // The keys of one split (CTA) of a sequence of `len` keys: steps of kStep keys starting at
@@ -454,7 +458,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         }
       }
     }
-    if constexpr (!kEarlyKv) return;
+    if constexpr (!kEarlyKv) {
+      if (!kFp8 || !layout.prefetch) return;
+    }
     constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
     constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;
 #pragma unroll
@@ -873,7 +879,11 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
   require(!plan.cluster_merge || clusters_supported(),
           "decode attention: the plan merges in thread block clusters, which this GPU lacks");
 
-  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys};
+  static const char* pf_env = std::getenv("NANOGRAPH_ATTN_PF");
+  const std::string pf = pf_env ? pf_env : "";
+  const bool prefetch = !plan.early_kv && (pf == "all" || (pf == "fp8" && kv.dtype == KvDtype::kFp8E4m3) ||
+                                            (pf == "bf16" && kv.dtype == KvDtype::kBf16));
+  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys, prefetch ? 1 : 0};
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.splits(), kv.num_kv_heads, args.num_seqs);
     const bool rope = args.rope.qkv != nullptr;
