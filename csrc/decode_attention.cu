@@ -49,7 +49,8 @@
 // for the newest key of the sequence (position len - 1), which the step's RoPE/KV-store kernel
 // (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h. Its L2
 // prefetch of the next step may touch the newest key's line before that write, which is harmless:
-// L2 is where the device's writes meet, and the prefetch brings nothing nearer the SM.
+// L2 is where the device's writes meet, and the prefetch brings nothing nearer the SM. (Large
+// grids with an e4m3 cache prefetch too, after the wait.)
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -57,9 +58,6 @@
 #include <type_traits>
 
 #include "attention.h"
-#include <cstdlib>
-#include <string>
-
 #include "bf16x8.cuh"
 #include "e4m3.cuh"
 #include "launch.h"
@@ -107,7 +105,6 @@ struct KeyLayout {
   int chunks;
   int cluster;
   int chunk_min_keys;  // a multiple of cta_step_keys
-  int prefetch;  // experiment: large grids request the next step into L2
 };
 
 // The keys of one split (CTA) of a sequence of `len` keys: steps of kStep keys starting at
@@ -426,10 +423,11 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   };
   // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
   // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
-  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
-  // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
-  // while this step is computed the warp has twice its fragments' bytes in flight without more
-  // registers. Large grids, with 12 warps per SM loading, go without it.
+  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) and e4m3 caches then request
+  // the next step's K and V rows into L2, one 128-byte line (or a row shorter than one) per
+  // prefetch, so that while this step is computed the warp has twice its fragments' bytes in
+  // flight without more registers. Large grids of a bf16 cache, with 12 warps per SM loading 8 KB
+  // each, go without it; an e4m3 tile is half those bytes (two tiles a step would spill there).
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
@@ -458,9 +456,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         }
       }
     }
-    if constexpr (!kEarlyKv) {
-      if (!kFp8 || !layout.prefetch) return;
-    }
+    if constexpr (!kEarlyKv && !kFp8) return;
     constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
     constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;
 #pragma unroll
@@ -879,11 +875,7 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
   require(!plan.cluster_merge || clusters_supported(),
           "decode attention: the plan merges in thread block clusters, which this GPU lacks");
 
-  static const char* pf_env = std::getenv("NANOGRAPH_ATTN_PF");
-  const std::string pf = pf_env ? pf_env : "";
-  const bool prefetch = !plan.early_kv && (pf == "all" || (pf == "fp8" && kv.dtype == KvDtype::kFp8E4m3) ||
-                                            (pf == "bf16" && kv.dtype == KvDtype::kBf16));
-  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys, prefetch ? 1 : 0};
+  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys};
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.splits(), kv.num_kv_heads, args.num_seqs);
     const bool rope = args.rope.qkv != nullptr;

@@ -157,3 +157,18 @@ def test_small_grid_decode_attention_loads_its_first_keys_before_the_pdl_wait(sm
         assert waits, f"{name}: no griddepcontrol.wait (ACQBULK)"
         early = max(sum(1 for i in kv_loads if i < w) for w in waits)
         assert early >= 16, f"{name}: {early} K/V loads before its PDL wait, expected a step's 16"
+
+
+def test_large_grid_decode_attention_prefetches_the_next_step_only_for_an_e4m3_cache(sm90_functions):
+    """Decode attention on large grids (split_kernel<HD, kEarlyKv = false, ...>) requests each warp's next step of K
+    and V into L2 (prefetch.global.L2: CCTL.E.PF2) with an e4m3 cache, whose tile is half a bf16 tile's bytes in
+    flight; with a bf16 cache it does not (its 12 warps per SM keep enough bytes in flight)."""
+    found = {}
+    for name, ins in sm90_functions.items():
+        match = re.search(r"split_kernelILi\d+ELb0ELb[01]ELb0ELb([01])E", name)
+        if match:
+            found[name] = (match.group(1) == "1", sum("CCTL.E.PF2" in x for x in ins))
+    assert sum(fp8 for fp8, _ in found.values()) >= 4 and len(found) >= 8, \
+        f"expected the large-grid variants of decode attention (bf16 and e4m3), found {sorted(found)}"
+    for name, (fp8, prefetches) in found.items():
+        assert (prefetches > 0) == fp8, f"{name}: {prefetches} L2 prefetches with {'an e4m3' if fp8 else 'a bf16'} cache"
