@@ -82,6 +82,10 @@ struct DecodeAttentionPlan {
   // measured faster with the separate RoPE/KV-store kernel.
   bool reads_order = false;
   bool fuse_rope = false;
+  // Large grids of an e4m3 cache: each warp requests its next step's K and V into L2 while it
+  // computes this one (a large grid's e4m3 tile is half the bytes in flight of a bf16 one, and two
+  // tiles a step would spill). Small grids always do.
+  bool prefetch_next_step = false;
   size_t workspace_bytes = 0;
   size_t arrival_counters = 0;
 

@@ -50,7 +50,7 @@
 // (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h. Its L2
 // prefetch of the next step may touch the newest key's line before that write, which is harmless:
 // L2 is where the device's writes meet, and the prefetch brings nothing nearer the SM. (Large
-// grids with an e4m3 cache prefetch too, after the wait.)
+// grids prefetch, when their plan says so, after the wait.)
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -105,6 +105,7 @@ struct KeyLayout {
   int chunks;
   int cluster;
   int chunk_min_keys;  // a multiple of cta_step_keys
+  int prefetch;  // large grids: DecodeAttentionPlan::prefetch_next_step
 };
 
 // The keys of one split (CTA) of a sequence of `len` keys: steps of kStep keys starting at
@@ -423,11 +424,11 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   };
   // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
   // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
-  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) and e4m3 caches then request
-  // the next step's K and V rows into L2, one 128-byte line (or a row shorter than one) per
-  // prefetch, so that while this step is computed the warp has twice its fragments' bytes in
-  // flight without more registers. Large grids of a bf16 cache, with 12 warps per SM loading 8 KB
-  // each, go without it; an e4m3 tile is half those bytes (two tiles a step would spill there).
+  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
+  // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
+  // while this step is computed the warp has twice its fragments' bytes in flight without more
+  // registers; so do large grids of an e4m3 cache (layout.prefetch), whose tile is half a bf16
+  // tile's bytes. Large grids of a bf16 cache, 12 warps per SM loading 8 KB each, go without it.
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
@@ -456,7 +457,9 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         }
       }
     }
-    if constexpr (!kEarlyKv && !kFp8) return;
+    if constexpr (!kEarlyKv) {
+      if (!kFp8 || !layout.prefetch) return;
+    }
     constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
     constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;
 #pragma unroll
@@ -777,6 +780,7 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
     plan.chunk_min_keys = ceil_div(steps, plan.chunks) * step;
     plan.reads_order = true;
     plan.fuse_rope = true;
+    plan.prefetch_next_step = fp8;
   }
   if (plan.splits() > 1) {
     const size_t parts = static_cast<size_t>(num_seqs) * num_q_heads * plan.splits();
@@ -875,7 +879,8 @@ void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttenti
   require(!plan.cluster_merge || clusters_supported(),
           "decode attention: the plan merges in thread block clusters, which this GPU lacks");
 
-  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys};
+  const KeyLayout layout{plan.chunks, plan.cluster, plan.chunk_min_keys,
+                         plan.prefetch_next_step ? 1 : 0};
   DISPATCH_HEAD_DIM(kv.head_dim, HD, [&] {
     const dim3 grid(plan.splits(), kv.num_kv_heads, args.num_seqs);
     const bool rope = args.rope.qkv != nullptr;

@@ -171,6 +171,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
         d["cluster_merge"] = plan.cluster_merge;
         d["reads_order"] = plan.reads_order;
         d["fuse_rope"] = plan.fuse_rope;
+        d["prefetch_next_step"] = plan.prefetch_next_step;
         d["workspace_bytes"] = plan.workspace_bytes;
         return d;
       },
@@ -180,7 +181,8 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "as a dict: chunks, "
       "cluster (CTAs per chunk), splits (CTAs per sequence and kv head), chunk_min_keys (a "
       "sequence fills one chunk per this many keys), early_kv, cluster_merge, reads_order (takes "
-      "seq_order), fuse_rope (the engine passes the RoPE/KV store in), workspace_bytes.");
+      "seq_order), fuse_rope (the engine passes the RoPE/KV store in), prefetch_next_step (a large "
+      "grid's warps request their next keys into L2; small grids always do), workspace_bytes.");
 
   m.def(
       "order_by_length",

@@ -178,6 +178,20 @@ def test_cases_cover_small_and_large_grids():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_seqs,max_len", [(64, 4096), (256, 1024), (1, 32768)])
+def test_large_grids_of_an_e4m3_cache_prefetch_the_next_step(num_seqs, max_len):
+    """An e4m3 tile is half a bf16 tile's bytes in flight: large grids of an e4m3 cache ask for each warp's next step
+    in L2; those of a bf16 cache, and small grids (which always prefetch, in the kernel), leave the flag off."""
+    from nanograph import ops
+
+    e4m3 = ops.decode_attention_plan(num_seqs, 32, 8, 128, max_len, True)
+    bf16 = ops.decode_attention_plan(num_seqs, 32, 8, 128, max_len, False)
+    assert e4m3["early_kv"] == bf16["early_kv"]
+    assert e4m3["prefetch_next_step"] == (not e4m3["early_kv"])
+    assert not bf16["prefetch_next_step"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("lens,nq,nkv,hd,max_len", [([300], 16, 8, 128, 300),
                                                     (random_lens(64, 512, 23), 16, 8, 64, 512)],
                          ids=["small_grid", "large_grid_hd64"])
