@@ -427,8 +427,10 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
   // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
   // while this step is computed the warp has twice its fragments' bytes in flight without more
-  // registers; so do large grids of an e4m3 cache (layout.prefetch), whose tile is half a bf16
-  // tile's bytes. Large grids of a bf16 cache, 12 warps per SM loading 8 KB each, go without it.
+  // registers; so do large grids of an e4m3 cache with the fused RoPE (layout.prefetch; the
+  // engine's large grids all fuse it), whose tile is half a bf16 tile's bytes. Large grids of a
+  // bf16 cache, 12 warps per SM loading 8 KB each, go without it, and so does the e4m3 variant
+  // without the RoPE, whose registers the prefetch's addresses would spill.
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
@@ -458,7 +460,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       }
     }
     if constexpr (!kEarlyKv) {
-      if (!kFp8 || !layout.prefetch) return;
+      if (!kFp8 || !kRope || !layout.prefetch) return;
     }
     constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
     constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;

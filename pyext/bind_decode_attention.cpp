@@ -182,7 +182,7 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "cluster (CTAs per chunk), splits (CTAs per sequence and kv head), chunk_min_keys (a "
       "sequence fills one chunk per this many keys), early_kv, cluster_merge, reads_order (takes "
       "seq_order), fuse_rope (the engine passes the RoPE/KV store in), prefetch_next_step (a large "
-      "grid's warps request their next keys into L2; small grids always do), workspace_bytes.");
+      "grid's warps request their next keys into L2 in launches with the fused RoPE; small grids always do), workspace_bytes.");
 
   m.def(
       "order_by_length",

@@ -160,15 +160,16 @@ def test_small_grid_decode_attention_loads_its_first_keys_before_the_pdl_wait(sm
 
 
 def test_large_grid_decode_attention_prefetches_the_next_step_only_for_an_e4m3_cache(sm90_functions):
-    """Decode attention on large grids (split_kernel<HD, kEarlyKv = false, ...>) requests each warp's next step of K
-    and V into L2 (prefetch.global.L2: CCTL.E.PF2) with an e4m3 cache, whose tile is half a bf16 tile's bytes in
-    flight; with a bf16 cache it does not (its 12 warps per SM keep enough bytes in flight)."""
+    """Decode attention on large grids (split_kernel<HD, kEarlyKv = false, kRope, ...>) requests each warp's next step
+    of K and V into L2 (prefetch.global.L2: CCTL.E.PF2) with an e4m3 cache and the fused RoPE (the engine's large
+    grids), whose tile is half a bf16 tile's bytes in flight; with a bf16 cache it does not (its 12 warps per SM keep
+    enough bytes in flight), nor without the RoPE (the addresses would spill)."""
     found = {}
     for name, ins in sm90_functions.items():
-        match = re.search(r"split_kernelILi\d+ELb0ELb[01]ELb0ELb([01])E", name)
+        match = re.search(r"split_kernelILi\d+ELb0ELb([01])ELb0ELb([01])E", name)
         if match:
-            found[name] = (match.group(1) == "1", sum("CCTL.E.PF2" in x for x in ins))
-    assert sum(fp8 for fp8, _ in found.values()) >= 4 and len(found) >= 8, \
-        f"expected the large-grid variants of decode attention (bf16 and e4m3), found {sorted(found)}"
-    for name, (fp8, prefetches) in found.items():
-        assert (prefetches > 0) == fp8, f"{name}: {prefetches} L2 prefetches with {'an e4m3' if fp8 else 'a bf16'} cache"
+            found[name] = (match.group(1) == "1" and match.group(2) == "1", sum("CCTL.E.PF2" in x for x in ins))
+    assert sum(wanted for wanted, _ in found.values()) >= 2 and len(found) >= 8, \
+        f"expected the large-grid variants of decode attention (bf16 and e4m3, with and without RoPE), found {sorted(found)}"
+    for name, (wanted, prefetches) in found.items():
+        assert (prefetches > 0) == wanted, f"{name}: {prefetches} L2 prefetches"
