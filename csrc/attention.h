@@ -83,9 +83,9 @@ struct DecodeAttentionPlan {
   bool reads_order = false;
   bool fuse_rope = false;
   // Large grids of an e4m3 cache: each warp requests its next step's K and V into L2 while it
-  // computes this one (a large grid's e4m3 tile is half the bytes in flight of a bf16 one, and two
-  // tiles a step would spill), in launches with the fused RoPE (DecodeAttentionArgs::rope), as
-  // the engine's; without it the flag is ignored. Small grids always do.
+  // computes this one (a large grid's e4m3 step is half the bytes in flight of a bf16 one, and a
+  // wider step would spill), in launches with the fused RoPE (DecodeAttentionArgs::rope), as the
+  // engine's; without it the flag is ignored. Small grids always do.
   bool prefetch_next_step = false;
   size_t workspace_bytes = 0;
   size_t arrival_counters = 0;

@@ -50,7 +50,7 @@
 // (or, with rope, the CTA itself) writes; see paged_decode_attention in attention.h. Its L2
 // prefetch of the next step may touch the newest key's line before that write, which is harmless:
 // L2 is where the device's writes meet, and the prefetch brings nothing nearer the SM. (Large
-// grids prefetch, when their plan says so, after the wait.)
+// grids of an e4m3 cache prefetch too, in launches with the fused RoPE, and after the wait.)
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -91,8 +91,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // The 16-key tiles a warp loads per step: 8 KB of bf16 K and V (one tile at head_dim 128). With
 // an e4m3 cache on a small grid (`wide`) twice the tiles, so that each of its few warps keeps as
-// many bytes in flight as a bf16 one; a large grid's 3 CTAs per SM keep the bytes in flight with
-// one tile (two would need more than its 168 registers).
+// many bytes in flight as a bf16 one. A large grid's warps take the bf16 count (a wider step would
+// need more than its 168 registers): 3 CTAs per SM keep a bf16 cache's bytes in flight, and an
+// e4m3 cache's warps ask L2 for their next step (DecodeAttentionPlan::prefetch_next_step).
 constexpr int warp_step_tiles(int head_dim, bool wide) { return (wide ? 256 : 128) / head_dim; }
 
 // The keys that one step of a CTA's warps covers.
