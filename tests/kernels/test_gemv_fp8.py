@@ -136,3 +136,27 @@ def test_bad_arguments_name_the_argument_and_the_limit():
     with pytest.raises(ValueError, match="inter must be a multiple of 8"):
         q_odd = torch.zeros(2 * 12, 128, device="cuda").to(torch.float8_e4m3fn)
         ops.gemv_silu_mul_fp8(x, q_odd, torch.ones(3, 1, device="cuda"), poisoned_out(1, 12))
+
+
+E4M3_FINITE_CODES = [c for c in range(256) if c & 0x7F != 0x7F]  # 0x7F and 0xFF are NaN
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 16])
+def test_gemv_fp8_reads_every_e4m3_code_exactly(M):
+    """Row n of the weight holds, at column k, the (n + k)-th finite e4m3 code (subnormals, zeros of
+    both signs, +-448), under unit scales; x row m is one-hot at a column of its own. Each output is
+    then one weight value times one plus zeros, which bf16 holds exactly: any code read wrongly, or a weight
+    paired with the wrong x column, changes the bits."""
+    N, K = len(E4M3_FINITE_CODES), 256
+    codes = torch.tensor(E4M3_FINITE_CODES, dtype=torch.int64)
+    index = (torch.arange(N)[:, None] + torch.arange(K)[None, :]) % N
+    q = codes[index].to(torch.uint8).view(torch.float8_e4m3fn).cuda()
+    scale = torch.ones(-(-N // PACKED_SCALE_ROWS), -(-K // PACKED_SCALE_COLS), device="cuda")
+    columns = torch.randperm(K, generator=torch.Generator().manual_seed(M))[:M]
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    x[torch.arange(M), columns] = 1
+    x = x.cuda()
+    out = poisoned_out(M, N)
+    ops.gemv_fp8(x, q, scale, None, out)
+    expected = q.float()[:, columns.cuda()].T.to(torch.bfloat16)
+    assert torch.equal(out.float(), expected.float())  # equal values; the sum may give +0 for -0

@@ -92,6 +92,18 @@ def _waits(ins):
     return [i for i, x in enumerate(ins) if x.split()[0] == "ACQBULK" or " ACQBULK" in x]
 
 
+def test_the_decode_streaming_kernels_never_spill(sm90_functions):
+    """Decode attention's split_kernel variants and the GEMVs keep their in-flight loads and fragments in registers: a
+    spill (STL/LDL, local memory) puts loads on the path of every step. Large e4m3 grids' next-step prefetch and the
+    FP8 GEMV's 3-CTAs-per-SM variant sit at the edge of their register budgets."""
+    kernels = {name: ins for name, ins in sm90_functions.items()
+               if "split_kernel" in name or "gemv_kernel" in name or "gemv_fp8_kernel" in name}
+    assert sum("split_kernel" in name for name in kernels) >= 16 and len(kernels) >= 32, \
+        f"expected decode attention's and the GEMVs' variants, found {sorted(kernels)}"
+    spilling = {name: sum(x.split()[0].startswith(("STL", "LDL")) for x in ins) for name, ins in kernels.items()}
+    assert not any(spilling.values()), {name: n for name, n in spilling.items() if n}
+
+
 def test_gemv_weight_loads_come_before_the_pdl_wait(sm90_functions):
     gemvs = {name: ins for name, ins in sm90_functions.items() if "gemv_kernel" in name or "gemv_fp8_kernel" in name}
     assert sum("gemv_fp8_kernel" in name for name in gemvs) >= 4, f"expected the FP8 GEMV's variants, found {sorted(gemvs)}"

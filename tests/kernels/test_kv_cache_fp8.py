@@ -292,11 +292,12 @@ def test_quantising_a_bf16_cache_costs_what_e4m3_rounding_predicts(calibrated):
 
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, QK-norm, a row whose slot is -1): a small
-# grid (the engine runs the RoPE kernel and attention separately there) and a large one (which it fuses), each with a
-# length-0 row.
+# grid (the engine runs the RoPE kernel and attention separately there) and large ones (which it fuses; they prefetch
+# each warp's next step), each with a length-0 row.
 FUSED_CASES = [
     ("small_grid", [383, 0, 17], 16, 8, 128, 16, 400, True, 2),
     ("large_grid_hd64", random_lens(64, 1024, 23, zeros=(3,)), 32, 8, 64, 32, 1024, False, 0),
+    ("large_grid_hd128", random_lens(48, 2048, 29, zeros=(5,)), 32, 8, 128, 16, 2048, True, 7),
 ]
 
 
