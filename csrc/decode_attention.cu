@@ -32,8 +32,9 @@
 // sequence under a large bound takes a few CTAs of the grid, and the rest return at once.
 // Merge (merge_column, one definition): a CTA that holds all of its row's keys writes bf16 out
 // directly. Otherwise every CTA with keys writes its normalised rows and their lse, and one CTA
-// merges them with log-sum-exp weights, in split order: on small grids whose sequence fills one
-// chunk, rank 0 of the thread block cluster, from its shared memory, where the other ranks wrote
+// merges them with log-sum-exp weights, in split order: on small grids whose clusters are all
+// resident at once (DeviceProps::resident_clusters), for a sequence that fills one chunk, rank 0
+// of the thread block cluster, from its shared memory, where the other ranks wrote
 // (no kernel boundary and no global round trip); elsewhere the last CTA of the row to finish, from
 // the workspace, found by an arrival counter that it then resets.
 // With DecodeAttentionArgs::rope (the decode step's own token, split_kernel<..., true>), each CTA
@@ -81,6 +82,8 @@ constexpr int kTargetCtasPerSm = 8;
 constexpr int kEarlyKvCtasPerSm = 2;
 constexpr int kLargeGridCtasPerSm = 3;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+static_assert(kMaxClusterSplits < static_cast<int>(std::tuple_size<decltype(DeviceProps::resident_clusters)>::value),
+              "DeviceProps::resident_clusters covers every cluster size");
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
 // On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
 // that length it merges inside its cluster, with no round trip through the workspace, and longer
@@ -772,7 +775,11 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
         std::min(kMaxChunks, ceil_div(keys, kSmallGridChunkKeys))));
     plan.chunk_min_keys = kSmallGridChunkKeys;
     plan.early_kv = true;
-    plan.cluster_merge = cluster > 1 && device.clusters;
+    // Only if every cluster of the grid is resident at once: a cluster's CTAs share a GPC, and a
+    // cluster left for a second wave would double the kernel's time. Otherwise the grid launches
+    // without clusters, and its rows merge through the workspace (the same bits).
+    plan.cluster_merge = cluster > 1 && device.clusters &&
+                         rows * plan.chunks <= device.resident_clusters[cluster];
   } else {
     // Large grid: one CTA per chunk, chunks as long as the bound's share of the wanted CTAs.
     const int step = cta_step_keys(head_dim, false);

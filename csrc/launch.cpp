@@ -21,6 +21,13 @@ DeviceProps query(int device) {
   CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   props.smem_per_block_optin = static_cast<size_t>(smem);
   props.clusters = props.compute_major >= 9;
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  props.smem_per_sm = static_cast<size_t>(smem);
+  if (props.clusters) {
+    for (int n = 1; n < static_cast<int>(props.resident_clusters.size()); ++n) {
+      props.resident_clusters[n] = resident_clusters_at_two_per_sm(n, props.smem_per_sm);
+    }
+  }
   const char* pdl = std::getenv("NANOGRAPH_PDL");
   props.pdl = props.compute_major >= 9 && (pdl == nullptr || std::strcmp(pdl, "0") != 0);
   return props;

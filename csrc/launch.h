@@ -25,6 +25,8 @@
 #pragma once
 #include "common.h"
 
+#include <array>
+
 #include <utility>
 
 namespace nanograph {
@@ -59,9 +61,18 @@ struct DeviceProps {
   int compute_major = 0;
   int compute_minor = 0;
   size_t smem_per_block_optin = 0;  // the most shared memory a CTA can opt in to
+  size_t smem_per_sm = 0;           // all the shared memory of one SM
   bool clusters = false;            // thread block clusters (compute capability 9.0+)
+  // resident_clusters[n] (n = 1 .. 8; 0 without clusters): the thread block clusters of n CTAs
+  // resident at once for a kernel of two CTAs per SM. A cluster's CTAs share a GPC, so where GPCs
+  // differ in size this is below 2 * sm_count / n (an H200: 30 clusters of 8, for 264 CTAs).
+  std::array<int, 9> resident_clusters{};
   bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)
 };
+
+// The most clusters of `cluster` CTAs the current device keeps resident at once for a kernel of
+// two CTAs per SM, given its shared memory per SM (cudaOccupancyMaxActiveClusters).
+int resident_clusters_at_two_per_sm(int cluster, size_t smem_per_sm);
 
 // The current device's properties, read on the first call for that device.
 const DeviceProps& device_props();

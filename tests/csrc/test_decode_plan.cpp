@@ -13,7 +13,10 @@ DeviceProps h200() {
   props.sm_count = 132;
   props.compute_major = 9;
   props.smem_per_block_optin = 227 * 1024;
+  props.smem_per_sm = 228 * 1024;
   props.clusters = true;
+  // As an H200 reports them: GPCs of unequal size hold fewer clusters of 4 and 8 than 264 CTAs would.
+  props.resident_clusters = {0, 264, 132, 88, 62, 52, 44, 37, 30};
   props.pdl = true;
   return props;
 }
@@ -34,7 +37,8 @@ TEST(DecodePlan, BatchOneIsOneResidentWaveOfClustersAtEveryBound) {
     const DecodeAttentionPlan p = plan_decode_attention(1, 16, 8, 128, bound, h200());
     SCOPED_TRACE(bound);
     EXPECT_TRUE(p.early_kv);
-    EXPECT_TRUE(p.cluster_merge);
+    // Clusters only while all of them are resident: 8 rows of up to 3 chunks of 8 CTAs (30 fit).
+    EXPECT_EQ(p.cluster_merge, bound <= 3 * 2048);
     EXPECT_FALSE(p.reads_order);
     EXPECT_FALSE(p.fuse_rope);
     EXPECT_EQ(p.cluster, std::min(8, (bound + 63) / 64));
@@ -92,7 +96,9 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsDeviceAndCache) {
               EXPECT_LE(p.splits(), 128);
               EXPECT_EQ(p.chunk_min_keys % step, 0);
               EXPECT_GT(p.chunk_min_keys, 0);
-              EXPECT_EQ(p.cluster_merge, p.early_kv && p.cluster > 1 && device.clusters);
+              EXPECT_EQ(p.cluster_merge,
+                        p.early_kv && p.cluster > 1 && device.clusters &&
+                            seqs * kv * p.chunks <= device.resident_clusters[p.cluster]);
               EXPECT_EQ(p.reads_order, !p.early_kv);
               if (p.early_kv) {
                 EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
@@ -106,6 +112,18 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsDeviceAndCache) {
     }
   }
   EXPECT_THROW(plan_decode_attention(1, 16, 8, 96, 1024, h200()), std::invalid_argument);
+}
+
+TEST(DecodePlan, SmallGridsLaunchClustersOnlyIfAllAreResidentAtOnce) {
+  // 4 sequences x 8 kv heads in one chunk each: 32 clusters of 8, where 30 fit; 3 sequences: 24.
+  EXPECT_FALSE(plan_decode_attention(4, 32, 8, 128, 16384, h200()).cluster_merge);
+  EXPECT_TRUE(plan_decode_attention(3, 32, 8, 128, 16384, h200()).cluster_merge);
+  DeviceProps even = h200();
+  even.resident_clusters[8] = 33;  // 264 CTAs in clusters of 8
+  const DecodeAttentionPlan p = plan_decode_attention(4, 32, 8, 128, 16384, even);
+  EXPECT_TRUE(p.cluster_merge);
+  EXPECT_EQ(p.splits(), 8);  // the division of the keys does not depend on it
+  EXPECT_EQ(plan_decode_attention(4, 32, 8, 128, 16384, h200()).splits(), 8);
 }
 
 }  // namespace
