@@ -350,10 +350,12 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
 
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, lengths replayed from the graph): small
-# grids, whose sequences take one cluster of up to 8 CTAs per 2,048 keys. Sequences of one chunk merge in the
-# cluster: 7 and 8 splits, keys all in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need
-# more than 48 KB of shared memory), batch 4, and lengths far below max_context_len. Longer ones merge through the
-# workspace: several chunks at batch 1 and 2, and a replay that moves a sequence between one chunk and several.
+# grids, whose sequences take one cluster of up to 8 CTAs per 2,048 keys. Where the GPU keeps all of the grid's
+# clusters resident (the plan's cluster_merge; on an H200 up to 30 clusters of 8), sequences of one chunk merge in
+# the cluster: 7 and 8 splits, keys all in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need
+# more than 48 KB of shared memory), and lengths far below max_context_len; longer ones merge through the
+# workspace, in a cluster launch (batch1_chunks_6144) or without one (several chunks at batch 1 and 2, and a replay
+# that moves a sequence between one chunk and several).
 CLUSTER_CASES = [
     ("batch1_7_splits", [383], 16, 8, 128, 16, 400, [65]),
     ("batch1_keys_in_split_0", [40], 16, 8, 128, 16, 400, [400]),
@@ -370,6 +372,7 @@ CLUSTER_CASES = [
     ("batch1_chunks_from_short", [128], 16, 8, 128, 16, 40960, [16000]),
     ("batch2_chunks", [6000, 100], 16, 8, 128, 16, 16384, [100, 16384]),
     ("kv2_many_chunks", [30000], 16, 2, 128, 16, 32768, [4097]),
+    ("batch1_chunks_6144", [6000], 16, 8, 128, 16, 6144, [100]),
 ]
 
 
@@ -378,6 +381,19 @@ def workspace_regions(workspace, num_seqs, nq, nkv, hd, splits):
     counters = num_seqs * nkv
     start = (counters + 3) // 4 * 4
     return workspace[start : start + num_seqs * nq * splits * (hd + 1)], workspace[:counters]
+
+
+@pytest.mark.gpu
+def test_cluster_cases_launch_clusters():
+    """On sm_90 the cluster cases run cluster launches, both merges among them: a sequence of one chunk merging in
+    its cluster, and one of several chunks (batch1_chunks_6144: 3 chunks of 8 CTAs) merging through the workspace
+    from a cluster launch."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread block clusters need sm_90")
+    plans = {c[0]: plan(len(c[1]), c[2], c[3], c[4], c[6]) for c in CLUSTER_CASES}
+    launched = {name for name, p in plans.items() if p["cluster_merge"]}
+    assert {"batch1_7_splits", "group16_hd128_8_splits", "batch1_chunks_6144"} <= launched, sorted(launched)
+    assert plans["batch1_chunks_6144"]["chunks"] == 3
 
 
 @pytest.mark.gpu
@@ -501,7 +517,8 @@ def test_a_bucket_plan_serves_fewer_sequences(lens, nq, nkv, hd, max_len, bucket
 @pytest.mark.parametrize("lens", [[176, 60, 145], [512, 1, 449, 0]], ids=["three", "four"])
 def test_small_and_large_grid_plans_give_the_same_bits(lens):
     """Under a 512-token bound every plan cuts a sequence into the same 64-key parts, whatever the batch size it
-    is planned for: a small grid (the RoPE/KV-store kernel, then attention; its parts merged in a cluster) and a
+    is planned for: a small grid (the RoPE/KV-store kernel, then attention; its parts merged in a cluster where the
+    GPU keeps all of its clusters resident) and a
     large one (RoPE inside attention, the sequences longest first; its parts merged through the workspace) give
     the same bits, so a request's tokens do not depend on the batch it decodes in."""
     from nanograph import ops

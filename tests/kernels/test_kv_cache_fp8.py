@@ -134,8 +134,9 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, nq, max_len, k_scale
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, (k_scale, v_scale)): batch 1 from 1 to
 # 33,000 keys, 4 x 16,384 and 64 sequences of mixed lengths with zeros; groups of 1, 2, 4 and 8 q heads; bounds tight
-# and large. Small grids (every CTA resident; a chunk's splits merged in a cluster) and large ones (longest first,
-# merged through the workspace) both run: test_cases_cover_small_and_large_grids.
+# and large. Small grids (every CTA resident; a chunk's splits merged in a cluster where the GPU keeps all of the
+# grid's clusters resident) and large ones (longest first, merged through the workspace) both run:
+# test_cases_cover_small_and_large_grids.
 DECODE_CASES = [
     ("b1_len1_group1", [1], 8, 8, 128, 16, 1, SCALES[0]),
     ("b1_len100_group2_hd64", [100], 16, 8, 64, 32, 100, SCALES[1]),
