@@ -86,8 +86,8 @@ static_assert(kMaxClusterSplits < static_cast<int>(std::tuple_size<decltype(Devi
               "DeviceProps::resident_clusters covers every cluster size");
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
 // On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
-// that length it merges inside its cluster (where the grid launches clusters), with no round trip
-// through the workspace, and longer ones spread over more of the GPU.
+// that length it merges inside its cluster, with no round trip through the workspace, and longer
+// ones spread over more of the GPU.
 constexpr int kSmallGridChunkKeys = 2048;
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;

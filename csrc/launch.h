@@ -65,7 +65,7 @@ struct DeviceProps {
   bool clusters = false;            // thread block clusters (compute capability 9.0+)
   // resident_clusters[n] (n = 1 .. 8; 0 without clusters): the thread block clusters of n CTAs
   // resident at once for a kernel of two CTAs per SM. A cluster's CTAs share a GPC, so where GPCs
-  // differ in size this is below 2 * sm_count / n (an H200: 30 clusters of 8, 240 CTAs, not 33).
+  // differ in size this is below 2 * sm_count / n (an H200: 30 clusters of 8, for 264 CTAs).
   std::array<int, 9> resident_clusters{};
   bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)
 };
