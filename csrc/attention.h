@@ -75,7 +75,8 @@ struct DecodeAttentionPlan {
   // Small grids (every CTA resident at once, 2 per SM): each warp's first keys are loaded before
   // the PDL wait, and a sequence whose keys fill one chunk merges its CTAs' rows inside a thread
   // block cluster (sm_90, cluster_merge), with no round trip through the workspace, where the
-  // device keeps all of the grid's clusters resident at once (DeviceProps::resident_clusters).
+  // device keeps all of the grid's clusters resident at once (DeviceProps::resident_clusters;
+  // the plan takes a smaller cluster, or fewer chunks, for that).
   bool early_kv = false;
   bool cluster_merge = false;
   // Large grids: the sequences are taken longest first (seq_order), and the step's RoPE/KV store

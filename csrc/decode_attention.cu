@@ -85,10 +85,15 @@ constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 static_assert(kMaxClusterSplits < static_cast<int>(std::tuple_size<decltype(DeviceProps::resident_clusters)>::value),
               "DeviceProps::resident_clusters covers every cluster size");
 constexpr int kMaxChunks = kMaxSplits / kMaxClusterSplits;
-// On small grids a sequence takes one chunk (a cluster of CTAs) per this many keys, so that up to
-// that length it merges inside its cluster, with no round trip through the workspace, and longer
-// ones spread over more of the GPU.
+// On small grids a sequence takes one chunk (`cluster` CTAs) per this many keys, so that up to
+// that length it merges inside its thread block cluster where the plan launches clusters (no
+// round trip through the workspace), and longer ones spread over more of the GPU.
 constexpr int kSmallGridChunkKeys = 2048;
+// A small grid launches in thread block clusters (merging a one-chunk sequence inside its cluster)
+// if that costs at most a quarter of its chunks.
+constexpr struct {
+  int num, den;
+} kClusterGridShare{3, 4};
 constexpr size_t kDefaultSmemBytes = 48 * 1024;  // more needs cudaFuncSetAttribute
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -775,11 +780,18 @@ DecodeAttentionPlan plan_decode_attention(int num_seqs, int num_q_heads, int num
         std::min(kMaxChunks, ceil_div(keys, kSmallGridChunkKeys))));
     plan.chunk_min_keys = kSmallGridChunkKeys;
     plan.early_kv = true;
-    // Only if every cluster of the grid is resident at once: a cluster's CTAs share a GPC, and a
-    // cluster left for a second wave would double the kernel's time. Otherwise the grid launches
-    // without clusters, and its rows merge through the workspace (the same bits).
-    plan.cluster_merge = cluster > 1 && device.clusters &&
-                         rows * plan.chunks <= device.resident_clusters[cluster];
+    // Thread block clusters only if every cluster of the grid is resident at once: a cluster's
+    // CTAs share a GPC, and a cluster left for a second wave would double the kernel's time. A grid
+    // with more clusters than the device holds drops chunks to fit if it keeps kClusterGridShare of
+    // its CTAs; otherwise it launches without clusters and its rows merge through the workspace
+    // (the same bits).
+    if (cluster > 1 && device.clusters) {
+      const int64_t fit = std::min<int64_t>(plan.chunks, device.resident_clusters[cluster] / rows);
+      if (fit * kClusterGridShare.den >= plan.chunks * kClusterGridShare.num) {
+        plan.chunks = static_cast<int>(fit);
+        plan.cluster_merge = true;
+      }
+    }
   } else {
     // Large grid: one CTA per chunk, chunks as long as the bound's share of the wanted CTAs.
     const int step = cta_step_keys(head_dim, false);

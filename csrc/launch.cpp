@@ -20,7 +20,10 @@ DeviceProps query(int device) {
   CUDA_CHECK(cudaDeviceGetAttribute(&props.compute_minor, cudaDevAttrComputeCapabilityMinor, device));
   CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   props.smem_per_block_optin = static_cast<size_t>(smem);
-  props.clusters = props.compute_major >= 9;
+  // Clusters and PDL need code built for 9.0 or later (a newer GPU may run code JIT-compiled from
+  // an older target, where the kernels' cluster and PDL instructions are compiled out).
+  const bool sm90_code = props.compute_major >= 9 && loaded_code_arch() >= 90;
+  props.clusters = sm90_code;
   CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
   props.smem_per_sm = static_cast<size_t>(smem);
   if (props.clusters) {
@@ -29,7 +32,7 @@ DeviceProps query(int device) {
     }
   }
   const char* pdl = std::getenv("NANOGRAPH_PDL");
-  props.pdl = props.compute_major >= 9 && (pdl == nullptr || std::strcmp(pdl, "0") != 0);
+  props.pdl = sm90_code && (pdl == nullptr || std::strcmp(pdl, "0") != 0);
   return props;
 }
 

@@ -62,17 +62,24 @@ struct DeviceProps {
   int compute_minor = 0;
   size_t smem_per_block_optin = 0;  // the most shared memory a CTA can opt in to
   size_t smem_per_sm = 0;           // all the shared memory of one SM
-  bool clusters = false;            // thread block clusters (compute capability 9.0+)
+  bool clusters = false;            // thread block clusters (9.0+ device and code)
   // resident_clusters[n] (n = 1 .. 8; 0 without clusters): the thread block clusters of n CTAs
   // resident at once for a kernel of two CTAs per SM. A cluster's CTAs share a GPC, so where GPCs
-  // differ in size this is below 2 * sm_count / n (an H200: 30 clusters of 8, for 264 CTAs).
+  // differ in size this is below 2 * sm_count / n (an H200: 30 clusters of 8, 240 CTAs, not 33).
   std::array<int, 9> resident_clusters{};
-  bool pdl = false;                 // programmatic dependent launch (9.0+, unless NANOGRAPH_PDL=0)
+  bool pdl = false;                 // programmatic dependent launch (9.0+ device and code,
+                                    // unless NANOGRAPH_PDL=0)
 };
 
 // The most clusters of `cluster` CTAs the current device keeps resident at once for a kernel of
-// two CTAs per SM, given its shared memory per SM (cudaOccupancyMaxActiveClusters).
+// two CTAs per SM, given its shared memory per SM (cudaOccupancyMaxActiveClusters; 0 if the
+// runtime cannot say).
 int resident_clusters_at_two_per_sm(int cluster, size_t smem_per_sm);
+
+// The architecture the current device's copy of this library's kernels was compiled for, as
+// 10 * major + minor of its PTX target: 90 for the sm_90a build, 86 where a newer GPU runs code
+// JIT-compiled from compute_86.
+int loaded_code_arch();
 
 // The current device's properties, read on the first call for that device.
 const DeviceProps& device_props();

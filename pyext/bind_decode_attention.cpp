@@ -150,8 +150,9 @@ NANOGRAPH_BINDINGS(bind_decode_attention) {
       "stored at slot_mapping (-1 skips; length-0 sequences store nothing). positions must be "
       "below cos_sin's rows and slots below num_blocks * block_size (not checked: the values live "
       "on the GPU). "
-      "cluster_merge: on small grids, a sequence whose keys fill one chunk merges its splits in a "
-      "thread block cluster on sm_90 (False: through the workspace; the same bits either way). "
+      "cluster_merge: where the plan launches thread block clusters (sm_90 small grids whose "
+      "clusters are all resident at once), a sequence whose keys fill one chunk merges its splits "
+      "inside its cluster (False: through the workspace; the same bits either way). "
       "plan_num_seqs: the batch size to plan for (a decode graph's bucket; default num_seqs). "
       "Block ids, lengths and the order live on the GPU and are not checked.");
 

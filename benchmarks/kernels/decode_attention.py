@@ -60,8 +60,9 @@ def cases():
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
     yield _case([16384] * 4, 32, 8, 128, 16, 16384, "4x16384")
     # Batch 1 of Qwen3-0.6B's heads under the model's whole context: the work follows the length.
-    for length in (128, 2048, 4096, 16000, 40960):
+    for length in (128, 1024, 2048, 4096, 16000, 40960):
         yield _case([length], 16, 8, 128, 16, 40960, f"1x{length} of 40960")
+    yield _case([16000] * 2, 16, 8, 128, 16, 40960, "2x16000 of 40960")
     yield _case([4096] * 64, 16, 8, 64, 16, 4096, "64x4096")
     yield _case([4096] * 64, 64, 8, 128, 16, 4096, "64x4096")
     # An FP8 cache: half the bytes of the cases above.

@@ -15,9 +15,9 @@ DeviceProps h200() {
   props.smem_per_block_optin = 227 * 1024;
   props.smem_per_sm = 228 * 1024;
   props.clusters = true;
-  // Clusters of 1, 2, 4 and 8 as an H200 reports them (GPCs of unequal size hold fewer clusters of 4 and 8
-  // than 264 CTAs would); 3, 5, 6 and 7 assumed.
-  props.resident_clusters = {0, 264, 132, 88, 62, 52, 44, 37, 30};
+  // Clusters of 1 to 8 CTAs at 2 CTAs per SM as an H200 reports them (GPCs of unequal size hold fewer
+  // clusters of 3 and more than 264 CTAs would).
+  props.resident_clusters = {0, 264, 132, 79, 62, 47, 39, 32, 30};
   props.pdl = true;
   return props;
 }
@@ -38,14 +38,14 @@ TEST(DecodePlan, BatchOneIsOneResidentWaveAtEveryBound) {
     const DecodeAttentionPlan p = plan_decode_attention(1, 16, 8, 128, bound, h200());
     SCOPED_TRACE(bound);
     EXPECT_TRUE(p.early_kv);
-    // Clusters only while all of them are resident: 8 rows of up to 3 chunks of 8 CTAs (30 fit).
-    EXPECT_EQ(p.cluster_merge, bound <= 3 * 2048);
+    // Clusters at every bound: 8 rows of up to 3 chunks of 8 CTAs (30 fit), a fourth chunk given up.
+    EXPECT_TRUE(p.cluster_merge);
     EXPECT_FALSE(p.reads_order);
     EXPECT_FALSE(p.fuse_rope);
     EXPECT_EQ(p.cluster, std::min(8, (bound + 63) / 64));
     EXPECT_LE(static_cast<int64_t>(p.splits()) * 8, 2 * 132);  // every CTA resident at once
     EXPECT_EQ(p.chunk_min_keys, 2048);
-    EXPECT_EQ(p.chunks, std::min(4, (bound + 2047) / 2048));
+    EXPECT_EQ(p.chunks, std::min(3, (bound + 2047) / 2048));
     EXPECT_EQ(p.workspace_bytes, expected_workspace(p));
     EXPECT_EQ(p.arrival_counters, expected_counters(p));
   }
@@ -74,6 +74,8 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsDeviceAndCache) {
   DeviceProps small = h200();
   small.sm_count = 16;
   small.clusters = false;
+  DeviceProps no_clusters = h200();
+  no_clusters.clusters = false;
   for (const DeviceProps& device : {h200(), small}) {
     for (int seqs : {1, 2, 3, 4, 7, 8, 64, 512}) {
       for (int kv : {1, 2, 8}) {
@@ -97,9 +99,24 @@ TEST(DecodePlan, SplitsStayWithinBoundsForAnyHeadsDeviceAndCache) {
               EXPECT_LE(p.splits(), 128);
               EXPECT_EQ(p.chunk_min_keys % step, 0);
               EXPECT_GT(p.chunk_min_keys, 0);
-              EXPECT_EQ(p.cluster_merge,
-                        p.early_kv && p.cluster > 1 && device.clusters &&
-                            seqs * kv * p.chunks <= device.resident_clusters[p.cluster]);
+              // Clusters only if all are resident at once, giving up at most a quarter of the
+              // chunks the grid takes without them.
+              const DecodeAttentionPlan plain = plan_decode_attention(
+                  seqs, 16, kv, hd, bound, device.clusters ? no_clusters : device, dtype);
+              EXPECT_FALSE(plain.cluster_merge);
+              EXPECT_EQ(p.cluster, plain.cluster);
+              EXPECT_EQ(p.chunk_min_keys, plain.chunk_min_keys);
+              if (p.cluster_merge) {
+                EXPECT_TRUE(p.early_kv && p.cluster > 1 && device.clusters);
+                EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.chunks, device.resident_clusters[p.cluster]);
+                EXPECT_LE(p.chunks, plain.chunks);
+                EXPECT_GE(p.chunks * 4, plain.chunks * 3);
+              } else {
+                EXPECT_EQ(p.chunks, plain.chunks);
+                if (p.early_kv && p.cluster > 1 && device.clusters) {
+                  EXPECT_LT(device.resident_clusters[p.cluster] / (seqs * kv) * 4, p.chunks * 3);
+                }
+              }
               EXPECT_EQ(p.reads_order, !p.early_kv);
               if (p.early_kv) {
                 EXPECT_LE(static_cast<int64_t>(seqs) * kv * p.splits(), 2 * device.sm_count);
@@ -125,6 +142,14 @@ TEST(DecodePlan, SmallGridsLaunchClustersOnlyIfAllAreResidentAtOnce) {
   EXPECT_TRUE(p.cluster_merge);
   EXPECT_EQ(p.splits(), 8);  // the division of the keys does not depend on it
   EXPECT_EQ(plan_decode_attention(4, 32, 8, 128, 16384, h200()).splits(), 8);
+  // One sequence over 32,768 keys: 3 chunks of 8 in clusters, not 4 without.
+  const DecodeAttentionPlan one = plan_decode_attention(1, 16, 8, 128, 32768, h200());
+  EXPECT_TRUE(one.cluster_merge);
+  EXPECT_EQ(one.splits(), 24);
+  // Two over 40,960: 2 chunks each, where clusters would keep only 1.
+  const DecodeAttentionPlan two = plan_decode_attention(2, 16, 8, 128, 40960, h200());
+  EXPECT_FALSE(two.cluster_merge);
+  EXPECT_EQ(two.splits(), 16);
 }
 
 }  // namespace

@@ -351,11 +351,11 @@ def test_rotating_the_own_token_equals_the_rope_kernel_then_attention(lens, nq, 
 
 # (id, context lengths, nq, nkv, head_dim, block_size, max_context_len, lengths replayed from the graph): small
 # grids, whose sequences take one cluster of up to 8 CTAs per 2,048 keys. Where the GPU keeps all of the grid's
-# clusters resident (the plan's cluster_merge; on an H200 up to 30 clusters of 8), sequences of one chunk merge in
-# the cluster: 7 and 8 splits, keys all in split 0, a length-0 row, groups of 16 q heads (the merge's rows then need
-# more than 48 KB of shared memory), and lengths far below max_context_len; longer ones merge through the
-# workspace, in a cluster launch (batch1_chunks_6144) or without one (several chunks at batch 1 and 2, and a replay
-# that moves a sequence between one chunk and several).
+# clusters resident (the plan's cluster_merge; on an H200 up to 30 clusters of 8, so batch 1 takes 3 chunks of 8),
+# sequences of one chunk merge in the cluster: 7 and 8 splits, keys all in split 0, a length-0 row, groups of 16 q
+# heads (the merge's rows then need more than 48 KB of shared memory), and lengths far below max_context_len; longer
+# ones merge through the workspace, in a cluster launch (several chunks at batch 1 and at 2 kv heads, and a replay
+# that moves a sequence between one chunk and several) or without one (batch2_chunks: 16 rows of 2 chunks).
 CLUSTER_CASES = [
     ("batch1_7_splits", [383], 16, 8, 128, 16, 400, [65]),
     ("batch1_keys_in_split_0", [40], 16, 8, 128, 16, 400, [400]),
@@ -386,14 +386,16 @@ def workspace_regions(workspace, num_seqs, nq, nkv, hd, splits):
 @pytest.mark.gpu
 def test_cluster_cases_launch_clusters():
     """On sm_90 the cluster cases run cluster launches, both merges among them: a sequence of one chunk merging in
-    its cluster, and one of several chunks (batch1_chunks_6144: 3 chunks of 8 CTAs) merging through the workspace
-    from a cluster launch."""
+    its cluster, and one of several chunks (batch 1: 3 chunks of 8 CTAs) merging through the workspace from a
+    cluster launch; and a grid whose clusters would not all be resident (batch2_chunks) runs without them."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread block clusters need sm_90")
     plans = {c[0]: plan(len(c[1]), c[2], c[3], c[4], c[6]) for c in CLUSTER_CASES}
     launched = {name for name, p in plans.items() if p["cluster_merge"]}
-    assert {"batch1_7_splits", "group16_hd128_8_splits", "batch1_chunks_6144"} <= launched, sorted(launched)
-    assert plans["batch1_chunks_6144"]["chunks"] == 3
+    assert {"batch1_7_splits", "group16_hd128_8_splits", "batch1_chunks_6144", "batch1_chunks_32768",
+            "batch1_chunks_from_short"} <= launched, sorted(launched)
+    assert "batch2_chunks" not in launched
+    assert plans["batch1_chunks_6144"]["chunks"] == plans["batch1_chunks_32768"]["chunks"] == 3
 
 
 @pytest.mark.gpu
