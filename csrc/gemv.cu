@@ -22,13 +22,13 @@
 // The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1].
 //
 // Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges
-// (choose_splits in gemv_common.cuh says how many); a CTA of kWarps warps holds kWarps / splits
+// (choose_splits in gemv_plan.h says how many); a CTA of kWarps warps holds kWarps / splits
 // row groups with all of their splits, and sums the splits in shared memory in a fixed order
 // (deterministic; no atomics and no workspace but gemv_argmax's keys, below). CTAs have 8 warps
 // (2 per SM), or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down
 // (K = 3,072) in 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the
-// resident warp slots. Grid and splits depend only on (M, N, K), so a captured graph is valid
-// for any data.
+// resident warp slots. Grid and splits depend only on (M, N, K) and the device's SM count, so a
+// captured graph is valid for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction
@@ -238,7 +238,7 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
-  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
+  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
   auto kernel = g.warps == kWarpsPerCta
                     ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
                              : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)

@@ -1,22 +1,15 @@
-// Building blocks of the bf16 GEMV (gemv.cu) and the FP8 GEMV (gemv_fp8.cu): the launch constants,
-// the 16-byte streaming loads, the bf16 MMA, and how a matrix's K range is split over warps. See
-// gemv.cu's header for why the kernels are built this way.
+// Building blocks of the bf16 GEMV (gemv.cu) and the FP8 GEMV (gemv_fp8.cu): the 16-byte
+// streaming loads, the bf16 MMA and the shape check; the launch constants and how a matrix's K
+// range is split over warps are in gemv_plan.h. See gemv.cu's header for why the kernels are
+// built this way.
 #pragma once
 #include "common.h"
 #include "gemv.h"
+#include "gemv_plan.h"
 
 #include <string>
 
 namespace nanograph::gemv_detail {
-
-constexpr int kWarpsPerCta = 8;  // the usual CTA; 16 when a row group takes 16 splits
-constexpr int kMaxSplits = 16;
-// Resident warps per SM the launch bounds allow: 2 CTAs of 8 or 1 of 16. This caps registers at
-// 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
-// them for occupancy and issues each load just before its MMA.
-constexpr int kWarpsPerSm = 16;
-constexpr int kTargetWarps = 2048;  // one full wave: 132 SMs x kWarpsPerSm
-constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for streamed matrices
 
 // 16 bytes from global memory, or zeros where !pred. The predicate sits inside the asm (no
 // branch), so a batch of these is one basic block that the compiler issues back to back.
@@ -80,51 +73,6 @@ inline void require_gemv_shape(bool supported, const char* op, int M, int N, int
                          "; it takes 1 <= M <= " + std::to_string(kGemvMaxM) +
                          ", N >= 1 and K a positive multiple of " + std::to_string(k_multiple) +
                          " (use Gemm::linear for other shapes)");
-}
-
-// K splits per row group, for a kernel whose warps keep `unroll` steps of loads in flight: a
-// warp owns one row group and one of `splits` contiguous ranges of its `steps` warp steps.
-// Matrices of at most two load batches per warp of a full wave fit one wave: splits double while
-// the launch stays within it (so that no matrix ends in a partial second wave) and while a split
-// holds more than one load batch (below that, more splits add warps but no bytes in flight).
-// Larger ones (Qwen3-8B's projections, any lm_head) stream through several waves of 8-warp CTAs:
-// splits double (up to 8, each split keeping two load batches) until the grid has kStreamWaves
-// waves, so that the last, partial wave is short against the whole launch.
-inline int choose_splits(int row_groups, int steps, int unroll) {
-  int splits = 1;
-  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * unroll * kTargetWarps;
-  if (!streaming) {
-    while (splits < kMaxSplits && 2 * row_groups * splits <= kTargetWarps && 2 * splits <= steps &&
-           ceil_div(steps, splits) > unroll) {
-      splits *= 2;
-    }
-    return splits;
-  }
-  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
-  while (2 * splits <= kWarpsPerCta && 2 * splits * 2 * unroll <= steps &&
-         ctas(splits) * kWarpsPerCta < kStreamWaves * kTargetWarps) {
-    splits *= 2;
-  }
-  return splits;
-}
-
-// A GEMV launch: `splits` warps per row group, CTAs of `warps` warps (kWarpsPerCta, or one row
-// group's 16 splits), `ctas` of them, and the warp steps of each split.
-struct GemvGrid {
-  int splits;
-  int warps;
-  int ctas;
-  int steps_per_split;
-};
-
-// The launch of `splits` splits per row group.
-inline GemvGrid gemv_grid_of(int row_groups, int steps, int splits) {
-  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
-  return {splits, warps, ceil_div(row_groups, warps / splits), ceil_div(steps, splits)};
-}
-
-inline GemvGrid gemv_grid(int row_groups, int steps, int unroll) {
-  return gemv_grid_of(row_groups, steps, choose_splits(row_groups, steps, unroll));
 }
 
 }  // namespace nanograph::gemv_detail

@@ -241,7 +241,7 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
-  GemvGrid g = gemv_grid(row_groups, steps, kUnroll);
+  GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
   // A grid of more than one wave at 2 CTAs per SM runs at 3 (80 registers, x not loaded ahead):
   // the longer wait between a warp's instructions is hidden by more warps, and Qwen3-8B's qkv
   // (384 CTAs) then fits one wave. Grids of one wave keep 2 CTAs and the registers. M > 8 (two

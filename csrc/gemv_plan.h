@@ -1,0 +1,63 @@
+// How the small-M GEMVs (gemv.cu, gemv_fp8.cu) divide a weight over warps and CTAs: host code,
+// planned from the device's SM count (DeviceProps::sm_count, launch.h), never from a constant.
+#pragma once
+#include "common.h"
+
+namespace nanograph::gemv_detail {
+
+constexpr int kWarpsPerCta = 8;  // the usual CTA; 16 when a row group takes 16 splits
+constexpr int kMaxSplits = 16;
+// Resident warps per SM the launch bounds allow: 2 CTAs of 8 or 1 of 16. This caps registers at
+// 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
+// them for occupancy and issues each load just before its MMA.
+constexpr int kWarpsPerSm = 16;
+constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for streamed matrices
+
+// K splits per row group on a device of sm_count SMs, for a kernel whose warps keep `unroll` steps
+// of loads in flight: a warp owns one row group and one of `splits` contiguous ranges of its
+// `steps` warp steps. A full wave is sm_count * kWarpsPerSm warps. Matrices of at most two load
+// batches per warp of a full wave fit one wave: splits double while the launch stays within it (so
+// that no matrix ends in a partial second wave) and while a split holds more than one load batch
+// (below that, more splits add warps but no bytes in flight). Larger ones (Qwen3-8B's projections,
+// any lm_head) stream through several waves of 8-warp CTAs: splits double (up to 8, each split
+// keeping two load batches) until the grid has kStreamWaves waves, so that the last, partial wave
+// is short against the whole launch.
+inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
+  const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
+  int splits = 1;
+  const bool streaming = static_cast<int64_t>(row_groups) * steps > 2LL * unroll * wave;
+  if (!streaming) {
+    while (splits < kMaxSplits && 2LL * row_groups * splits <= wave && 2 * splits <= steps &&
+           ceil_div(steps, splits) > unroll) {
+      splits *= 2;
+    }
+    return splits;
+  }
+  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
+  while (2 * splits <= kWarpsPerCta && 2 * splits * 2 * unroll <= steps &&
+         static_cast<int64_t>(ctas(splits)) * kWarpsPerCta < kStreamWaves * wave) {
+    splits *= 2;
+  }
+  return splits;
+}
+
+// A GEMV launch: `splits` warps per row group, CTAs of `warps` warps (kWarpsPerCta, or one row
+// group's 16 splits), `ctas` of them, and the warp steps of each split.
+struct GemvGrid {
+  int splits;
+  int warps;
+  int ctas;
+  int steps_per_split;
+};
+
+// The launch of `splits` splits per row group.
+inline GemvGrid gemv_grid_of(int row_groups, int steps, int splits) {
+  const int warps = splits > kWarpsPerCta ? splits : kWarpsPerCta;
+  return {splits, warps, ceil_div(row_groups, warps / splits), ceil_div(steps, splits)};
+}
+
+inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
+  return gemv_grid_of(row_groups, steps, choose_splits(row_groups, steps, unroll, sm_count));
+}
+
+}  // namespace nanograph::gemv_detail

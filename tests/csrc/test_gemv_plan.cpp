@@ -1,0 +1,82 @@
+// The small-M GEMVs' grids (gemv_plan.h) on described devices (host only): a matrix that fits one
+// wave of the device launches at most one wave, a streamed one stops splitting at kStreamWaves
+// waves of the device, and the SM count is what sets both.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "gemv_plan.h"
+
+namespace nanograph::gemv_detail {
+namespace {
+
+struct Shape {
+  int N, K;
+};
+
+// Projections and lm_heads of SmolLM2-135M, Qwen3-0.6B, Qwen3-8B and a Llama-3-8B shape, and a
+// few tails.
+const std::vector<Shape> kShapes = {{960, 576},    {576, 576},     {3072, 576},    {576, 1536},
+                                    {49152, 576},  {4096, 1024},   {1024, 2048},   {6144, 1024},
+                                    {1024, 3072},  {151936, 1024}, {6144, 4096},   {4096, 4096},
+                                    {24576, 4096}, {4096, 12288},  {151936, 4096}, {28672, 4096},
+                                    {4096, 14336}, {128256, 4096}, {3, 16},        {9001, 2064}};
+
+// The two kernels' layouts: bf16 (gemv.cu: 8 rows and 32 columns a step, 8 steps in flight) and
+// FP8 (gemv_fp8.cu: 16 rows and 64 columns, 4 steps).
+struct Kernel {
+  int rows, step_k, unroll;
+};
+const Kernel kKernels[] = {{8, 32, 8}, {16, 64, 4}};
+
+const int kSmCounts[] = {8, 16, 66, 108, 114, 132, 144};
+
+TEST(GemvPlan, AMatrixThatFitsOneWaveLaunchesAtMostOne) {
+  for (int sms : kSmCounts) {
+    const int64_t wave = static_cast<int64_t>(sms) * kWarpsPerSm;
+    for (const Kernel& kernel : kKernels) {
+      for (const Shape& shape : kShapes) {
+        const int row_groups = ceil_div(shape.N, kernel.rows);
+        const int steps = ceil_div(shape.K, kernel.step_k);
+        SCOPED_TRACE(testing::Message() << sms << " SMs, N=" << shape.N << " K=" << shape.K
+                                        << " rows " << kernel.rows);
+        const GemvGrid g = gemv_grid(row_groups, steps, kernel.unroll, sms);
+        ASSERT_GE(g.splits, 1);
+        ASSERT_LE(g.splits, kMaxSplits);
+        // Every row group and every step is covered.
+        EXPECT_GE(static_cast<int64_t>(g.ctas) * (g.warps / g.splits), row_groups);
+        EXPECT_GE(static_cast<int64_t>(g.steps_per_split) * g.splits, steps);
+        const bool streaming =
+            static_cast<int64_t>(row_groups) * steps > 2LL * kernel.unroll * wave;
+        if (!streaming && g.splits > 1) {
+          EXPECT_LE(static_cast<int64_t>(row_groups) * g.splits, wave);
+        }
+        if (streaming && g.splits > 1) {
+          // It split only while the grid was short of kStreamWaves waves.
+          const GemvGrid fewer = gemv_grid_of(row_groups, steps, g.splits / 2);
+          EXPECT_LT(static_cast<int64_t>(fewer.ctas) * kWarpsPerCta, kStreamWaves * wave);
+        }
+      }
+    }
+  }
+}
+
+TEST(GemvPlan, TheSmCountSetsTheSplits) {
+  // Qwen3-0.6B's qkv in the bf16 kernel: 512 row groups of 32 steps. It fits one wave of 132 SMs
+  // (2,112 warps) in 4 splits (2,048 warps), and one of 66 SMs (1,056) in 2; on 16 SMs it streams,
+  // 2 splits keeping two load batches each.
+  EXPECT_EQ(choose_splits(512, 32, 8, 132), 4);
+  EXPECT_EQ(choose_splits(512, 32, 8, 66), 2);
+  EXPECT_EQ(choose_splits(512, 32, 8, 16), 2);
+  // Qwen3-8B's o in the FP8 kernel (256 row groups of 64 steps): one wave of 132 SMs in 8 splits;
+  // on 16 SMs it streams, splitting while the grid is under 8 waves: 8 splits, 8 waves.
+  EXPECT_EQ(choose_splits(256, 64, 4, 132), 8);
+  EXPECT_EQ(choose_splits(256, 64, 4, 16), 8);
+  // Qwen3-8B's down in the FP8 kernel (256 row groups of 192 steps) streams: 8 splits on 132 SMs;
+  // on 8 SMs the grid has 8 waves at 4 splits (128 CTAs of 8 warps) and stops there.
+  EXPECT_EQ(choose_splits(256, 192, 4, 132), 8);
+  EXPECT_EQ(choose_splits(256, 192, 4, 8), 4);
+}
+
+}  // namespace
+}  // namespace nanograph::gemv_detail
