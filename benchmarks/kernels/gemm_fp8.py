@@ -1,8 +1,8 @@
 """Benchmark cases for FP8-weight linears at prefill size (M = 8,192 tokens) on the Qwen3-8B projections, four ways on
 the same shape, so that the FP8 / bf16 ratio reads off one run: the block-scaled FP8 GEMM alone (activations quantized
-beforehand), the same with the activation quantization (what Gemm.linear_fp8 runs with block scales), the
-dequantising path (the weight dequantised to bf16, then the bf16 GEMM: FP8 weights without block scales), and the
-bf16 cuBLASLt GEMM of a bf16 weight. TFLOP/s count 2 M N K for each."""
+beforehand; the quantization is also timed alone, once per K), the same with the activation quantization (what
+Gemm.linear_fp8 runs with block scales), the dequantising path (the weight dequantised to bf16, then the bf16 GEMM: FP8
+weights without block scales), and the bf16 cuBLASLt GEMM of a bf16 weight. TFLOP/s count 2 M N K for each."""
 import torch
 
 from nanograph import ops
@@ -23,6 +23,7 @@ def fp8_weight(N, K):
 
 def cases():
     gemm = ops.Gemm()
+    quantized_k = set()
     for name, N, K in PROJECTIONS:
         q, packed, blocks = fp8_weight(N, K)
         bf16 = (torch.randn(N, K, device="cuda") * K**-0.5).to(torch.bfloat16)
@@ -32,6 +33,10 @@ def cases():
         ops.quantize_fp8_activations(x, x_q, x_scale)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         shape, flops = f"M={M} N={N} K={K}", 2 * M * N * K
+        if K not in quantized_k:  # the activation quantization alone: 2 bytes read, 1 written, per element
+            quantized_k.add(K)
+            yield (f"quantize_fp8_activations M={M} K={K}", lambda: ops.quantize_fp8_activations(x, x_q, x_scale),
+                   3 * M * K + 4 * x_scale.numel(), 0)
         if not gemm.fp8_gemm_supported(M, N, K, False):
             print(f"gemm_fp8 {name} {shape}: cuBLASLt has no block-scaled FP8 GEMM on this device; skipped")
         else:
