@@ -76,7 +76,8 @@ struct DecodeAttentionPlan {
   // the PDL wait, and a sequence whose keys fill one chunk merges its CTAs' rows inside a thread
   // block cluster (sm_90, cluster_merge), with no round trip through the workspace, where the
   // device keeps all of the grid's clusters resident at once (DeviceProps::resident_clusters;
-  // the plan takes a smaller cluster, or fewer chunks, for that).
+  // the plan drops chunks for that if it keeps kClusterGridShare of them, or else launches
+  // without clusters).
   bool early_kv = false;
   bool cluster_merge = false;
   // Large grids: the sequences are taken longest first (seq_order), and the step's RoPE/KV store

@@ -18,10 +18,10 @@ constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for s
 // `steps` warp steps. A full wave is sm_count * kWarpsPerSm warps. Matrices of at most two load
 // batches per warp of a full wave fit one wave: splits double while the launch stays within it (so
 // that no matrix ends in a partial second wave) and while a split holds more than one load batch
-// (below that, more splits add warps but no bytes in flight). Larger ones (Qwen3-8B's projections,
-// any lm_head) stream through several waves of 8-warp CTAs: splits double (up to 8, each split
-// keeping two load batches) until the grid has kStreamWaves waves, so that the last, partial wave
-// is short against the whole launch.
+// (below that, more splits add warps but no bytes in flight). Larger ones (Qwen3-8B's bf16
+// projections, any lm_head) stream through several waves of 8-warp CTAs: splits double (up to 8,
+// each split keeping two load batches) until the grid has kStreamWaves waves, so that the last,
+// partial wave is short against the whole launch.
 inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
   const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
   int splits = 1;

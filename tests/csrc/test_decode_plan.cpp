@@ -152,5 +152,25 @@ TEST(DecodePlan, SmallGridsLaunchClustersOnlyIfAllAreResidentAtOnce) {
   EXPECT_EQ(two.splits(), 16);
 }
 
+TEST(DecodePlan, NoClustersWhereTheResidencyQueryFailed) {
+  // A device whose residency query failed reports no resident clusters (cluster_residency.cu):
+  // every small grid then launches without clusters and keeps the chunks of a plain plan.
+  DeviceProps unknown = h200();
+  unknown.resident_clusters.fill(0);
+  DeviceProps plain = h200();
+  plain.clusters = false;
+  for (int seqs : {1, 2, 3, 4}) {
+    for (int bound : {384, 6144, 32768, 40960}) {
+      SCOPED_TRACE(testing::Message() << seqs << " sequences, bound " << bound);
+      const DecodeAttentionPlan p = plan_decode_attention(seqs, 16, 8, 128, bound, unknown);
+      const DecodeAttentionPlan q = plan_decode_attention(seqs, 16, 8, 128, bound, plain);
+      EXPECT_FALSE(p.cluster_merge);
+      EXPECT_EQ(p.chunks, q.chunks);
+      EXPECT_EQ(p.cluster, q.cluster);
+      EXPECT_EQ(p.workspace_bytes, q.workspace_bytes);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nanograph

@@ -68,6 +68,8 @@ TEST(GemvPlan, TheSmCountSetsTheSplits) {
   EXPECT_EQ(choose_splits(512, 32, 8, 132), 4);
   EXPECT_EQ(choose_splits(512, 32, 8, 66), 2);
   EXPECT_EQ(choose_splits(512, 32, 8, 16), 2);
+  // A wave of 132 SMs is 2,112 warps, not 2,048: 264 row groups of 64 steps split 8 ways.
+  EXPECT_EQ(choose_splits(264, 64, 8, 132), 8);
   // Qwen3-8B's o in the FP8 kernel (256 row groups of 64 steps): one wave of 132 SMs in 8 splits;
   // on 16 SMs it streams, splitting while the grid is under 8 waves: 8 splits, 8 waves.
   EXPECT_EQ(choose_splits(256, 64, 4, 132), 8);

@@ -387,15 +387,17 @@ def workspace_regions(workspace, num_seqs, nq, nkv, hd, splits):
 def test_cluster_cases_launch_clusters():
     """On sm_90 the cluster cases run cluster launches, both merges among them: a sequence of one chunk merging in
     its cluster, and one of several chunks (batch 1: 3 chunks of 8 CTAs) merging through the workspace from a
-    cluster launch; and a grid whose clusters would not all be resident (batch2_chunks) runs without them."""
+    cluster launch; and, on a GPU of 132 SMs, a grid whose clusters would not all be resident (batch2_chunks) runs
+    without them."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread block clusters need sm_90")
     plans = {c[0]: plan(len(c[1]), c[2], c[3], c[4], c[6]) for c in CLUSTER_CASES}
     launched = {name for name, p in plans.items() if p["cluster_merge"]}
     assert {"batch1_7_splits", "group16_hd128_8_splits", "batch1_chunks_6144", "batch1_chunks_32768",
             "batch1_chunks_from_short"} <= launched, sorted(launched)
-    assert "batch2_chunks" not in launched
-    assert plans["batch1_chunks_6144"]["chunks"] == plans["batch1_chunks_32768"]["chunks"] == 3
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # an H200's or H100 SXM's residency
+        assert "batch2_chunks" not in launched
+        assert plans["batch1_chunks_6144"]["chunks"] == plans["batch1_chunks_32768"]["chunks"] == 3
 
 
 @pytest.mark.gpu
