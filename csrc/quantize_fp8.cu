@@ -11,9 +11,10 @@
 // to nearest even, saturating at +-448 (quantize_e4m3x8, e4m3.cuh) -- as torch computes
 // (x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).
 //
-// Launch: 16 threads per (row, 128-column block), 8 columns (one 16-byte load) each; the block's
-// amax is a 16-lane shuffle reduction, so every lane reaches it (no early return). Memory-bound:
-// 3 bytes moved per element.
+// Launch: one CTA row per activation row, 16 threads per 128-column block, 8 columns (one 16-byte
+// load) each; the block's amax is a 16-lane shuffle reduction, so every lane reaches it (no early
+// return). Memory-bound: 3 bytes moved per element.
+#include <algorithm>
 #include <string>
 
 #include "e4m3.cuh"
@@ -26,16 +27,13 @@ namespace {
 constexpr int kLanesPerBlock = kFp8ScaleCols / 8;  // 16
 constexpr float kE4m3Max = 448.f;
 
+// Grid: x = the row, y = the row's chunks of blockDim.x * 8 columns (no index division).
 __global__ void quantize_fp8_activations_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ q,
-                                                float* __restrict__ scale, int M, int K,
-                                                int blocks_per_row) {
-  const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t block = thread / kLanesPerBlock;
-  const int lane = static_cast<int>(thread % kLanesPerBlock);
-  const int m = static_cast<int>(block / blocks_per_row);
-  const int kb = static_cast<int>(block % blocks_per_row);
-  const int k = kb * kFp8ScaleCols + 8 * lane;
-  const bool active = m < M && k < K;
+                                                float* __restrict__ scale, int M, int K) {
+  const int m = blockIdx.x;
+  const int k = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+  const int lane = threadIdx.x % kLanesPerBlock;
+  const bool active = k < K;
   const int64_t offset = static_cast<int64_t>(m) * K + k;
 
   Float8 v{};
@@ -50,7 +48,7 @@ __global__ void quantize_fp8_activations_kernel(const bf16* __restrict__ x, uint
   const float s = amax > 0.f ? __fdiv_rn(amax, kE4m3Max) : 1.f;
   if (!active) return;
   *reinterpret_cast<uint2*>(q + offset) = quantize_e4m3x8(v, s);
-  if (lane == 0) scale[static_cast<int64_t>(kb) * M + m] = s;
+  if (lane == 0) scale[static_cast<int64_t>(k / kFp8ScaleCols) * M + m] = s;
 }
 
 }  // namespace
@@ -64,12 +62,12 @@ void quantize_fp8_activations(const bf16* x, void* q, float* scale, int M, int K
   require_aligned("quantize_fp8_activations", "q", q);
   require_aligned("quantize_fp8_activations", "scale", scale);
   if (M == 0) return;
-  const int blocks_per_row = static_cast<int>(fp8_scale_cols(K));
-  const int64_t threads_needed = static_cast<int64_t>(M) * blocks_per_row * kLanesPerBlock;
-  const int threads = 256;
-  const int64_t grid = (threads_needed + threads - 1) / threads;
-  quantize_fp8_activations_kernel<<<static_cast<unsigned>(grid), threads, 0, stream>>>(
-      x, static_cast<uint8_t*>(q), scale, M, K, blocks_per_row);
+  // A multiple of 32 (whole 16-lane groups in each warp), up to 256: narrow rows launch no idle
+  // warps.
+  const int threads = std::min(256, ceil_div(K / 8, 32) * 32);
+  const dim3 grid(static_cast<unsigned>(M), static_cast<unsigned>(ceil_div(K / 8, threads)));
+  quantize_fp8_activations_kernel<<<grid, threads, 0, stream>>>(x, static_cast<uint8_t*>(q), scale,
+                                                               M, K);
   CUDA_CHECK_LAUNCH();
 }
 
