@@ -1,4 +1,4 @@
-"""Kernel benchmark: for each case in benchmarks/kernels/*.py, time, achieved GB/s or TFLOP/s, and
+"""Kernel benchmark: for each case in benchmarks/kernel_cases/*.py, time, achieved GB/s or TFLOP/s, and
 that figure as a % of the device's copy bandwidth or bf16 matmul rate, both measured in this run.
 
     python benchmarks/bench_kernels.py [module ...] [-k TEXT ...]
@@ -65,7 +65,7 @@ def matmul_tflops():
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description="Times the kernel cases of benchmarks/kernels/*.py.")
+    parser = argparse.ArgumentParser(description="Times the kernel cases of benchmarks/kernel_cases/*.py.")
     parser.add_argument("modules", nargs="*", metavar="module",
                         help=f"case modules to run (default: all of {' '.join(MODULES)})")
     parser.add_argument("-k", dest="filters", action="append", default=[], metavar="TEXT",
@@ -88,7 +88,7 @@ def main(names, filters=()):
           f"bf16 matmul {mm:.0f} TFLOP/s (measured now)")
     print(f"{'kernel':58s} {'time':>10s} {'achieved':>16s} {'% of ceiling':>13s}")
     for name in names:
-        module = importlib.import_module(f"benchmarks.kernels.{name}")
+        module = importlib.import_module(f"benchmarks.kernel_cases.{name}")
         for label, fn, bytes_moved, flops in module.cases():
             if not selected(label, filters):
                 continue

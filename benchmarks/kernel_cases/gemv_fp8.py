@@ -2,7 +2,7 @@
 decode batch 1 and 8 on the Qwen3-0.6B and Qwen3-8B projections, each beside the bf16 GEMV on the
 same shape, and gate_up also as the gated GEMV a decode step runs; bytes moved count the e4m3
 weight, its scales, x and out. Weight copies rotate as in
-benchmarks/kernels/gemv.py, so that no matrix stays in L2."""
+benchmarks/kernel_cases/gemv.py, so that no matrix stays in L2."""
 
 import torch
 
