@@ -1,5 +1,5 @@
-"""Benchmark cases for the small-M GEMV at decode batch 1 and 8, on Qwen3-0.6B and Qwen3-8B
-projections, each beside torch.matmul (cuBLAS) on the same inputs.
+"""Benchmark cases for the small-M GEMV at decode batch 1, 8 and 16 (its limit, GEMV_MAX_M), on Qwen3-0.6B and
+Qwen3-8B projections, each beside torch.matmul (cuBLAS) on the same inputs.
 
 The driver replays one CUDA graph of 20 launches, and matrices under ~50 MB would otherwise stay
 in the H200's L2 between launches. So each case cycles through distinct weight copies (a counter
@@ -26,7 +26,7 @@ SHAPES = [
     ("8B down", 4096, 12288),
     ("8B lm_head", 151936, 4096),
 ]
-TOKEN_COUNTS = (1, 8)
+TOKEN_COUNTS = (1, 8, 16)
 GRAPH_LAUNCHES = 20  # launches per graph in benchmarks/bench_kernels.py
 ROTATION_BYTES = 200 << 20
 
