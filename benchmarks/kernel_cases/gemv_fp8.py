@@ -1,7 +1,7 @@
 """Benchmark cases for the FP8-weight GEMV (e4m3, one float32 scale per 8 rows x 128 columns) at
-decode batch 1, 8 and 16 (gemv.py's TOKEN_COUNTS) on the Qwen3-0.6B and Qwen3-8B projections, each beside the bf16 GEMV on the
-same shape, and gate_up also as the gated GEMV a decode step runs; bytes moved count the e4m3
-weight, its scales, x and out. Weight copies rotate as in
+decode batch 1, 8 and 16 (gemv.py's TOKEN_COUNTS) on the Qwen3-0.6B and Qwen3-8B projections, each
+beside the bf16 GEMV on the same shape, and gate_up also as the gated GEMV a decode step runs; bytes
+moved count the e4m3 weight, its scales, x and out. Weight copies rotate as in
 benchmarks/kernel_cases/gemv.py, so that no matrix stays in L2."""
 
 import torch
