@@ -4,14 +4,10 @@ import torch
 
 from nanograph import ops
 
+from .gemv import SHAPES
+
 # (name, N, K): out[M, N] = x[M, K] @ W[N, K].T
-QWEN3_0_6B = [
-    ("qkv", 4096, 1024),
-    ("o", 1024, 2048),
-    ("gate_up", 6144, 1024),
-    ("down", 1024, 3072),
-    ("lm_head", 151936, 1024),
-]
+QWEN3_0_6B = [(name.removeprefix("0.6B "), N, K) for name, N, K in SHAPES if name.startswith("0.6B ")]
 
 
 def _case(gemm, label, M, w):
