@@ -1,9 +1,9 @@
 // How far cuBLASLt's first heuristic answer is from the best of its first 16, for the bf16 GEMMs that
 // Gemm::linear builds (csrc/gemm.cpp: the "TN" layout, fp32 compute and scale, 16-byte alignment, a
-// 32 MiB workspace) at the decode batch sizes above the GEMV's limit, on Qwen3-0.6B and Qwen3-8B
-// projections. Each algorithm is timed in a CUDA graph of 40 back-to-back calls that cycle through
-// copies of the weight (up to 40 in a 983 MB pool, so that no matrix that fits in L2 stays there),
-// the best of 5 replays. Per shape it prints heuristic #0, the fastest, their split-K counts and
+// 32 MiB workspace) at decode batch sizes from 17 rows, on Qwen3-0.6B and Qwen3-8B projections.
+// Each algorithm is timed in a CUDA graph of 40 back-to-back calls that cycle through copies of the
+// weight (up to 40 in a 983 MB pool, so that no matrix that fits in L2 stays there), the best of 5
+// replays. Per shape it prints heuristic #0, the fastest, their split-K counts and
 // workspace sizes, the roofline of the bytes moved at 4.1 TB/s, then every algorithm as time/split-K.
 // Build and run on the GPU machine:
 //   nvcc -std=c++17 -O2 -arch=sm_90a benchmarks/cublaslt_algos.cu -lcublasLt -o /tmp/cublaslt_algos &&

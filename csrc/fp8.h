@@ -35,7 +35,7 @@ __host__ __device__ inline int64_t fp8_block_scale_cols(int64_t K) {
 // A linear layer's weight [N, K], row-major (torch Linear): bf16 when scale is nullptr, else e4m3
 // with its block scales. block_scale (optional, FP8 only): the same scales once per 128 x 128
 // block (fp8_block_scale_rows/cols above), given where every 128-row block's 8-row scales agree;
-// with it, Gemm::linear takes the block-scaled FP8 GEMM above kGemvMaxM rows.
+// with it, Gemm::linear takes the block-scaled FP8 GEMM above kGemvFp8MaxM rows.
 struct LinearWeight {
   const void* data = nullptr;
   const float* scale = nullptr;
@@ -50,7 +50,7 @@ struct LinearWeight {
 };
 
 // out[N, K] (bf16) = the dequantised weight, each element rounded once: the operand of the
-// cuBLASLt path for FP8 weights at M > kGemvMaxM. K a positive multiple of 16; weight and out
+// cuBLASLt path for FP8 weights at M > kGemvFp8MaxM. K a positive multiple of 16; weight and out
 // 16-byte aligned. Asynchronous on stream; graph-capturable.
 void dequantize_fp8(const void* weight, const float* scale, bf16* out, int N, int K,
                     cudaStream_t stream);

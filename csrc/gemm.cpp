@@ -213,7 +213,7 @@ void Gemm::reserve_fp8_activations(size_t rows, size_t K) {
 }
 
 bool Gemm::fp8_gemm_supported(int M, int N, int K, bool has_bias) {
-  if (!block_scaled_fp8_ || M <= kGemvMaxM || K % 16 != 0 || N % 8 != 0) return false;
+  if (!block_scaled_fp8_ || M <= kGemvFp8MaxM || K % 16 != 0 || N % 8 != 0) return false;
   const int rows = M / 4 * 4;
   return plan_for(rows, N, K, has_bias, true).found &&
          (rows == M || plan_for(4, N, K, has_bias, true).found);
@@ -294,8 +294,9 @@ void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* 
 
 void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out, int M, int N,
                   int K, cudaStream_t stream) {
-  // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth.
-  if (w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_supported(M, N, K)) {
+  // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth
+  // (bf16: where gemv_preferred says it beats cuBLASLt's floor).
+  if (w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_preferred(M, N, K)) {
     if (w.fp8()) {
       gemv_fp8(x, w.data, w.scale, bias, out, M, N, K, stream);
     } else {

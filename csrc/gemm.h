@@ -1,8 +1,8 @@
 // Linear layers: y[M, N] = x[M, K] . W[N, K]^T (+ bias[N]), bf16 in and out, fp32 accumulation.
-// Small M (decode batches up to kGemvMaxM rows) goes to the GEMV kernel in gemv.cu, which keeps
-// the weights streaming near bandwidth where cuBLAS does not; the rest goes through cuBLASLt,
-// whose heuristic is chosen once per shape and cached. The workspace is fixed at construction so
-// that calls can be captured into a CUDA graph.
+// Small M goes to the GEMV kernels in gemv.cu and gemv_fp8.cu, which keep the weights streaming
+// near bandwidth where cuBLAS does not (bf16: where gemv_preferred, up to kGemvMaxM rows; FP8 up
+// to kGemvFp8MaxM); the rest goes through cuBLASLt, whose heuristic is chosen once per shape and
+// cached. The workspace is fixed at construction so that calls can be captured into a CUDA graph.
 // FP8 weights (fp8.h) take the GEMV's FP8 path at small M. At larger M, a weight with 128 x 128
 // block scales (LinearWeight::block_scale) takes cuBLASLt's block-scaled FP8 GEMM: x is quantized
 // per row and 128 columns into a buffer reserved beforehand (reserve_fp8_activations), and the
@@ -41,9 +41,9 @@ class Gemm {
   void reserve_fp8_activations(size_t rows, size_t K);
 
   // Whether linear() takes the block-scaled FP8 GEMM for a weight with block scales at this shape:
-  // the device and library have it (block_scaled_fp8_), M > kGemvMaxM, K a multiple of 16, N of 8,
-  // and cuBLASLt has an algorithm for it (for M rounded down to a multiple of 4, and for 4 rows
-  // when M is not one: see linear_fp8_dynamic). The heuristic's answer is cached with the plan.
+  // the device and library have it (block_scaled_fp8_), M > kGemvFp8MaxM, K a multiple of 16,
+  // N of 8, and cuBLASLt has an algorithm for it (for M rounded down to a multiple of 4, and for 4
+  // rows when M is not one: see linear_fp8_dynamic). The heuristic's answer is cached with the plan.
   bool fp8_gemm_supported(int M, int N, int K, bool has_bias);
 
   // out[M, N] = dequant(x_q) . dequant(weight)^T (+ bias): the block-scaled FP8 GEMM alone, on

@@ -1,4 +1,4 @@
-// Small-M GEMV: out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]), 1 <= M <= 16, bf16 in and out,
+// Small-M GEMV: out[M, N] = x[M, K] . weight[N, K]^T (+ bias[N]), 1 <= M <= 32, bf16 in and out,
 // fp32 accumulation, (sum + bias) rounded once to bf16.
 //
 // Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
@@ -14,12 +14,14 @@
 //
 // Math: one mma.m16n8k16 (bf16 in, fp32 accumulate) takes x as A (16 rows = the M rows, zero
 // beyond M) and 8 weight rows as B, so M = 1..16 all cost the same weight traffic and issue slots,
-// with no bf16->fp32 conversions. A sum over K may visit K in any order as long as x and weight
+// with no bf16->fp32 conversions; M = 17..32 take a second A tile (x rows 16..31) against the same
+// weight fragment, the weight still loaded once. A sum over K may visit K in any order as long as x and weight
 // use the same one, so the fragments come from plain 16-byte loads: lane (g = lane / 4,
 // c = lane % 4) of a warp step at k0 loads weight row n0 + g and x rows g, g + 8 at
 // k0 + 8c .. k0 + 8c + 7; elements {0,1,2,3} feed the first MMA and {4,5,6,7} the second
 // (fragment k = 2c, 2c+1, 2c+8, 2c+9 <-> k0 + 8c + 0..3, resp. + 4..7, in both operands).
-// The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1].
+// The accumulator lands in lane (g, c) as out[m = g, g + 8][n = n0 + 2c, n0 + 2c + 1] (tile t:
+// m + 16t).
 //
 // Launch: a warp owns one group of 8 weight rows and one of `splits` contiguous K ranges
 // (choose_splits in gemv_plan.h says how many); a CTA of kWarps warps holds kWarps / splits
@@ -42,6 +44,7 @@
 #include "silu_mul.cuh"
 
 #include <string>
+#include <type_traits>
 
 namespace nanograph {
 
@@ -54,35 +57,47 @@ constexpr int kElems = 8;         // weight elements per lane per step (one 16-b
 constexpr int kStepK = 32;        // K per warp step: 4 lanes x 8 elements
 constexpr int kUnroll = 8;        // warp steps whose weight loads are in flight together
 
-// gemv_kernel's store for gemv_argmax: the warp's sums (nullptr for a warp whose split was
-// summed by another) are stored like gemv's, and each row's best key goes to the CTA's keys, then
-// to the global ones. Every warp of the CTA calls it (it has a barrier).
-__device__ __forceinline__ void argmax_epilogue(const float* sum, const bf16* bias, bf16* out,
-                                                int M, int N, int n0, int g, int c,
+// gemv_kernel's store for gemv_argmax: the warp's sums (kTiles x 4; none where !has_sum, a warp whose
+// split was summed by another) are stored like gemv's, and each row's best key goes to the CTA's keys,
+// then to the global ones. Every warp of the CTA calls it (it has a barrier).
+template <int kTiles>
+__device__ __forceinline__ void argmax_epilogue(const float (&sum)[kTiles][4], bool has_sum,
+                                                const bf16* bias, bf16* out, int M, int N, int n0,
+                                                int g, int c,
                                                 unsigned long long* cta_keys,
                                                 unsigned long long* keys) {
-  unsigned long long best[2] = {0, 0};  // rows g and g + 8
-  if (sum != nullptr) {
+  unsigned long long best[kTiles][2] = {};  // rows 16t + g and 16t + g + 8
+  if (has_sum) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = g + (i >= 2 ? 8 : 0);
-      const int n = n0 + 2 * c + (i & 1);
-      if (m < M && n < N) {
-        const bf16 value = __float2bfloat16_rn(bias ? sum[i] + __bfloat162float(bias[n]) : sum[i]);
-        out[static_cast<int64_t>(m) * N + n] = value;
-        best[i / 2] = max(best[i / 2], argmax_key(__bfloat162float(value), n));
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 16 * t + g + (i >= 2 ? 8 : 0);
+        const int n = n0 + 2 * c + (i & 1);
+        if (m < M && n < N) {
+          const float s = sum[t][i];
+          const bf16 value = __float2bfloat16_rn(bias ? s + __bfloat162float(bias[n]) : s);
+          out[static_cast<int64_t>(m) * N + n] = value;
+          best[t][i / 2] = max(best[t][i / 2], argmax_key(__bfloat162float(value), n));
+        }
       }
     }
   }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // the 4 lanes of a row hold its 8 columns
-    best[h] = max(best[h], __shfl_xor_sync(0xffffffffu, best[h], 1));
-    best[h] = max(best[h], __shfl_xor_sync(0xffffffffu, best[h], 2));
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // the 4 lanes of a row hold its 8 columns
+      best[t][h] = max(best[t][h], __shfl_xor_sync(0xffffffffu, best[t][h], 1));
+      best[t][h] = max(best[t][h], __shfl_xor_sync(0xffffffffu, best[t][h], 2));
+    }
   }
   __syncthreads();  // cta_keys are initialised
   if (c == 0) {
-    if (best[0] != 0) atomicMax(&cta_keys[g], best[0]);
-    if (best[1] != 0) atomicMax(&cta_keys[g + 8], best[1]);
+#pragma unroll
+    for (int t = 0; t < kTiles; ++t) {
+      if (best[t][0] != 0) atomicMax(&cta_keys[16 * t + g], best[t][0]);
+      if (best[t][1] != 0) atomicMax(&cta_keys[16 * t + g + 8], best[t][1]);
+    }
   }
   __syncthreads();
   if (threadIdx.x < M && cta_keys[threadIdx.x] != 0) atomicMax(&keys[threadIdx.x], cta_keys[threadIdx.x]);
@@ -101,19 +116,24 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
   if (host_out != nullptr) host_out[m] = index;
 }
 
-// kWideM: M > 8, so x rows g + 8 exist. kWarps: warps per CTA. steps_per_split: warp steps in
+// kMaxRows: the M this instance takes: 8 (x rows g only), 16 (rows g + 8 too) or 32 (a second MMA
+// tile of rows g + 16, g + 24, against the same weight fragments). kWarps: warps per CTA. steps_per_split: warp steps in
 // each split's K range. kSiluMul: the gated MLP's epilogue (gemv_silu_mul): weight holds 2N rows,
 // gate rows [0, N) then up rows [N, 2N), and out[m, j] = silu(gate) * up. A row group then
 // covers 4 output columns, its 8 rows alternating gate and up (row g is the gate of column
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
 // kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
-template <bool kWideM, int kWarps, bool kSiluMul, bool kArgmax>
+template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
                 int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
+  static_assert(kMaxRows == 8 || kMaxRows == 16 || kMaxRows == 32, "8, 16 or 32 rows of x");
+  static_assert(kMaxRows <= kGemvMaxM, "the argmax keys hold kGemvMaxM rows");
+  constexpr bool kWideM = kMaxRows > 8;
+  constexpr int kTiles = kMaxRows > 16 ? 2 : 1;
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
   if constexpr (kArgmax) {
     if (threadIdx.x < kGemvMaxM) cta_keys[threadIdx.x] = 0;
@@ -151,34 +171,43 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   wait_for_producers_after_loads();
   allow_dependents();
 
-  // Two accumulators (first and second MMA of a step) halve the dependent MMA chain.
-  float acc[2][4] = {};
+  // Two accumulators per tile (first and second MMA of a step) halve the dependent MMA chain.
+  float acc[kTiles][2][4] = {};
   if (n0 < N) {
     const bf16* x_lo = x + static_cast<int64_t>(g) * K + kElems * c;
-    const bf16* x_hi = x_lo + static_cast<int64_t>(8) * K;
-    const bool has_lo = g < M, has_hi = kWideM && g + 8 < M;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
       if (step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStepK;
         const bool in_range = step0 + u < end && k + kElems * c < K;
-        const uint4 lo = load_x(x_lo + k, in_range && has_lo);
-        const uint4 hi = load_x(x_hi + k, in_range && has_hi);
-        mma_16x8x16(acc[0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
-        mma_16x8x16(acc[1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          const int m = 16 * t + g;  // x rows m (lo) and m + 8 (hi)
+          const bf16* x_row = x_lo + static_cast<int64_t>(16 * t) * K + k;
+          const uint4 lo = load_x(x_row, in_range && m < M);
+          const uint4 hi = load_x(x_row + static_cast<int64_t>(8) * K, in_range && kWideM && m + 8 < M);
+          mma_16x8x16(acc[t][0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
+          mma_16x8x16(acc[t][1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+        }
       }
     }
   }
 
-  float sum[4];
+  float sum[kTiles][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) sum[i] = acc[0][i] + acc[1][i];
+  for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sum[t][i] = acc[t][0][i] + acc[t][1][i];
+  }
 
   if (splits > 1) {
-    __shared__ float partial[kWarps][4][32];
+    __shared__ float partial[kWarps][kTiles * 4][32];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) partial[warp][i][lane] = sum[i];
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) partial[warp][4 * t + i][lane] = sum[t][i];
+    }
     __syncthreads();
     if constexpr (!kArgmax) {
       if (split != 0) return;
@@ -186,33 +215,42 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     // The group's splits are warps warp .. warp + splits - 1; summed in that order.
     for (int s = 1; split == 0 && s < splits; ++s) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sum[i] += partial[warp + s][i][lane];
+      for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum[t][i] += partial[warp + s][4 * t + i][lane];
+      }
     }
   }
 
   if constexpr (kArgmax) {
     // Every warp takes part (the epilogue has barriers); the group's other splits store nothing.
-    argmax_epilogue(split == 0 ? sum : nullptr, bias, out, M, N, n0, g, c, cta_keys, keys);
+    argmax_epilogue<kTiles>(sum, split == 0, bias, out, M, N, n0, g, c, cta_keys, keys);
   } else if constexpr (kSiluMul) {
     // Gate and up rounded to bf16, as the unfused gemv stores them, then silu_mul's formula.
     const int n = n0 + c;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int m = g + 8 * half;
-      if (m < M && n < N) {
-        const float gate = __bfloat162float(__float2bfloat16_rn(sum[2 * half]));
-        const float up = __bfloat162float(__float2bfloat16_rn(sum[2 * half + 1]));
-        out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(silu_mul_value(gate, up));
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int m = 16 * t + g + 8 * half;
+        if (m < M && n < N) {
+          const float gate = __bfloat162float(__float2bfloat16_rn(sum[t][2 * half]));
+          const float up = __bfloat162float(__float2bfloat16_rn(sum[t][2 * half + 1]));
+          out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(silu_mul_value(gate, up));
+        }
       }
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = g + (i >= 2 ? 8 : 0);
-      const int n = n0 + 2 * c + (i & 1);
-      if (m < M && n < N) {
-        const float value = bias ? sum[i] + __bfloat162float(bias[n]) : sum[i];
-        out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
+    for (int t = 0; t < kTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 16 * t + g + (i >= 2 ? 8 : 0);
+        const int n = n0 + 2 * c + (i & 1);
+        if (m < M && n < N) {
+          const float value = bias ? sum[t][i] + __bfloat162float(bias[n]) : sum[t][i];
+          out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
+        }
       }
     }
   }
@@ -224,6 +262,12 @@ bool gemv_supported(int M, int N, int K) {
   return M >= 1 && M <= kGemvMaxM && N >= 1 && K >= 8 && K % 8 == 0;
 }
 
+bool gemv_preferred(int M, int N, int K) {
+  if (!gemv_supported(M, N, K)) return false;
+  const int64_t elements = static_cast<int64_t>(N) * K;
+  return M <= 8 || elements <= (M <= 16 ? kGemvMidElements : kGemvWideElements);
+}
+
 namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
@@ -232,18 +276,21 @@ template <bool kSiluMul, bool kArgmax = false>
 void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
                  int K, cudaStream_t stream, const char* op,
                  unsigned long long* argmax_keys = nullptr) {
-  require_gemv_shape(gemv_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 8);
+  require_gemv_shape(gemv_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 8, kGemvMaxM);
   require_aligned(op, "x", x);
   require_aligned(op, "weight", weight);
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
   const GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
-  auto kernel = g.warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_kernel<true, kWarpsPerCta, kSiluMul, kArgmax>
-                             : gemv_kernel<false, kWarpsPerCta, kSiluMul, kArgmax>)
-                    : (M > 8 ? gemv_kernel<true, kMaxSplits, kSiluMul, kArgmax>
-                             : gemv_kernel<false, kMaxSplits, kSiluMul, kArgmax>);
+  auto pick = [&](auto warps) {
+    constexpr int kWarps = decltype(warps)::value;
+    return M > 16  ? gemv_kernel<32, kWarps, kSiluMul, kArgmax>
+           : M > 8 ? gemv_kernel<16, kWarps, kSiluMul, kArgmax>
+                   : gemv_kernel<8, kWarps, kSiluMul, kArgmax>;
+  };
+  auto kernel = g.warps == kWarpsPerCta ? pick(std::integral_constant<int, kWarpsPerCta>{})
+                                        : pick(std::integral_constant<int, kMaxSplits>{});
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x, weight, bias, out, M, N, K,
              g.splits, g.steps_per_split, argmax_keys);
 }

@@ -1,16 +1,32 @@
-// Small-M linear layers (decode at batch 1..kGemvMaxM): y = x . W^T (+ bias), streaming the weight
-// from memory once at close to full bandwidth, where cuBLASLt's tiles leave most SMs idle.
+// Small-M linear layers (decode at batch 1..kGemvMaxM, FP8 weights 1..kGemvFp8MaxM): y = x . W^T
+// (+ bias), streaming the weight from memory once at close to full bandwidth, where cuBLASLt's tiles
+// leave most SMs idle.
 #pragma once
 #include "common.h"
 
 namespace nanograph {
 
 // Rows of x one call takes. Tensor-core MMAs make 16 rows cost the same weight traffic and
-// issue slots as one, so the limit is where an M-tiled GEMM takes over, not the kernel's cost.
-constexpr int kGemvMaxM = 16;
+// issue slots as one; 17..32 rows take a second MMA tile against the same weight fragments (the
+// weight still read once). Where that beats an M-tiled GEMM depends on the weight's size:
+// gemv_preferred.
+constexpr int kGemvMaxM = 32;
+// The FP8 GEMV's limit (gemv_fp8.cu: two MMA tiles of x rows 0..15); above it the block-scaled
+// FP8 GEMM (Gemm::linear).
+constexpr int kGemvFp8MaxM = 16;
 
 // True when gemv() takes this shape: 1 <= M <= kGemvMaxM, N >= 1, K a positive multiple of 8.
 bool gemv_supported(int M, int N, int K);
+
+// True when a bf16 linear layer of M rows over an [N, K] weight should take the GEMV rather than
+// cuBLASLt: Gemm::linear's choice, and the decode step's for its fused gate_up (gemv_silu_mul) and
+// lm_head (gemv_argmax). Up to 8 rows always (where the GEMV supports the shape); the GEMV's time
+// then grows with M, while cuBLASLt's sits at a floor of a few microseconds on small weights and
+// streams large ones near bandwidth, so 9 to 16 rows take it for weights of at most
+// kGemvMidElements elements and 17 to 32 rows for at most kGemvWideElements.
+bool gemv_preferred(int M, int N, int K);
+constexpr int64_t kGemvMidElements = 8 << 20;    // Qwen3-0.6B's projections; not Qwen3-8B's
+constexpr int64_t kGemvWideElements = 7 << 19;   // Qwen3-0.6B's o and down, not its qkv
 
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;
 // out: [M, N]. All bf16; fp32 accumulation, fp32 bias add, one rounding to bf16.
@@ -38,7 +54,8 @@ void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logi
 
 // FP8 weights (fp8.h: e4m3 with block scales), in gemv_fp8.cu: each e4m3 value widened exactly to
 // bf16, each 64-column step's sum scaled by its rows' block scale in fp32; the same PDL launch as
-// gemv. True when gemv_fp8 takes the shape: gemv_supported and K a multiple of 16.
+// gemv. True when gemv_fp8 takes the shape: 1 <= M <= kGemvFp8MaxM, N >= 1 and K a positive
+// multiple of 16.
 bool gemv_fp8_supported(int M, int N, int K);
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,

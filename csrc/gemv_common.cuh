@@ -65,12 +65,12 @@ inline std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
 }
 
-// Throws unless `supported`, naming the op, the shape and the limits of a GEMV whose K must be a
-// positive multiple of k_multiple.
+// Throws unless `supported`, naming the op, the shape and the limits of a GEMV of at most max_m
+// rows whose K must be a positive multiple of k_multiple.
 inline void require_gemv_shape(bool supported, const char* op, int M, int N, int K,
-                               int k_multiple) {
+                               int k_multiple, int max_m) {
   require(supported, std::string(op) + ": unsupported " + shape_str(M, N, K) +
-                         "; it takes 1 <= M <= " + std::to_string(kGemvMaxM) +
+                         "; it takes 1 <= M <= " + std::to_string(max_m) +
                          ", N >= 1 and K a positive multiple of " + std::to_string(k_multiple) +
                          " (use Gemm::linear for other shapes)");
 }

@@ -231,7 +231,8 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 template <bool kSiluMul>
 void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
                      bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
-  require_gemv_shape(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 16);
+  require_gemv_shape(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 16,
+                     kGemvFp8MaxM);
   require_aligned(op, "x", x);
   require_aligned(op, "weight", weight);
   require(scale != nullptr, std::string(op) + ": an FP8 weight needs its block scales");
@@ -300,7 +301,9 @@ __global__ void dequantize_fp8_kernel(const uint4* __restrict__ weight,
 
 }  // namespace
 
-bool gemv_fp8_supported(int M, int N, int K) { return gemv_supported(M, N, K) && K % 16 == 0; }
+bool gemv_fp8_supported(int M, int N, int K) {
+  return M >= 1 && M <= kGemvFp8MaxM && N >= 1 && K >= 16 && K % 16 == 0;
+}
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
               int M, int N, int K, cudaStream_t stream) {

@@ -6,7 +6,7 @@
 //                                                     attention (q rotated there, qkv left as is)
 //   attn   = paged decode (one token/seq) or prefill attention
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
-//   act    = silu(gate) * up of hidden . Wgate_up^T   (<= kGemvMaxM tokens: one kernel)
+//   act    = silu(gate) * up of hidden . Wgate_up^T   (where gemv_preferred: one kernel)
 //   hidden = act . Wdown^T
 // then the final norm and lm_head on each sequence's last token only (a greedy step at small
 // batch takes the argmax in lm_head's GEMV).
@@ -416,7 +416,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
     if (w.gate_up.fp8() && gemv_fp8_supported(T, 2 * I, H)) {
       gemv_silu_mul_fp8(hidden_, w.gate_up.data, w.gate_up.scale, act_, T, I, H, st);
-    } else if (!w.gate_up.fp8() && gemv_supported(T, 2 * I, H)) {
+    } else if (!w.gate_up.fp8() && gemv_preferred(T, 2 * I, H)) {
       gemv_silu_mul(hidden_, w.gate_up.bf16_data(), act_, T, I, H, st);  // one kernel
     } else {
       gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
@@ -435,7 +435,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     CUDA_CHECK_LAUNCH();
   }
   add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
-  if (argmax_host_out != nullptr && gemv_supported(S, c.vocab_size, H)) {
+  if (argmax_host_out != nullptr && gemv_preferred(S, c.vocab_size, H)) {
     gemv_argmax(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, argmax_keys_,
                 sampled_tokens_, argmax_host_out, st);
     return;

@@ -54,7 +54,7 @@ NANOGRAPH_BINDINGS(bind_gemm) {
           py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"),
           py::arg("block_scale") = py::none(),
           "linear with an FP8 weight (float8_e4m3fn [N, K]) and its block scales (float32 "
-          "[ceil(N / 8), ceil(K / 128)]): the FP8 GEMV at M <= GEMV_MAX_M; above, with "
+          "[ceil(N / 8), ceil(K / 128)]): the FP8 GEMV at M <= GEMV_FP8_MAX_M; above, with "
           "block_scale (float32 [ceil(N / 128), ceil(K / 128) rounded up to 4], the same "
           "scales once per 128 x 128 block) the block-scaled FP8 GEMM where fp8_gemm_supported, "
           "else the weight dequantised to bf16 and cuBLASLt. Reserves its buffers on first use.")

@@ -1,4 +1,5 @@
-// Binding for the small-M GEMV (decode-sized linear layers), and its row limit GEMV_MAX_M.
+// Binding for the small-M GEMV (decode-sized linear layers), and its row limits GEMV_MAX_M and
+// GEMV_FP8_MAX_M (FP8 weights).
 #include "../csrc/fp8.h"
 #include "../csrc/gemv.h"
 #include "linear_args.h"
@@ -7,6 +8,11 @@ namespace nanograph::py_ext {
 
 NANOGRAPH_BINDINGS(bind_gemv) {
   m.attr("GEMV_MAX_M") = kGemvMaxM;
+  m.attr("GEMV_FP8_MAX_M") = kGemvFp8MaxM;
+  m.def("gemv_preferred", &gemv_preferred, py::arg("M"), py::arg("N"), py::arg("K"),
+        "Whether Gemm.linear (and the decode step's fused gate_up and lm_head) takes the bf16 GEMV "
+        "for M rows over an [N, K] weight rather than cuBLASLt: up to 8 rows wherever gemv takes the "
+        "shape, 9 to 16 for weights of at most 8 Mi elements, 17 to GEMV_MAX_M for at most 3.5 Mi.");
   m.def(
       "gemv",
       [](py::object x, py::object weight, py::object bias, py::object out) {
@@ -62,7 +68,7 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"),
       "gemv with an FP8 weight: out[M, N] = x[M, K] @ (weight * scale).T (+ bias), weight "
       "float8_e4m3fn [N, K], scale float32 [ceil(N / 8), ceil(K / 128)] (one per 8 rows x 128 "
-      "columns); K a multiple of 16.");
+      "columns); 1 <= M <= GEMV_FP8_MAX_M and K a multiple of 16.");
   m.def(
       "gemv_silu_mul_fp8",
       [](py::object x, py::object gate_up_weight, py::object scale, py::object out) {

@@ -1,4 +1,4 @@
-"""Benchmark cases for the small-M GEMV at decode batch 1, 8 and 16 (its limit, GEMV_MAX_M), on Qwen3-0.6B and
+"""Benchmark cases for the small-M GEMV at decode batch 1, 8, 16 and 32, on Qwen3-0.6B and
 Qwen3-8B projections, each beside torch.matmul (cuBLAS) on the same inputs.
 
 The driver replays one CUDA graph of 20 launches, and matrices under ~50 MB would otherwise stay
@@ -26,7 +26,7 @@ SHAPES = [
     ("8B down", 4096, 12288),
     ("8B lm_head", 151936, 4096),
 ]
-TOKEN_COUNTS = (1, 8, 16)
+TOKEN_COUNTS = (1, 8, 16, 32)
 GRAPH_LAUNCHES = 20  # launches per graph in benchmarks/bench_kernels.py
 ROTATION_BYTES = 200 << 20
 

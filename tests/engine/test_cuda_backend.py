@@ -146,29 +146,33 @@ def greedy_seqs(n: int) -> list[Sequence]:
     return [Sequence(str(i), None, [1], SamplingParams(temperature=0)) for i in range(n)]
 
 
-def test_a_greedy_step_takes_the_argmax_within_the_step(model_pair):
+@pytest.mark.parametrize("n", [3, 12])
+def test_a_greedy_step_takes_the_argmax_within_the_step(model_pair, n):
     """A greedy step leaves each sequence's argmax of the step's own logits in sampled_tokens (row i: sequence i)
     and in the pinned host slot its pending tokens read: for a prefill (eager) and for decode steps replayed from a
-    graph with a padding row (3 sequences in the bucket of 4). The greedy graph's logits are bit-identical to the
-    plain graph's for the same step."""
+    graph with padding rows (3 sequences in the bucket of 4; 12, where these models' lm_head and larger
+    projections take cuBLASLt rather than the GEMV: gemv_preferred). The greedy graph's logits are bit-identical
+    to the plain graph's for the same step."""
     name, hf, runner = model_pair
-    assert runner.use_graphs and runner.model.decode_bucket(3) == 4
+    assert runner.use_graphs and runner.model.decode_bucket(n) > n
     gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, runner.model_config.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 77)]
+    lengths = (9, 40, 77) if n == 3 else [9 + 7 * i for i in range(n)]
+    prompts = [torch.randint(0, runner.model_config.vocab_size, (k,), generator=gen).tolist() for k in lengths]
     tables = Tables()
     ids = [300 + i for i in range(len(prompts))]
     batch = tables.batch(ids, [0] * len(prompts), prompts)
+    order = [2, 0, 1] + list(range(n - 1, 2, -1))  # any subset and order of the rows
     tokens = None
     for step in range(6):
         runner.sampled_tokens.fill_(-7)
         torch.cuda.synchronize()  # the core's stream is not ordered after torch's here
-        runner.forward(batch, greedy_seqs(3))
-        got = runner.sample([2, 0, 1], greedy_seqs(3)).result().token_ids  # any subset and order of the rows
+        runner.forward(batch, greedy_seqs(n))
+        got = runner.sample(order, greedy_seqs(n)).result().token_ids
         torch.cuda.current_stream().wait_stream(runner.stream)
-        logits = runner.logits[:3].clone()
+        logits = runner.logits[:n].clone()
         want = logits.float().argmax(-1)
-        assert got == want[[2, 0, 1]].tolist(), f"{name} step {step}"
-        assert torch.equal(runner.sampled_tokens[:3].long(), want), f"{name} step {step}"
+        assert got == want[order].tolist(), f"{name} step {step}"
+        assert torch.equal(runner.sampled_tokens[:n].long(), want), f"{name} step {step}"
         if step > 0:  # the same decode step through the plain graph: the same logits, bit for bit
             assert torch.equal(runner.run(batch), logits), f"{name} step {step}: greedy and plain graphs differ"
         batch = tables.batch(ids, [len(p) + step for p in prompts], [[t] for t in want.tolist()])

@@ -75,14 +75,14 @@ def teacher_forced_logprobs(runner, seqs) -> list[torch.Tensor]:
 
 def quantized_projections(runner) -> tuple[types.SimpleNamespace, set[int]]:
     """(torch.nn.functional for the torch backend, except that linear() quantizes the input of runner's FP8
-    projections (q|k|v, o, gate|up, down) as the core's block-scaled FP8 GEMM does, at steps of more than GEMV_MAX_M
+    projections (q|k|v, o, gate|up, down) as the core's block-scaled FP8 GEMM does, at steps of more than GEMV_FP8_MAX_M
     tokens; the data_ptr of each projection whose input it has not quantized yet, which a prefill step empties)."""
     projections = {t.data_ptr() for name, t in runner.weights.items() if name.endswith("_proj")}
     assert projections, f"no projection (a weight named *_proj) among the torch runner's {sorted(runner.weights)}"
     unquantized = set(projections)
 
     def linear(x, weight, bias=None):
-        if len(x) > ops.GEMV_MAX_M and weight.data_ptr() in projections:
+        if len(x) > ops.GEMV_FP8_MAX_M and weight.data_ptr() in projections:
             x = dequantize_activations(*quantize_activations(x)).to(x.dtype)
             unquantized.discard(weight.data_ptr())
         return torch.nn.functional.linear(x, weight, bias)

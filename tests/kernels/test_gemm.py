@@ -65,9 +65,10 @@ def test_plan_cache_reuse_across_shapes_and_bias():
 
 def test_cached_bias_plan_uses_each_calls_bias():
     gemm = ops.Gemm()
-    x, w, b1 = make_inputs(32, 1024, 2048, True, seed=1)
+    assert not ops.gemv_preferred(64, 1024, 2048)  # cuBLASLt's cached plan, not the GEMV
+    x, w, b1 = make_inputs(64, 1024, 2048, True, seed=1)
     b2 = torch.randn_like(b1, dtype=torch.float32).to(torch.bfloat16)
-    out = poisoned_out(32, 1024)
+    out = poisoned_out(64, 1024)
     gemm.linear(x, w, b1, out)
     assert_close(out, reference(x, w, b1))
     out.fill_(float("nan"))
@@ -90,7 +91,8 @@ def test_offset_views_with_16_byte_alignment():
 
 def test_misaligned_input_is_rejected():
     gemm = ops.Gemm()
-    M, N, K = 32, 1024, 1024
+    M, N, K = 64, 1024, 1024
+    assert not ops.gemv_preferred(M, N, K)  # cuBLASLt's check, not the GEMV's
     x = torch.randn(M * K + 1, device="cuda").to(torch.bfloat16)[1:].view(M, K)
     w = torch.randn(N, K, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="aligned"):
@@ -141,7 +143,8 @@ def test_graph_replay_with_new_inputs(with_bias):
 
 def test_plan_built_during_capture():
     """A shape first seen inside a capture still works: plan creation does no device allocation."""
-    M, N, K = 32, 4608, 576
+    M, N, K = 64, 4608, 576
+    assert not ops.gemv_preferred(M, N, K)  # a cuBLASLt plan, not the GEMV
     x, w, b = make_inputs(M, N, K, True)
     out = poisoned_out(M, N)
     ops.Gemm().linear(x, w, b, out)  # load cuBLASLt's kernels for this shape on another object

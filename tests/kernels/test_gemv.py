@@ -11,7 +11,8 @@ from .linear_reference import assert_close, make_inputs, poisoned_out, reference
 
 pytestmark = pytest.mark.gpu
 
-MAX_M = 16  # kGemvMaxM; test_max_m_matches_core keeps the two in step
+MAX_M = 32  # kGemvMaxM; test_max_m_matches_core keeps the two in step
+# Above 16 rows a second MMA tile takes x rows 16..31 against the same weight fragments.
 
 # (N, K): Qwen3-0.6B qkv, o, gate_up, down, lm_head; Qwen3-8B gate_up-sized, o, gate_up, down;
 # a small model's MLP; one 8-row group.
@@ -50,7 +51,7 @@ def test_max_m_matches_core():
     assert ops.GEMV_MAX_M == MAX_M
 
 
-@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("M", [1, 8, 16, 17, MAX_M])
 @pytest.mark.parametrize("N,K", [(1024, 2048), (4096, 1024), (1001, 200)])
 def test_deterministic(N, K, M):
     """Split-K partials are summed in a fixed order: two runs are bit-equal."""
@@ -75,15 +76,39 @@ def test_offset_views():
     assert_close(outs, reference(x, w, b))
 
 
-@pytest.mark.parametrize("M", [1, MAX_M])
-def test_gemm_linear_uses_gemv_for_small_m(M):
-    N, K = 4096, 1024
+# Gemm.linear's choice between the GEMV and cuBLASLt (gemv_preferred), on the decode shapes it was measured on
+# (Qwen3-0.6B and Qwen3-8B on an H200): 0.6B's projections keep the GEMV up to 16 rows, its o and down up to 32;
+# 8B's projections and both lm_heads leave it above 8 rows, where cuBLASLt streams them faster.
+ROUTES = [((4096, 1024), 16), ((1024, 2048), 32), ((6144, 1024), 16), ((1024, 3072), 32), ((151936, 1024), 8),
+          ((6144, 4096), 8), ((4096, 4096), 8), ((24576, 4096), 8), ((4096, 12288), 8), ((151936, 4096), 8)]
+
+
+@pytest.mark.parametrize("shape,last_gemv_m", ROUTES)
+def test_gemv_preferred_follows_the_weight_size(shape, last_gemv_m):
+    N, K = shape
+    assert [M for M in range(1, 2 * MAX_M) if ops.gemv_preferred(M, N, K)] == list(range(1, last_gemv_m + 1))
+    assert not ops.gemv_preferred(4, N, K + 4)  # a K the GEMV does not take
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 16, 17, 24, MAX_M, MAX_M + 1])
+@pytest.mark.parametrize("N,K", [(4096, 1024), (1024, 3072), (6144, 4096)])
+def test_gemm_linear_takes_the_gemv_where_preferred(N, K, M):
+    """Where gemv_preferred, Gemm.linear is gemv bit for bit (and takes a 2-byte aligned out, which cuBLASLt's path
+    refuses); elsewhere it is cuBLASLt's, within the reference's tolerance."""
     w = weight(N, K)
     x, b = make_inputs(M, N, K, True)
-    via_linear, via_gemv = misaligned_out(M, N), poisoned_out(M, N)
-    ops.Gemm().linear(x, w, b, via_linear)
-    ops.gemv(x, w, b, via_gemv)
-    assert torch.equal(via_linear, via_gemv)
+    gemm = ops.Gemm()
+    if ops.gemv_preferred(M, N, K):
+        via_linear, via_gemv = misaligned_out(M, N), poisoned_out(M, N)
+        gemm.linear(x, w, b, via_linear)
+        ops.gemv(x, w, b, via_gemv)
+        assert torch.equal(via_linear, via_gemv)
+    else:
+        with pytest.raises(ValueError, match="out must be 16-byte aligned"):
+            gemm.linear(x, w, b, misaligned_out(M, N))
+        out = poisoned_out(M, N)
+        gemm.linear(x, w, b, out)
+        assert_close(out, reference(x, w, b))
 
 
 def test_gemm_linear_uses_cublas_above_max_m():
@@ -93,7 +118,7 @@ def test_gemm_linear_uses_cublas_above_max_m():
         ops.Gemm().linear(x, weight(N, K), b, misaligned_out(M, N))
 
 
-@pytest.mark.parametrize("M", [1, 12])
+@pytest.mark.parametrize("M", [1, 12, 29])
 def test_graph_replay_with_new_inputs(M):
     N, K = 1024, 3072
     w = weight(N, K).clone()
@@ -179,7 +204,7 @@ def silu_reference(x, w):
     return torch.nn.functional.silu(gate) * up
 
 
-@pytest.mark.parametrize("M", [1, 2, 8, 9, MAX_M])
+@pytest.mark.parametrize("M", [1, 2, 8, 9, 16, 17, 24, 25, MAX_M])
 @pytest.mark.parametrize("inter,K", SILU_SHAPES)
 def test_gemv_silu_mul_matches_reference(inter, K, M):
     w = weight(2 * inter, K)
@@ -189,7 +214,7 @@ def test_gemv_silu_mul_matches_reference(inter, K, M):
     assert_close(out, silu_reference(x, w))
 
 
-@pytest.mark.parametrize("M", [1, MAX_M])
+@pytest.mark.parametrize("M", [1, 16, 23, MAX_M])
 @pytest.mark.parametrize("inter,K", [(i, k) for i, k in SILU_SHAPES if i % 8 == 0])  # silu_mul's limit
 def test_gemv_silu_mul_equals_gemv_then_silu_mul(inter, K, M):
     """The same splits and summation order as gemv over 2 * inter rows, the same rounding of gate and up,
@@ -212,7 +237,7 @@ def test_gemv_silu_mul_rejects_bad_shapes():
         ops.gemv_silu_mul(x, w[:-1], poisoned_out(2, inter))
     with pytest.raises(ValueError, match="out"):
         ops.gemv_silu_mul(x, w, poisoned_out(2, 2 * inter))
-    with pytest.raises(ValueError, match="M <= 16"):
+    with pytest.raises(ValueError, match=f"M <= {MAX_M}"):
         big = torch.randn(MAX_M + 1, K, device="cuda").to(torch.bfloat16)
         ops.gemv_silu_mul(big, w, poisoned_out(MAX_M + 1, inter))
 
@@ -233,7 +258,7 @@ def run_gemv_argmax(x, w, b=None, host_out=None, keys=None):
 ARGMAX_SHAPES = [(151936, 1024), (9001, 2056), (1001, 200), (256, 8192), (3, 8)]
 
 
-@pytest.mark.parametrize("M", [1, 2, 9, MAX_M])
+@pytest.mark.parametrize("M", [1, 2, 9, 16, 17, 26, MAX_M])
 @pytest.mark.parametrize("N,K", ARGMAX_SHAPES)
 def test_gemv_argmax_matches_gemv_and_torch_argmax(N, K, M):
     """The logits are gemv's bits, and each row's token is torch.argmax over them as stored; the keys
@@ -342,7 +367,7 @@ def test_gemv_argmax_rejects_bad_arguments():
         ops.gemv_argmax(x, w, None, logits, tokens[:1], keys)
     with pytest.raises(ValueError, match="host_out"):
         ops.gemv_argmax(x, w, None, logits, tokens, keys, torch.empty(2, dtype=torch.int32))
-    with pytest.raises(ValueError, match="M <= 16"):
+    with pytest.raises(ValueError, match=f"M <= {MAX_M}"):
         big = torch.randn(MAX_M + 1, K, device="cuda").to(torch.bfloat16)
         ops.gemv_argmax(big, w, None, poisoned_out(MAX_M + 1, N),
                         torch.empty(MAX_M + 1, dtype=torch.int32, device="cuda"), keys)

@@ -1,6 +1,6 @@
 """FP8-weight linear layers (e4m3 with one float32 scale per 8 rows x 128 columns) against a float32
 reference of the dequantised weight: the GEMV at every decode shape and M, its SiLU epilogue, the
-dequantiser, Gemm.linear_fp8 on both sides of GEMV_MAX_M, and the arguments they refuse."""
+dequantiser, Gemm.linear_fp8 on both sides of GEMV_FP8_MAX_M, and the arguments they refuse."""
 import functools
 
 import pytest
@@ -78,7 +78,7 @@ def test_dequantize_fp8_is_the_reference_rounded_once(N, K):
 @pytest.mark.parametrize("M", [1, 16, 17, 64, 300])
 @pytest.mark.parametrize("N,K", [(6144, 1024), (960, 576), (1001, 208)])
 def test_gemm_linear_fp8_on_both_sides_of_the_gemv_limit(N, K, M):
-    """Up to GEMV_MAX_M rows Gemm takes the FP8 GEMV (bit-equal to it); above, the dequantised
+    """Up to GEMV_FP8_MAX_M rows Gemm takes the FP8 GEMV (bit-equal to it); above, the dequantised
     weight (rounded to bf16, exactly as test_dequantize checks) through cuBLASLt. Scales of one
     order of magnitude here: cuBLASLt's bf16 GEMM, not the scales, is what this path adds."""
     gemm = ops.Gemm()
@@ -86,8 +86,8 @@ def test_gemm_linear_fp8_on_both_sides_of_the_gemv_limit(N, K, M):
     x, b = make_inputs(M, N, K, True, seed=3)
     out = poisoned_out(M, N)
     gemm.linear_fp8(x, q, scale, b, out)
-    assert_close(out, reference(x, w if M <= ops.GEMV_MAX_M else w.to(torch.bfloat16), b), REL_NORM)
-    if M <= ops.GEMV_MAX_M:
+    assert_close(out, reference(x, w if M <= ops.GEMV_FP8_MAX_M else w.to(torch.bfloat16), b), REL_NORM)
+    if M <= ops.GEMV_FP8_MAX_M:
         direct = poisoned_out(M, N)
         ops.gemv_fp8(x, q, scale, b, direct)
         assert torch.equal(out, direct)
@@ -133,6 +133,11 @@ def test_bad_arguments_name_the_argument_and_the_limit():
     q24 = torch.zeros(64, 24, device="cuda").to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="multiple of 16"):
         ops.gemv_fp8(x[:, :24].contiguous(), q24, scale[:, :1].contiguous(), None, out)
+    rows = ops.GEMV_FP8_MAX_M + 1  # the bf16 GEMV takes more rows; the FP8 one stops here
+    assert ops.GEMV_FP8_MAX_M == 16 < ops.GEMV_MAX_M
+    with pytest.raises(ValueError, match=f"M={rows} .*1 <= M <= 16"):
+        ops.gemv_fp8(torch.randn(rows, 128, device="cuda").to(torch.bfloat16), q, scale, None,
+                     poisoned_out(rows, 64))
     with pytest.raises(ValueError, match="inter must be a multiple of 8"):
         q_odd = torch.zeros(2 * 12, 128, device="cuda").to(torch.float8_e4m3fn)
         ops.gemv_silu_mul_fp8(x, q_odd, torch.ones(3, 1, device="cuda"), poisoned_out(1, 12))
