@@ -2,30 +2,45 @@
 from __future__ import annotations
 
 
+# render_chat's own options: the same keys in chat_template_kwargs win over them, as in vLLM.
+_OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
+# apply_chat_template's arguments that rendering a conversation to text sets itself.
+_RESERVED = ("conversation", "messages", "tokenize", "return_dict")
+
+
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
     """One conversation as prompt text: the assistant's turn opened (add_generation_prompt), or the last message
-    left open for the model to continue (continue_final_message). A content is a string or a list of text parts."""
-    if add_generation_prompt and continue_final_message:
+    left open for the model to continue (continue_final_message). A content is a string, a list of text parts, or
+    null (an assistant message that only calls tools). chat_template_kwargs go to the template; the keys of the
+    options above win over their arguments."""
+    options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+               "continue_final_message": continue_final_message, "tools": tools}
+    kwargs = dict(chat_template_kwargs or {})
+    options.update({name: kwargs.pop(name) for name in _OPTIONS if name in kwargs})
+    reserved = [name for name in _RESERVED if name in kwargs]
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the conversation is rendered to "
+                         "text from the messages given")
+    if options["add_generation_prompt"] and options["continue_final_message"]:
         raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True: pass "
                          "add_generation_prompt=False to continue the final message")
-    return tokenizer.apply_chat_template([_text_message(m) for m in conversation], chat_template=chat_template,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, tools=tools, tokenize=False,
-                                         **(chat_template_kwargs or {}))
+    return tokenizer.apply_chat_template([_text_message(m) for m in conversation], tokenize=False, **options,
+                                         **kwargs)
 
 
-def chat_prompt_token_ids(tokenizer, conversation: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
-    """One conversation rendered with the assistant's turn opened, as token ids (the template writes the special
-    tokens, so the tokenizer adds none)."""
-    return tokenizer.encode(render_chat(tokenizer, conversation, chat_template_kwargs=chat_template_kwargs),
-                            add_special_tokens=False)
+def chat_prompt_token_ids(tokenizer, conversation: list[dict], **options) -> list[int]:
+    """One conversation rendered by render_chat (options: its keyword arguments), as token ids (the template writes
+    the special tokens, so the tokenizer adds none)."""
+    return tokenizer.encode(render_chat(tokenizer, conversation, **options), add_special_tokens=False)
 
 
 def _text_message(message: dict) -> dict:
     """A chat message whose content is a list of text parts, with the parts joined into one string."""
     content = message.get("content")
+    if content is None:
+        return {**message, "content": ""}
     if not isinstance(content, list):
         return message
     if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):

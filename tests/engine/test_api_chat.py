@@ -71,6 +71,20 @@ def test_a_custom_template_with_tools_and_kwargs(llm):
     assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
 
 
+def test_template_kwargs_win_over_the_options_and_tool_call_turns_render(llm):
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% if m.tool_calls %}"
+                "[call {{ m.tool_calls[0].function.name }}]{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    turns = [*CONVERSATION, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    [out] = llm.chat(turns, GREEDY, use_tqdm=False, chat_template=template,
+                     chat_template_kwargs={"add_generation_prompt": False})
+    assert out.prompt == "<system>You are terse.<user>Name a colour.<assistant>[call get_weather]<tool>sunny"
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+        llm.chat(CONVERSATION, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
+
+
 def test_image_parts_are_refused(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     with pytest.raises(ValueError, match=r"chat\(\) takes text content parts only"):

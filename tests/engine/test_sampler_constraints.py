@@ -221,6 +221,18 @@ def test_bad_constraint_parameters_are_refused(make, message):
         make()
 
 
+def test_allowed_token_ids_that_leave_nothing_to_sample_are_refused_at_intake(intake):
+    paris, spaced_paris = (intake.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("Paris", " Paris"))
+    with pytest.raises(ValueError, match=r"allowed_token_ids \[.*\] are all banned by bad_words"):
+        intake.validate("hi", SamplingParams(allowed_token_ids=[paris, spaced_paris], bad_words=["Paris"]))
+    eos = intake.eos_token_ids[0]
+    with pytest.raises(ValueError, match="min_tokens=2 holds back EOS and stop_token_ids"):
+        intake.validate("hi", SamplingParams(allowed_token_ids=[eos, 7], stop_token_ids=[7], min_tokens=2))
+    # One token left is enough, and so is EOS alone without min_tokens.
+    intake.validate("hi", SamplingParams(allowed_token_ids=[paris, 5], bad_words=["Paris"]))
+    intake.validate("hi", SamplingParams(allowed_token_ids=[eos]))
+
+
 def test_bad_words_are_tokenized_with_and_without_a_leading_space(intake):
     tokenizer = intake.tokenizer
     valid = intake.validate("hi", SamplingParams(bad_words=["Paris", " London"]))

@@ -15,7 +15,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol")
+    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol",
+                             "--allowed-origins", '["http://page.test"]')
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,8 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
     ({"prompt": [], "max_tokens": 2}, 400, "prompt", "prompt is empty"),
     ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
+    ({"prompt": "Say yes:", "max_tokens": 3, "allowed_token_ids": [9805], "bad_words": ["yes"]}, 400,
+     "allowed_token_ids", "are all banned by bad_words"),
 ])
 def test_completion_error_bodies(server, body, status, param, message):
     error = error_of(post(server, "/v1/completions", body), status)
@@ -95,12 +98,80 @@ def test_completion_error_bodies(server, body, status, param, message):
     ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages", "messages.0.role: Input should be"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "messages", "messages.0.content"),
     ({"messages": []}, 400, "messages", "messages is empty"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_tokens",
-     "max_tokens must be at least 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "max_completion_tokens must be at least 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
+     "top_logprobs=50 is more than max_logprobs=20"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice",
+     "tool_choice 'required' needs a tool-call parser"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto",
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice",
+     "tool_choice 'auto' needs a tool-call parser"),
 ])
 def test_chat_error_bodies(server, body, status, param, message):
     error = error_of(post(server, "/v1/chat/completions", body), status)
     assert message in error["message"] and error["param"] == param
+
+
+@pytest.mark.parametrize("body, status, param, message", [
+    ({"prompt": "hi", "suffix": "!"}, 400, "suffix", "suffix is not supported"),
+    ({"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of=3 is not supported"),
+    ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", "beam search is not served"),
+    ({"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "prompt logprobs are not served"),
+    ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": None}, 400, None, "leaves no room for output"),
+    ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, 400, "max_tokens", "leaves no room for output"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "truncate_prompt_tokens must be"),
+])
+def test_unsupported_fields_and_a_full_prompt_are_400s(server, body, status, param, message):
+    error = error_of(post(server, "/v1/completions", body), status)
+    assert message in error["message"] and error["param"] == param
+
+
+def test_null_means_the_default_and_vllms_chat_fields_apply(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for nulls in ({"stream": None}, {"logprobs": None, "top_logprobs": None}, {"n": None, "stop": None}):
+        assert post(server, "/v1/chat/completions", {**chat, **nulls}).status_code == 200
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None}).status_code == 200
+    opened = post(server, "/tokenize", {"messages": chat["messages"]}).json()["count"]
+    closed = post(server, "/tokenize", {"messages": chat["messages"], "add_generation_prompt": False}).json()["count"]
+    assert closed < opened
+    assert post(server, "/tokenize", {"messages": chat["messages"],
+                                      "chat_template_kwargs": {"add_generation_prompt": False}}).json()["count"] == closed
+    prefill = [*chat["messages"], {"role": "assistant", "content": "The answer is"}]
+    tokens = post(server, "/tokenize", {"messages": prefill, "add_generation_prompt": False,
+                                        "continue_final_message": True}).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": tokens}).json()["prompt"].endswith("The answer is")
+    tool_turns = [*chat["messages"],
+                  {"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                  {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert post(server, "/v1/chat/completions", {**chat, "messages": tool_turns}).status_code == 200
+    template = ("{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}"
+                "{% for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    tokens = post(server, "/tokenize", {"messages": tool_turns, "chat_template": template, "tools": tools,
+                                        "add_generation_prompt": False}).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == \
+        "[get_weather]user: hi\nassistant: \ntool: 42\n"
+    assert post(server, "/v1/chat/completions", {**chat, "messages": tool_turns, "chat_template": template,
+                                                 "tools": tools, "tool_choice": "none"}).status_code == 200
+    long_prompt = {"prompt": [1] * (MAX_MODEL_LEN + 100), "max_tokens": 2, "truncate_prompt_tokens": 10}
+    assert post(server, "/v1/completions", long_prompt).json()["usage"]["prompt_tokens"] == 10
+
+
+def test_cors_preflight_and_headers_follow_allowed_origins(server):
+    preflight = {"Origin": "http://page.test", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    response = httpx.options(server.base_url + "/v1/chat/completions", headers=preflight, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.headers["access-control-allow-origin"] == "http://page.test"
+    assert "POST" in response.headers["access-control-allow-methods"]
+    other = httpx.options(server.base_url + "/v1/chat/completions",
+                          headers={**preflight, "Origin": "http://other.test"}, timeout=60)
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    models = httpx.get(server.base_url + "/v1/models", headers={**AUTH, "Origin": "http://page.test"}, timeout=60)
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "http://page.test"
 
 
 def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):

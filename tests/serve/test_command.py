@@ -49,3 +49,15 @@ def test_a_setting_the_cuda_core_lacks_is_one_error_line():
         main(["serve", "--device", "cuda", "--tensor-parallel-size", "2"])
     assert str(exit_info.value).startswith("nanograph serve: NotImplementedError: tensor_parallel_size=2 is not "
                                            "implemented on the CUDA core yet")
+
+
+def test_cors_flags_take_json_lists_of_strings(capsys):
+    from nanograph.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["http://localhost:3000"]'])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == \
+        (["http://localhost:3000"], ["*"], ["*"], False)
+    for bad in ("http://localhost:3000", '"*"', "[1]"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--allowed-origins", bad])
+        assert "argument --allowed-origins" in capsys.readouterr().err

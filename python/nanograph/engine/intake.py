@@ -54,7 +54,7 @@ def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     return None, token_id_list(prompt)
 
 
-def _truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
+def truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
     """The last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
     if truncate_prompt_tokens > max_model_len:
         raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={max_model_len}; "
@@ -101,7 +101,7 @@ class Intake:
             raise ValueError("prompt is empty; give at least one token")
         max_model_len = self.config.max_model_len
         if params.truncate_prompt_tokens is not None:
-            token_ids = _truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
+            token_ids = truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
         ids = np.asarray(token_ids, dtype=np.int64)
         outside = (ids < 0) | (ids >= self.vocab_size)
         if outside.any():
@@ -132,8 +132,24 @@ class Intake:
             params.max_tokens = room
         self._check_token_ids("logit_bias", params.logit_bias or ())
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        if params.allowed_token_ids is not None:
+            self._check_something_allowed(params, bad_words_token_ids)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
-        return ValidRequest(text, token_ids, params, self._bad_words_token_ids(params.bad_words or []), grammar)
+        return ValidRequest(text, token_ids, params, bad_words_token_ids, grammar)
+
+    def _check_something_allowed(self, params: SamplingParams, bad_words_token_ids: list[list[int]]):
+        """allowed_token_ids must leave a token to sample at every step: one that no one-token bad word bans,
+        and while min_tokens holds, one that is neither EOS nor a stop token id."""
+        banned = {word[0] for word in bad_words_token_ids if len(word) == 1}
+        left = set(params.allowed_token_ids) - banned
+        if not left:
+            raise ValueError(f"allowed_token_ids {sorted(params.allowed_token_ids)} are all banned by bad_words, "
+                             "so no token can be sampled; allow a token that bad_words does not hold")
+        if params.min_tokens > 0 and left <= {*self.eos_token_ids, *params.stop_token_ids}:
+            raise ValueError(f"min_tokens={params.min_tokens} holds back EOS and stop_token_ids, and "
+                             f"allowed_token_ids {sorted(params.allowed_token_ids)} allow nothing else; allow "
+                             "another token or set min_tokens to 0")
 
     def request(self, request_id: str, valid: ValidRequest, owner: object | None = None) -> Request:
         """The request's n sequences: sibling i has seed + i, so that the completions differ yet each repeats."""

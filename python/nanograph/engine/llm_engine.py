@@ -400,8 +400,10 @@ class LLMEngine:
             requests[seq.request_id] = self.requests[seq.request_id]
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
-        finished = self._fail(invalid, RuntimeError(f"a token id outside the vocabulary [0, {self.vocab_size}) "
-                                                    "was sampled")) if invalid else []
+        finished = self._fail(invalid, RuntimeError(
+            f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: every token was masked (the "
+            "request's allowed_token_ids, bad_words, min_tokens and structured_outputs together left none)")) \
+            if invalid else []
         if ungrammatical:
             finished += self._fail(ungrammatical - invalid, RuntimeError(
                 "a token its structured_outputs grammar does not allow was sampled"))

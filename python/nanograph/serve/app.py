@@ -7,6 +7,7 @@ import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
@@ -20,7 +21,8 @@ from .serving import ServedModel
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 
 
-def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
+    """cors: CORSMiddleware's keyword arguments (allow_origins, allow_methods, ...); None: no CORS headers."""
     async_llm = served.async_llm
 
     @asynccontextmanager
@@ -31,6 +33,8 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="nanograph", version=__version__, lifespan=lifespan)
     add_error_handlers(app)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
 
     def check_api_key(request: Request):
         if api_key is None:
@@ -75,7 +79,7 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", "prompt", "invalid_value")
         if body.messages is not None:
-            tokens = served.render_chat(body.messages, body.chat_template_kwargs)
+            tokens = served.render_chat(body.messages, body)
         else:
             tokens = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=served.max_model_len, tokens=tokens)

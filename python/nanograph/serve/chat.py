@@ -25,20 +25,22 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     if not request.messages:
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
-    prompts = [served.render_chat(request.messages, request.chat_template_kwargs)]
+    served.check_supported(request)
+    prompts = served.truncate([served.render_chat(request.messages, request)], request)
     max_tokens, field_name = (request.max_completion_tokens, "max_completion_tokens") \
         if request.max_completion_tokens is not None else (request.max_tokens, "max_tokens")
     served.check_room(prompts, max_tokens, field_name)
     num_top = request.top_logprobs or 0
-    params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None)
+    renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
+    params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
     response_id, model = f"chatcmpl-{uuid.uuid4().hex}", request.model or served.name
     if request.stream:
-        stream = await served.generate(request, prompts, params)
+        stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage),
                                    stream.close)
 
     async def complete() -> ChatCompletionResponse:
-        stream = await served.generate(request, prompts, params)
+        stream = await served.generate(request, prompts, params, renames)
         completions = await served.collect(stream, params.n)
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason,

@@ -5,6 +5,7 @@ This module imports nothing of the server until it runs, so that `nanograph --he
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from functools import partial
@@ -24,6 +25,25 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY"),
                         help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY)")
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    # CORS, as vLLM's flags: which web pages a browser lets call the server.
+    parser.add_argument("--allowed-origins", type=json_str_list, default=["*"],
+                        help='CORS: the origins allowed, a JSON list (default: ["*"])')
+    parser.add_argument("--allowed-methods", type=json_str_list, default=["*"],
+                        help='CORS: the methods allowed, a JSON list (default: ["*"])')
+    parser.add_argument("--allowed-headers", type=json_str_list, default=["*"],
+                        help='CORS: the request headers allowed, a JSON list (default: ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+
+
+def json_str_list(text: str) -> list[str]:
+    """A command-line JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): give a list such as '[\"*\"]'") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, such as '[\"*\"]'")
+    return value
 
 
 def serve(args: argparse.Namespace):
@@ -51,7 +71,9 @@ def serve(args: argparse.Namespace):
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
-    app = build_app(ServedModel(async_llm, name), args.api_key)
+    cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+    app = build_app(ServedModel(async_llm, name), args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)

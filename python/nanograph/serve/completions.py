@@ -23,7 +23,10 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     if request.echo and request.logprobs is not None:
         raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
                             "drop echo or logprobs", "echo", "invalid_value")
+    served.check_supported(request)
     prompts, texts = _prompts(served, request.prompt)
+    if request.truncate_prompt_tokens is not None:
+        prompts, texts = served.truncate(prompts, request), None
     served.check_room(prompts, request.max_tokens, "max_tokens")
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
     echoed = (texts or [served.tokenizer.decode(token_ids) for token_ids in prompts]) if request.echo else \

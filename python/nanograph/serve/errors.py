@@ -33,9 +33,13 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
-def invalid_value(exc: ValueError | TypeError, request: BaseModel) -> APIError:
-    """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with."""
+def invalid_value(exc: ValueError | TypeError, request: BaseModel, renames: dict[str, str] | None = None
+                  ) -> APIError:
+    """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with. renames:
+    an engine field name -> the request's name for it, at the start of the message."""
     message = str(exc)
+    for engine_name, field in (renames or {}).items():
+        message = re.sub(rf"^((?:prompt \d+: )?){engine_name}\b", rf"\g<1>{field}", message)
     word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
     param = word.group(1) if word and word.group(1) in type(request).model_fields else None
     return APIError(400, message, param, "invalid_value")
@@ -57,7 +61,8 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
             raise APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
         path = ".".join(str(part) for part in errors[0]["loc"]
                         if isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS))
-        raise APIError(422, f"{path}: {errors[0]['msg']}", path.split(".")[0] or None, "invalid_type") from None
+        raise APIError(422, f"{path or 'the request body'}: {errors[0]['msg']}", path.split(".")[0] or None,
+                       "invalid_type") from None
     if parsed.model_extra:
         logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(parsed.model_extra)))
     return parsed

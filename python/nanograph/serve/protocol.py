@@ -1,27 +1,44 @@
 """The OpenAI API's request and response bodies (with vLLM's extra sampling fields), as pydantic models.
 
-Requests are validated strictly (2.0 is not an int, "true" not a bool); a null field means its default. Unknown
-fields are accepted and ignored, as vLLM does, and the handler logs their names."""
+Requests are validated strictly (2.0 is not an int, "true" not a bool); a null field means its default (OpenAI's
+schema allows null for every optional field, and vLLM takes it). Unknown fields are accepted and ignored, as vLLM
+does, and the handler logs their names."""
 from __future__ import annotations
 
 import time
+import typing
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 # The request fields that SamplingParams takes under the same name.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words")
+                   "skip_special_tokens", "include_stop_str_in_output", "logit_bias", "allowed_token_ids", "bad_words",
+                   "spaces_between_special_tokens", "best_of")
 # vLLM's older request fields for a grammar, each one kind of StructuredOutputsParams.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 
 
+def _admits_none(annotation) -> bool:
+    return annotation is None or type(None) in typing.get_args(annotation)
+
+
 class Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """A null field that cannot hold None takes its default ("stream": null is "stream": false), as the module's
+        docstring says; a field that can (max_tokens) keeps its null, which means something."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields
+                    or cls.model_fields[key].is_required() or _admits_none(cls.model_fields[key].annotation)}
+        return data
 
 
 class StreamOptions(Request):
@@ -81,6 +98,20 @@ class SamplingRequest(Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    spaces_between_special_tokens: bool | None = None
+    best_of: int | None = None  # None or n: more is a 400 (SamplingParams' message)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
+    # vLLM's fields that this server does not implement: a 400 rather than silently ignored.
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field asked for that this server cannot honour."""
+        if self.use_beam_search:
+            return "use_beam_search", "beam search is not served over HTTP; drop use_beam_search"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs", "prompt logprobs are not served over HTTP; drop prompt_logprobs"
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
                         ) -> SamplingParams:
@@ -117,6 +148,12 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16  # null: up to max_model_len
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # OpenAI's; not supported (a 400, as vLLM)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.suffix is not None:
+            return "suffix", "suffix is not supported; drop it"
+        return super().unsupported()
 
 
 class TextPart(Request):
@@ -125,8 +162,9 @@ class TextPart(Request):
 
 
 class ChatMessage(Request):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    """OpenAI's messages; extra fields (name, tool_calls, tool_call_id) reach the chat template as they are."""
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] = ""  # null: an assistant message that only calls tools
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -136,6 +174,18 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True  # vLLM's
+    continue_final_message: bool = False  # vLLM's
+    chat_template: str | None = None  # vLLM's: a Jinja template in place of the tokenizer's
+    tools: list[dict] | None = None  # given to the chat template; the reply is text (no tool-call parser)
+    tool_choice: str | dict | None = None  # None or "none": tools reach the template, calls come back as text
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", (f"tool_choice {self.tool_choice!r} needs a tool-call parser, which this server "
+                                   "does not have; use 'none' (the tools still reach the chat template and a call "
+                                   "comes back as the model's text) or leave tool_choice out")
+        return super().unsupported()
 
 
 class TokenizeRequest(Request):
@@ -144,6 +194,10 @@ class TokenizeRequest(Request):
     messages: list[ChatMessage] | None = None  # rendered by the chat template instead of a prompt
     add_special_tokens: bool = True
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    tools: list[dict] | None = None
 
 
 class DetokenizeRequest(Request):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from ..chat_template import chat_prompt_token_ids
+from ..engine.intake import truncated
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
@@ -43,41 +44,69 @@ class ServedModel:
         """Token ids as the engine's intake makes them from text."""
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[ChatMessage], chat_template_kwargs: dict | None) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], request) -> list[int]:
+        """request: a chat or tokenize request (its chat_template_kwargs, add_generation_prompt,
+        continue_final_message, chat_template and tools)."""
         try:
             return chat_prompt_token_ids(self.tokenizer, [message.model_dump() for message in messages],
-                                         chat_template_kwargs)
+                                         chat_template_kwargs=request.chat_template_kwargs,
+                                         chat_template=request.chat_template,
+                                         add_generation_prompt=request.add_generation_prompt,
+                                         continue_final_message=request.continue_final_message, tools=request.tools)
         except Exception as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
             raise APIError(400, f"the chat template could not render the messages: {type(exc).__name__}: {exc}",
                            "messages", "invalid_value") from None
 
+    def check_supported(self, request: SamplingRequest):
+        unsupported = request.unsupported()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], unsupported[0], "unsupported_value")
+
+    def truncate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[int]]:
+        """vLLM's truncate_prompt_tokens, before check_room: each prompt's last k tokens (-1: max_model_len)."""
+        k = request.truncate_prompt_tokens
+        if k is None:
+            return prompts
+        if k != -1 and k < 1:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {k}",
+                           "truncate_prompt_tokens", "invalid_value")
+        try:
+            return [truncated(prompt, k, self.max_model_len) for prompt in prompts]
+        except ValueError as exc:
+            raise invalid_value(exc, request) from None
+
     def check_room(self, prompts: list[list[int]], max_tokens: int | None, field_name: str):
-        """vLLM's rule: a prompt and max_tokens must fit in max_model_len together (a prompt too long on its own
-        is the engine's error to report)."""
-        if max_tokens is None:
-            return
+        """vLLM's rule: a prompt and max_tokens must fit in max_model_len together, and a prompt that fills
+        max_model_len leaves no room for any output (a prompt too long on its own is the engine's error to
+        report)."""
         for i, prompt in enumerate(prompts):
-            if len(prompt) <= self.max_model_len < len(prompt) + max_tokens:
-                which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            if len(prompt) == self.max_model_len:
+                raise APIError(400, f"{which} has {len(prompt)} tokens, which fills max_model_len="
+                                    f"{self.max_model_len} and leaves no room for output; shorten the prompt",
+                               field_name if max_tokens is not None else None, "context_length_exceeded")
+            if max_tokens is not None and len(prompt) < self.max_model_len < len(prompt) + max_tokens:
                 raise APIError(400, f"{which} has {len(prompt)} tokens and {field_name} is {max_tokens}: "
                                     f"{len(prompt) + max_tokens} is more than max_model_len={self.max_model_len}; "
                                     f"lower {field_name} to at most {self.max_model_len - len(prompt)}, or shorten "
                                     "the prompt", field_name, "context_length_exceeded")
 
-    def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None
-                        ) -> SamplingParams:
+    def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                        renames: dict[str, str] | None = None) -> SamplingParams:
+        """renames: SamplingParams' field name -> the request's (max_tokens -> max_completion_tokens), for the
+        error messages."""
         try:
             return request.sampling_params(max_tokens, logprobs, self.sampling_defaults)
         except (ValueError, TypeError) as exc:
-            raise invalid_value(exc, request) from None
+            raise invalid_value(exc, request, renames) from None
 
-    async def generate(self, request: SamplingRequest, prompts: list[list[int]], params: SamplingParams
-                       ) -> RequestStream:
+    async def generate(self, request: SamplingRequest, prompts: list[list[int]], params: SamplingParams,
+                       renames: dict[str, str] | None = None) -> RequestStream:
         """One engine request per prompt; the engine's validation errors are 400s."""
         try:
             return await self.async_llm.generate(prompts, [params] * len(prompts))
         except (ValueError, TypeError) as exc:
-            raise invalid_value(exc, request) from None
+            raise invalid_value(exc, request, renames) from None
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         except Exception as exc:  # the engine failed to take this request (and goes on with the others)
