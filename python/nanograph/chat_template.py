@@ -1,6 +1,16 @@
 """Chat conversations rendered into prompts by the tokenizer's chat template, with vLLM's chat() options."""
 from __future__ import annotations
 
+import json
+
+
+class ChatOptionError(ValueError):
+    """An option of render_chat that cannot be honoured; field: the option's name."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
 
 # render_chat's own options: the same keys in chat_template_kwargs win over them, as in vLLM.
 _OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
@@ -21,11 +31,12 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
     options.update({name: kwargs.pop(name) for name in _OPTIONS if name in kwargs})
     reserved = [name for name in _RESERVED if name in kwargs]
     if reserved:
-        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the conversation is rendered to "
-                         "text from the messages given")
+        raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: the "
+                              "conversation is rendered to text from the messages given")
     if options["add_generation_prompt"] and options["continue_final_message"]:
-        raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True: pass "
-                         "add_generation_prompt=False to continue the final message")
+        raise ChatOptionError("continue_final_message", "Cannot set both `continue_final_message` and "
+                              "`add_generation_prompt` to True: pass add_generation_prompt=False to continue the "
+                              "final message")
     return tokenizer.apply_chat_template([_text_message(m) for m in conversation], tokenize=False, **options,
                                          **kwargs)
 
@@ -37,7 +48,10 @@ def chat_prompt_token_ids(tokenizer, conversation: list[dict], **options) -> lis
 
 
 def _text_message(message: dict) -> dict:
-    """A chat message whose content is a list of text parts, with the parts joined into one string."""
+    """A chat message whose content is a list of text parts, with the parts joined into one string (null: ""), and
+    whose tool calls' arguments, JSON text in OpenAI's messages, are parsed for the template, as vLLM does."""
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [_parsed_arguments(call) for call in message["tool_calls"]]}
     content = message.get("content")
     if content is None:
         return {**message, "content": ""}
@@ -46,3 +60,15 @@ def _text_message(message: dict) -> dict:
     if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
     return {**message, "content": "".join(part["text"] for part in content)}
+
+
+def _parsed_arguments(call):
+    """A tool call whose function's arguments are JSON text, with them parsed (left as they are otherwise)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        return {**call, "function": {**function, "arguments": json.loads(arguments)}}
+    except json.JSONDecodeError:
+        return call

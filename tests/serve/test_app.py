@@ -16,7 +16,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol",
-                             "--allowed-origins", '["http://page.test"]')
+                             "--allowed-origins", '["http://page.test"]', "--trust-request-chat-template")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,13 @@ def test_completion_error_bodies(server, body, status, param, message):
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto",
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice",
      "tool_choice 'auto' needs a tool-call parser"),
+    ({"messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tool_choice",
+     "tool_choice 'auto' needs a tool-call parser"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2, "min_tokens": 5}, 400,
+     "min_tokens", "max_completion_tokens=2"),
+    ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}, 400,
+     "continue_final_message", "Cannot set both `continue_final_message` and `add_generation_prompt`"),
 ])
 def test_chat_error_bodies(server, body, status, param, message):
     error = error_of(post(server, "/v1/chat/completions", body), status)
@@ -130,7 +137,7 @@ def test_unsupported_fields_and_a_full_prompt_are_400s(server, body, status, par
 
 def test_null_means_the_default_and_vllms_chat_fields_apply(server):
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for nulls in ({"stream": None}, {"logprobs": None, "top_logprobs": None}, {"n": None, "stop": None}):
+    for nulls in ({"stream": None}, {"logprobs": None, "top_logprobs": None}):
         assert post(server, "/v1/chat/completions", {**chat, **nulls}).status_code == 200
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None}).status_code == 200
     opened = post(server, "/tokenize", {"messages": chat["messages"]}).json()["count"]
@@ -144,20 +151,28 @@ def test_null_means_the_default_and_vllms_chat_fields_apply(server):
     assert post(server, "/detokenize", {"tokens": tokens}).json()["prompt"].endswith("The answer is")
     tool_turns = [*chat["messages"],
                   {"role": "assistant", "content": None, "tool_calls": [
-                      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                      {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]},
                   {"role": "tool", "content": "42", "tool_call_id": "c1"}]
     assert post(server, "/v1/chat/completions", {**chat, "messages": tool_turns}).status_code == 200
     template = ("{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}"
-                "{% for message in messages %}{{ message.role }}: {{ message.content }}\n{% endfor %}")
+                "{% for message in messages %}{{ message.role }}: {{ message.content }}"
+                "{% for call in message.tool_calls or [] %}{{ call.function.arguments.city }}{% endfor %}"
+                "{{ '\\n' }}{% endfor %}")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     tokens = post(server, "/tokenize", {"messages": tool_turns, "chat_template": template, "tools": tools,
                                         "add_generation_prompt": False}).json()["tokens"]
     assert post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == \
-        "[get_weather]user: hi\nassistant: \ntool: 42\n"
+        "[get_weather]user: hi\nassistant: Oslo\ntool: 42\n"
     assert post(server, "/v1/chat/completions", {**chat, "messages": tool_turns, "chat_template": template,
                                                  "tools": tools, "tool_choice": "none"}).status_code == 200
     long_prompt = {"prompt": [1] * (MAX_MODEL_LEN + 100), "max_tokens": 2, "truncate_prompt_tokens": 10}
     assert post(server, "/v1/completions", long_prompt).json()["usage"]["prompt_tokens"] == 10
+    # A shortened prompt echoes as the text of the tokens kept; one left whole, as given.
+    text = "  Hello   there"
+    whole, cut = (post(server, "/v1/completions", {"prompt": [text, "one two three four five six seven"],
+                                                   "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 5,
+                                                   "temperature": 0}).json()["choices"])
+    assert whole["text"].startswith(text) and cut["text"].startswith(" three four five six seven")
 
 
 def test_cors_preflight_and_headers_follow_allowed_origins(server):

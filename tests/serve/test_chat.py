@@ -74,16 +74,21 @@ def test_sse_framing_with_n_choices(server, model):
 
 
 def test_chat_template_kwargs_reach_the_template(client, model):
-    """SmolLM2's template ignores unknown variables; a kwarg that breaks rendering must come back as a 400 that
-    names the template."""
+    """SmolLM2's template ignores unknown variables; a kwarg that rendering sets itself is a 400 that names it, and
+    a request's own template needs a server started with --trust-request-chat-template (this one is not)."""
     import openai
 
     ok = client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1,
                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert ok.choices[0].finish_reason in ("length", "stop")
-    with pytest.raises(openai.BadRequestError, match="chat template"):
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs cannot set tokenize") as error:
         client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1,
                                        extra_body={"chat_template_kwargs": {"tokenize": False}})
+    assert error.value.body["param"] == "chat_template_kwargs"
+    for body in ({"chat_template": "{{ messages[0].content }}"},
+                 {"chat_template_kwargs": {"chat_template": "{{ messages[0].content }}"}}):
+        with pytest.raises(openai.BadRequestError, match="needs a server started with --trust-request-chat-template"):
+            client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=1, extra_body=body)
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -401,8 +401,9 @@ class LLMEngine:
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
         finished = self._fail(invalid, RuntimeError(
-            f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: every token was masked (the "
-            "request's allowed_token_ids, bad_words, min_tokens and structured_outputs together left none)")) \
+            f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: most likely every token was "
+            "masked (the request's allowed_token_ids, bad_words, min_tokens and structured_outputs together left "
+            "none)")) \
             if invalid else []
         if ungrammatical:
             finished += self._fail(ungrammatical - invalid, RuntimeError(

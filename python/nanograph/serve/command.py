@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--allowed-headers", type=json_str_list, default=["*"],
                         help='CORS: the request headers allowed, a JSON list (default: ["*"])')
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let chat requests bring their own chat_template (Jinja run on the server)")
 
 
 def json_str_list(text: str) -> list[str]:
@@ -73,7 +75,8 @@ def serve(args: argparse.Namespace):
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
-    app = build_app(ServedModel(async_llm, name), args.api_key, cors)
+    served = ServedModel(async_llm, name, trust_request_chat_template=args.trust_request_chat_template)
+    app = build_app(served, args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)

@@ -25,12 +25,13 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
                             "drop echo or logprobs", "echo", "invalid_value")
     served.check_supported(request)
     prompts, texts = _prompts(served, request.prompt)
-    if request.truncate_prompt_tokens is not None:
-        prompts, texts = served.truncate(prompts, request), None
+    kept = served.truncate(prompts, request)
+    texts = [text if len(cut) == len(whole) else None for text, cut, whole in zip(texts, kept, prompts)]
+    prompts = kept
     served.check_room(prompts, request.max_tokens, "max_tokens")
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
-    echoed = (texts or [served.tokenizer.decode(token_ids) for token_ids in prompts]) if request.echo else \
-        [""] * len(prompts)
+    echoed = [served.tokenizer.decode(token_ids) if text is None else text for text, token_ids in zip(texts, prompts)] \
+        if request.echo else [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
     if request.stream:
         stream = await served.generate(request, prompts, params)
@@ -51,8 +52,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     return await unless_disconnected(raw_request, complete())
 
 
-def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str] | None]:
-    """The prompts as token ids, and as text when given as text."""
+def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts as token ids, and as text (None for one given as token ids)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
@@ -62,7 +63,7 @@ def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str] | 
         prompt = [prompt]
     if isinstance(prompt[0], str):
         return [served.encode(text) for text in prompt], prompt
-    return prompt, None
+    return prompt, [None] * len(prompt)
 
 
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int

@@ -36,10 +36,10 @@ class APIError(Exception):
 def invalid_value(exc: ValueError | TypeError, request: BaseModel, renames: dict[str, str] | None = None
                   ) -> APIError:
     """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with. renames:
-    an engine field name -> the request's name for it, at the start of the message."""
+    an engine field name -> the request's name for it, wherever the message names it."""
     message = str(exc)
     for engine_name, field in (renames or {}).items():
-        message = re.sub(rf"^((?:prompt \d+: )?){engine_name}\b", rf"\g<1>{field}", message)
+        message = re.sub(rf"\b{engine_name}\b", field, message)
     word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
     param = word.group(1) if word and word.group(1) in type(request).model_fields else None
     return APIError(400, message, param, "invalid_value")

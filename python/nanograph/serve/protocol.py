@@ -178,13 +178,15 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False  # vLLM's
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the tokenizer's
     tools: list[dict] | None = None  # given to the chat template; the reply is text (no tool-call parser)
-    tool_choice: str | dict | None = None  # None or "none": tools reach the template, calls come back as text
+    tool_choice: str | dict | None = None  # "none": tools reach the template, a call comes back as text
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", (f"tool_choice {self.tool_choice!r} needs a tool-call parser, which this server "
-                                   "does not have; use 'none' (the tools still reach the chat template and a call "
-                                   "comes back as the model's text) or leave tool_choice out")
+        # Without tool_choice, tools mean "auto", as in vLLM, which needs a tool-call parser.
+        choice = self.tool_choice if self.tool_choice is not None or not self.tools else "auto"
+        if choice not in (None, "none"):
+            return "tool_choice", (f"tool_choice {choice!r} needs a tool-call parser, which this server does not "
+                                   "have; set tool_choice to 'none' (the tools still reach the chat template, and a "
+                                   "call comes back as the model's text)")
         return super().unsupported()
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from ..chat_template import chat_prompt_token_ids
+from ..chat_template import ChatOptionError, chat_prompt_token_ids
 from ..engine.intake import truncated
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams
@@ -26,9 +26,10 @@ class Completion:
 
 
 class ServedModel:
-    def __init__(self, async_llm: AsyncLLM, name: str, tokenizer=None):
+    def __init__(self, async_llm: AsyncLLM, name: str, tokenizer=None, trust_request_chat_template: bool = False):
         """tokenizer: the frontend's (None: a new instance from the model folder)."""
         self.async_llm = async_llm
+        self.trust_request_chat_template = trust_request_chat_template
         self.name = name
         self.path = async_llm.info.model
         self.max_model_len = async_llm.info.max_model_len
@@ -46,13 +47,21 @@ class ServedModel:
 
     def render_chat(self, messages: list[ChatMessage], request) -> list[int]:
         """request: a chat or tokenize request (its chat_template_kwargs, add_generation_prompt,
-        continue_final_message, chat_template and tools)."""
+        continue_final_message, chat_template and tools). A template of the request's own (chat_template, or in
+        chat_template_kwargs) runs only on a server started with --trust-request-chat-template, as vLLM's."""
+        if not self.trust_request_chat_template and (request.chat_template is not None or
+                                                     "chat_template" in (request.chat_template_kwargs or {})):
+            raise APIError(400, "this server renders chats with the model's own template; a request's chat_template "
+                                "needs a server started with --trust-request-chat-template", "chat_template",
+                           "invalid_value")
         try:
             return chat_prompt_token_ids(self.tokenizer, [message.model_dump() for message in messages],
                                          chat_template_kwargs=request.chat_template_kwargs,
                                          chat_template=request.chat_template,
                                          add_generation_prompt=request.add_generation_prompt,
                                          continue_final_message=request.continue_final_message, tools=request.tools)
+        except ChatOptionError as exc:
+            raise APIError(400, str(exc), exc.field, "invalid_value") from None
         except Exception as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
             raise APIError(400, f"the chat template could not render the messages: {type(exc).__name__}: {exc}",
                            "messages", "invalid_value") from None
