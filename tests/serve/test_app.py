@@ -140,6 +140,11 @@ def test_null_means_the_default_and_vllms_chat_fields_apply(server):
     for nulls in ({"stream": None}, {"logprobs": None, "top_logprobs": None}):
         assert post(server, "/v1/chat/completions", {**chat, **nulls}).status_code == 200
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": None}).status_code == 200
+    developer = [{"role": "developer", "content": "Be brief."}, *chat["messages"]]
+    reply = post(server, "/v1/chat/completions", {**chat, "messages": developer, "n": 2, "best_of": 2}).json()
+    assert len(reply["choices"]) == 2
+    kept = post(server, "/v1/chat/completions", {**chat, "messages": developer, "truncate_prompt_tokens": 3}).json()
+    assert kept["usage"]["prompt_tokens"] == 3
     opened = post(server, "/tokenize", {"messages": chat["messages"]}).json()["count"]
     closed = post(server, "/tokenize", {"messages": chat["messages"], "add_generation_prompt": False}).json()["count"]
     assert closed < opened
