@@ -219,10 +219,7 @@ class SamplingParams:
 
     def _verify_output_options(self):
         if self.truncate_prompt_tokens is not None:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
-            if self.truncate_prompt_tokens == 0 or self.truncate_prompt_tokens < -1:
-                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got "
-                                 f"{self.truncate_prompt_tokens}")
+            check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for name in ("detokenize", "spaces_between_special_tokens", "use_beam_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
@@ -246,6 +243,13 @@ class SamplingParams:
         if self.use_beam_search:
             raise ValueError("use_beam_search is not a sampling option: beam search is "
                              "LLM.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))")
+
+
+def check_truncate_prompt_tokens(value):
+    """truncate_prompt_tokens keeps the prompt's last k tokens: k >= 1, or -1 for max_model_len."""
+    _check_int("truncate_prompt_tokens", value)
+    if value == 0 or value < -1:
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {value}")
 
 
 def _check_int(name: str, value):

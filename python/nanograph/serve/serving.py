@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 from ..chat_template import ChatOptionError, chat_prompt_token_ids
 from ..engine.intake import truncated
 from ..outputs import Logprob
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
 from .protocol import ChatMessage, SamplingRequest, Usage
@@ -76,10 +76,8 @@ class ServedModel:
         k = request.truncate_prompt_tokens
         if k is None:
             return prompts
-        if k != -1 and k < 1:
-            raise APIError(400, f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {k}",
-                           "truncate_prompt_tokens", "invalid_value")
         try:
+            check_truncate_prompt_tokens(k)
             return [truncated(prompt, k, self.max_model_len) for prompt in prompts]
         except ValueError as exc:
             raise invalid_value(exc, request) from None
