@@ -29,8 +29,12 @@
 // (deterministic; no atomics and no workspace but gemv_argmax's keys, below). CTAs have 8 warps
 // (2 per SM), or 16 (1 per SM, the same warps per SM) when a row group takes 16 splits: down
 // (K = 3,072) in 8-warp CTAs would hold 12 steps per warp, more than one batch, in half of the
-// resident warp slots. Grid and splits depend only on (M, N, K) and the device's SM count, so a
-// captured graph is valid for any data.
+// resident warp slots. A warp keeps kUnroll steps of weight loads in flight, and requests its
+// next batch either whole, before the batch's first step, or (up to 8 rows of x) by halves, each
+// as soon as the steps holding its registers are summed (gemv_reloads_by_halves in gemv_plan.h
+// says which). Grid,
+// splits and reloads depend only on (M, N, K) and the device's SM count, so a captured graph is
+// valid for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction
@@ -124,7 +128,10 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
 // g / 2 for even g, its up for odd g), so that the lane holding accumulator columns 2c and 2c + 1
 // holds the gate and the up of one output column.
 // kArgmax: gemv_argmax's epilogue (keys: [M] argmax keys, see argmax_key).
-template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax>
+// kHalves (8 rows only): each half of the next load batch is requested as soon as the steps
+// holding its registers are summed (gemv_reloads_by_halves says when); otherwise the whole next
+// batch is requested at once, before its first step.
+template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax, bool kHalves>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
@@ -132,6 +139,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
   static_assert(kMaxRows == 8 || kMaxRows == 16 || kMaxRows == 32, "8, 16 or 32 rows of x");
   static_assert(kMaxRows <= kGemvMaxM, "the argmax keys hold kGemvMaxM rows");
+  static_assert(!kHalves || kMaxRows == 8, "wider tiles keep whole batches (registers)");
   constexpr bool kWideM = kMaxRows > 8;
   constexpr int kTiles = kMaxRows > 16 ? 2 : 1;
   __shared__ unsigned long long cta_keys[kArgmax ? kGemvMaxM : 1];
@@ -157,10 +165,11 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
   uint4 w[kUnroll];
-  // Steps step0 .. step0 + kUnroll - 1 into w.
-  auto load_weights = [&](int step0) {
+  // Steps step0 + u for u in [first, last) into w[u].
+  auto load_weights = [&](int step0, int first = 0, int last = kUnroll) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      if (u < first || u >= last) continue;
       const int k = (step0 + u) * kStepK;
       w[u] = load_weight(w_row + k, step0 + u < end && k + kElems * c < K);
     }
@@ -176,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   if (n0 < N) {
     const bf16* x_lo = x + static_cast<int64_t>(g) * K + kElems * c;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
-      if (step0 != begin) load_weights(step0);
+      if (!kHalves && step0 != begin) load_weights(step0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int k = (step0 + u) * kStepK;
@@ -189,6 +198,9 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
           const uint4 hi = load_x(x_row + static_cast<int64_t>(8) * K, in_range && kWideM && m + 8 < M);
           mma_16x8x16(acc[t][0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
           mma_16x8x16(acc[t][1], lo.z, hi.z, lo.w, hi.w, w[u].z, w[u].w);
+        }
+        if (kHalves && (u + 1) % (kUnroll / 2) == 0 && step0 + kUnroll < end) {
+          load_weights(step0 + kUnroll, u + 1 - kUnroll / 2, u + 1);
         }
       }
     }
@@ -283,14 +295,22 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
   const GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
-  auto pick = [&](auto warps) {
+  auto pick = [&](auto warps, auto halves) {
     constexpr int kWarps = decltype(warps)::value;
-    return M > 16  ? gemv_kernel<32, kWarps, kSiluMul, kArgmax>
-           : M > 8 ? gemv_kernel<16, kWarps, kSiluMul, kArgmax>
-                   : gemv_kernel<8, kWarps, kSiluMul, kArgmax>;
+    constexpr bool kHalves = decltype(halves)::value;
+    return M > 16  ? gemv_kernel<32, kWarps, kSiluMul, kArgmax, false>
+           : M > 8 ? gemv_kernel<16, kWarps, kSiluMul, kArgmax, false>
+                   : gemv_kernel<8, kWarps, kSiluMul, kArgmax, kHalves>;
   };
-  auto kernel = g.warps == kWarpsPerCta ? pick(std::integral_constant<int, kWarpsPerCta>{})
-                                        : pick(std::integral_constant<int, kMaxSplits>{});
+  // 16 and 32 rows of x keep whole batches: their fragments fill the 128 registers, and the
+  // halves loop spilled there.
+  auto pick_halves = [&](auto warps) {
+    return M <= 8 && gemv_reloads_by_halves(g, device_props().sm_count)
+               ? pick(warps, std::true_type{})
+               : pick(warps, std::false_type{});
+  };
+  auto kernel = g.warps == kWarpsPerCta ? pick_halves(std::integral_constant<int, kWarpsPerCta>{})
+                                        : pick_halves(std::integral_constant<int, kMaxSplits>{});
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x, weight, bias, out, M, N, K,
              g.splits, g.steps_per_split, argmax_keys);
 }

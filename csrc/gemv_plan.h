@@ -60,4 +60,14 @@ inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
   return gemv_grid_of(row_groups, steps, choose_splits(row_groups, steps, unroll, sm_count));
 }
 
+// Whether the bf16 GEMV's warps of up to 8 x rows request each half of their next load batch as
+// soon as the steps holding its registers are summed, or the whole batch at once before its first
+// step (one burst of `unroll` x 64 contiguous bytes of each of the warp's rows). Halves where the
+// grid is one wave (Qwen3-0.6B's projections): a warp's gap between batches is then nobody's
+// work, and a split of one batch runs the halves loop, whose code has no reload ahead of its MMAs.
+// Whole bursts where other waves' warps fill the gap (Qwen3-8B's projections, the lm_heads).
+inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
+  return static_cast<int64_t>(g.ctas) * g.warps <= static_cast<int64_t>(sm_count) * kWarpsPerSm;
+}
+
 }  // namespace nanograph::gemv_detail

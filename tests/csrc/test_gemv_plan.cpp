@@ -80,5 +80,27 @@ TEST(GemvPlan, TheSmCountSetsTheSplits) {
   EXPECT_EQ(choose_splits(256, 192, 4, 8), 4);
 }
 
+TEST(GemvPlan, BatchesAreRequestedByHalvesInOneWave) {
+  // The bf16 kernel on 132 SMs (a wave of 2,112 warps): (N, K) -> by halves.
+  auto halves = [](int N, int K) {
+    const GemvGrid g = gemv_grid(ceil_div(N, 8), ceil_div(K, 32), 8, 132);
+    return gemv_reloads_by_halves(g, 132);
+  };
+  // Qwen3-0.6B's projections fit one wave (gate_up in 2 batches per split, the others in 1).
+  for (Shape s : std::vector<Shape>{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}) {
+    EXPECT_TRUE(halves(s.N, s.K)) << s.N << " x " << s.K;
+  }
+  // The lm_heads and Qwen3-8B's projections stream through several waves.
+  for (Shape s : std::vector<Shape>{{151936, 1024}, {151936, 4096}, {6144, 4096}, {4096, 4096},
+                                    {24576, 4096}, {4096, 12288}}) {
+    EXPECT_FALSE(halves(s.N, s.K)) << s.N << " x " << s.K;
+  }
+  // One wave is counted in warps: 16-warp CTAs hold one per SM.
+  EXPECT_TRUE(gemv_reloads_by_halves(GemvGrid{16, 16, 132, 6}, 132));
+  EXPECT_FALSE(gemv_reloads_by_halves(GemvGrid{16, 16, 133, 6}, 132));
+  EXPECT_TRUE(gemv_reloads_by_halves(GemvGrid{4, 8, 264, 8}, 132));
+  EXPECT_FALSE(gemv_reloads_by_halves(GemvGrid{4, 8, 265, 8}, 132));
+}
+
 }  // namespace
 }  // namespace nanograph::gemv_detail

@@ -19,8 +19,10 @@ MAX_M = 32  # kGemvMaxM; test_max_m_matches_core keeps the two in step
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (6144, 4096),
           (4096, 4096), (24576, 4096), (4096, 12288), (4608, 576), (576, 1536), (8, 64)]
 # Tails: N not a multiple of 8, K not a multiple of 32 (partial warp steps), the smallest K; both
-# tails in a matrix large enough to stream through several waves with split K (4 splits).
-EDGE_SHAPES = [(1001, 200), (3, 8), (20, 4104), (9001, 2056)]
+# tails in a matrix large enough to stream through several waves with split K (4 splits); one row
+# group whose 16 splits of 79 steps each (the last 65), a one-wave grid, request their batches by
+# halves up to 8 rows of x (gemv_reloads_by_halves), ending inside a half.
+EDGE_SHAPES = [(1001, 200), (3, 8), (20, 4104), (9001, 2056), (8, 40000)]
 # Shape-major, so that the weight cache below holds one matrix at a time.
 CASES = [(N, K, M, with_bias) for N, K in SHAPES + EDGE_SHAPES for M in range(1, MAX_M + 1)
          for with_bias in (False, True)]
