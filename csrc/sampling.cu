@@ -9,9 +9,9 @@
 // (< 8 elements), so every row is vectorised whatever its alignment. Each thread keeps its best
 // (value, index), then a warp-shuffle and a shared-memory pass reduce them. The per-element
 // work is one packed max per pair, which keeps the scan at memory speed.
-// Few rows (decode at small batch) leave most SMs idle, and one SM streams a 300 KB row in about
-// 11 us: on sm_90 such rows take a cluster of kClusterCtas CTAs each, which scan one slice of the
-// row's body and merge their results through distributed shared memory.
+// Few rows (decode at small batch) leave most SMs idle, and one SM alone streams a 300 KB row far
+// below the GPU's bandwidth: on sm_90 such rows take a cluster of kClusterCtas CTAs each, which
+// scan one slice of the row's body and merge their results through distributed shared memory.
 #include "sampling.h"
 
 #include "argmax_order.cuh"
