@@ -48,8 +48,9 @@ def chat_prompt_token_ids(tokenizer, conversation: list[dict], **options) -> lis
 
 
 def _text_message(message: dict) -> dict:
-    """A chat message whose content is a list of text parts, with the parts joined into one string (null: ""), and
-    whose tool calls' arguments, JSON text in OpenAI's messages, are parsed for the template, as vLLM does."""
+    """A chat message whose content is a list of text parts, with the parts joined into one string by newlines
+    (null: ""), and whose tool calls' arguments, JSON text in OpenAI's messages, are parsed for the template, as vLLM
+    does."""
     if message.get("tool_calls"):
         message = {**message, "tool_calls": [_parsed_arguments(call) for call in message["tool_calls"]]}
     content = message.get("content")
@@ -59,7 +60,7 @@ def _text_message(message: dict) -> dict:
         return message
     if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
-    return {**message, "content": "".join(part["text"] for part in content)}
+    return {**message, "content": "\n".join(part["text"] for part in content)}
 
 
 def _parsed_arguments(call):

@@ -39,11 +39,12 @@ def test_the_output_prompt_is_the_rendered_conversation(llm, tokenizer):
                                                                  tokenize=True, return_dict=False)
     assert ids([out]) == ids(llm.generate(TokensPrompt(prompt_token_ids=out.prompt_token_ids), GREEDY,
                                           use_tqdm=False))
-    # A batch of conversations, each rendered on its own; text parts are joined.
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    # A batch of conversations, each rendered on its own; text parts are joined by newlines (vLLM's rule).
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."},
+                                          {"type": "text", "text": "One word."}]}]
     outs = llm.chat([CONVERSATION, parts], GREEDY, use_tqdm=False)
     assert outs[0].prompt == text and outs[1].prompt == tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name a colour."}], add_generation_prompt=True, tokenize=False)
+        [{"role": "user", "content": "Name a colour.\nOne word."}], add_generation_prompt=True, tokenize=False)
 
 
 def test_add_generation_prompt_and_continue_final_message(llm, tokenizer):

@@ -30,11 +30,15 @@ def test_chat_answers_and_the_stream_equals_the_response(client, model, tokenize
 
 
 def test_max_completion_tokens_and_text_parts(client, model):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+    # Text parts are joined by newlines, as vLLM joins them.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital"},
                                           {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
     as_parts = client.chat.completions.create(model=model, messages=parts, temperature=0, max_completion_tokens=3)
+    as_joined = client.chat.completions.create(model=model, messages=joined, temperature=0, max_tokens=3)
     as_string = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=3)
-    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    assert as_parts.choices[0].message.content == as_joined.choices[0].message.content
+    assert as_parts.usage.prompt_tokens == as_joined.usage.prompt_tokens != as_string.usage.prompt_tokens
     assert as_parts.choices[0].finish_reason == "length" and as_parts.usage.completion_tokens == 3
     system = [{"role": "system", "content": "Answer in one word."}, *CAPITAL]
     with_system = client.chat.completions.create(model=model, messages=system, temperature=0, max_tokens=3)
