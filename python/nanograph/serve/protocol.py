@@ -42,7 +42,8 @@ class Request(BaseModel):
 
 
 class StreamOptions(Request):
-    include_usage: bool = False
+    # vLLM's default: stream_options given without include_usage asks for the usage chunk.
+    include_usage: bool = True
 
 
 class JsonSchemaFormat(Request):
