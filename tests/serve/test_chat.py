@@ -138,3 +138,39 @@ def test_two_grammars_in_one_request_are_a_400(client, model):
     with pytest.raises(openai.BadRequestError, match="json_schema.schema is required"):
         client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3,
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+
+
+def test_echo_puts_the_continued_message_first(server, client, model):
+    """vLLM's echo: a reply that continues the last message (add_generation_prompt off, continue_final_message on)
+    starts with that message's content, in the response and in the stream's first content chunk; the reply's role is
+    the last message's. Where the last message is not the reply's role, echo adds nothing."""
+    started = [*CAPITAL, {"role": "assistant", "content": "The capital of France is"}]
+    fields = dict(add_generation_prompt=False, continue_final_message=True)
+    plain = client.chat.completions.create(model=model, messages=started, temperature=0, max_tokens=4,
+                                           extra_body=fields)
+    echoed = client.chat.completions.create(model=model, messages=started, temperature=0, max_tokens=4,
+                                            extra_body={**fields, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France is" + plain.choices[0].message.content
+    assert echoed.choices[0].message.role == "assistant" and echoed.usage == plain.usage
+    chunks = stream_events(server.base_url, "/v1/chat/completions",
+                           {"model": model, "messages": started, "temperature": 0, "max_tokens": 4,
+                            "stream": True, "echo": True, **fields})
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[1]["choices"][0]["delta"]["content"] == "The capital of France is"
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks) == \
+        echoed.choices[0].message.content
+    sampled = stream_events(server.base_url, "/v1/chat/completions",
+                            {"model": model, "messages": started, "temperature": 0.8, "seed": 2, "max_tokens": 4,
+                             "n": 2, "stream": True, "echo": True, **fields})
+    assert [chunk["choices"][0]["delta"]["content"] for chunk in sampled[2:4]] == ["The capital of France is"] * 2
+    assert sorted(chunk["choices"][0]["index"] for chunk in sampled[:4]) == [0, 0, 1, 1]
+    # The last message is the user's and the reply the assistant's: nothing to echo.
+    asked = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=4,
+                                           extra_body={"echo": True})
+    assert asked.choices[0].message.content == client.chat.completions.create(
+        model=model, messages=CAPITAL, temperature=0, max_tokens=4).choices[0].message.content
+    # A reply that continues the user's message is the user's.
+    continued = client.chat.completions.create(model=model, messages=CAPITAL, temperature=0, max_tokens=2,
+                                               extra_body={"add_generation_prompt": False, "echo": True})
+    assert continued.choices[0].message.role == "user"
+    assert continued.choices[0].message.content.startswith("What is the capital of France?")

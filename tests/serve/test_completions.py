@@ -108,7 +108,8 @@ def test_sse_framing_of_two_prompts_with_two_choices_each(server, model):
     without_usage = stream_events(server.base_url, "/v1/completions",
                                   {"model": model, "prompt": PROMPT, "max_tokens": 3, "stream": True})
     assert all(chunk["choices"] for chunk in without_usage) and without_usage[-1]["choices"][0]["finish_reason"]
-    # stream_options without include_usage (or with null) asks for the usage chunk, as vLLM does; false does not.
+    # stream_options without include_usage asks for the usage chunk, as in vLLM, and so does null (this server's
+    # rule: a null field means its default); false does not.
     for options, wanted in (({}, True), ({"include_usage": False}, False), ({"include_usage": None}, True)):
         chunks = stream_events(server.base_url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 3,
                                                                     "stream": True, "stream_options": options})

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the messages rendered by the model's chat template, n choices, logprobs with
-top_logprobs; one response or an SSE stream of chunks (each choice's first carries the assistant role)."""
+top_logprobs, vLLM's echo; one response or an SSE stream of chunks (each choice's first carries the reply's role)."""
 from __future__ import annotations
 
 import time
@@ -34,15 +34,17 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
     response_id, model = f"chatcmpl-{uuid.uuid4().hex}", request.model or served.name
+    role, echoed = request.reply_role(), request.echoed()
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
-        return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage),
-                                   stream.close)
+        return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
+                                           role, echoed), stream.close)
 
     async def complete() -> ChatCompletionResponse:
         stream = await served.generate(request, prompts, params, renames)
         completions = await served.collect(stream, params.n)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(role=role, content=echoed + c.text),
+                              finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason,
                               logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top) if request.logprobs else None)
                    for i, c in enumerate(completions)]
@@ -67,8 +69,9 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
-                  num_top: int, include_usage: bool) -> AsyncIterator[str]:
-    """Each choice's role chunk, then one chunk per step that gave a choice something, finish_reason on its last."""
+                  num_top: int, include_usage: bool, role: str, echoed: str) -> AsyncIterator[str]:
+    """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
+    choice something, finish_reason on its last."""
     created = int(time.time())
     num_tokens = 0
 
@@ -89,8 +92,10 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                                       finish_reason=delta.finish_reason if delta.finished else None,
                                       stop_reason=delta.stop_reason if delta.finished else None)])
 
-    yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
+    yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
                   for index in range(n))
+    if echoed:
+        yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=echoed))]) for index in range(n))
     async for events in sse_body(stream, chunk_of,
                                  (lambda: chunk([], usage=usage(prompts, num_tokens))) if include_usage else None):
         yield events

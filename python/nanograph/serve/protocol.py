@@ -162,10 +162,17 @@ class TextPart(Request):
     text: str
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
 class ChatMessage(Request):
     """OpenAI's messages; extra fields (name, tool_calls, tool_call_id) reach the chat template as they are."""
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Role
     content: str | list[TextPart] = ""  # null: an assistant message that only calls tools
+
+    def text(self) -> str:
+        """The content as the chat template sees it: text parts joined by newlines."""
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -180,6 +187,16 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the tokenizer's
     tools: list[dict] | None = None  # given to the chat template; the reply is text (no tool-call parser)
     tool_choice: str | dict | None = None  # "none": tools reach the template, a call comes back as text
+    echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
+
+    def reply_role(self) -> str:
+        """vLLM's rule: the assistant's, unless add_generation_prompt is off, then the last message's (continued)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What echo puts before each choice's text: the last message's content if it has the reply's role."""
+        last = self.messages[-1] if self.echo and self.messages else None
+        return last.text() if last is not None and last.role == self.reply_role() else ""
 
     def unsupported(self) -> tuple[str, str] | None:
         # Without tool_choice, tools mean "auto", as in vLLM, which needs a tool-call parser.
@@ -255,7 +272,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: Role = "assistant"
     content: str
 
 
@@ -277,7 +294,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: Role | None = None
     content: str | None = None
 
 
