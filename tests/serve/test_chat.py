@@ -77,6 +77,24 @@ def test_sse_framing_with_n_choices(server, model):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
 
 
+def test_continuous_usage_stats_count_each_choice_so_far(server, model):
+    chunks = stream_events(server.base_url, "/v1/chat/completions",
+                           {"model": model, "messages": CAPITAL, "n": 2, "temperature": 0.9, "seed": 1,
+                            "max_tokens": 4, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    *token_chunks, last = chunks
+    prompt_tokens = last["usage"]["prompt_tokens"]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    assert [chunk["usage"]["completion_tokens"] for chunk in token_chunks[:2]] == [0, 0]  # the role chunks
+    seen = {}
+    for chunk in token_chunks[2:]:
+        index, used = chunk["choices"][0]["index"], chunk["usage"]
+        assert used["prompt_tokens"] == prompt_tokens and used["completion_tokens"] > seen.get(index, 0)
+        assert used["total_tokens"] == prompt_tokens + used["completion_tokens"]
+        seen[index] = used["completion_tokens"]
+    assert seen == {0: 4, 1: 4}
+
+
 def test_chat_template_kwargs_reach_the_template(client, model):
     """SmolLM2's template ignores unknown variables; a kwarg that rendering sets itself is a 400 that names it, and
     a request's own template needs a server started with --trust-request-chat-template (this one is not)."""

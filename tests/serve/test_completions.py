@@ -114,3 +114,23 @@ def test_sse_framing_of_two_prompts_with_two_choices_each(server, model):
         chunks = stream_events(server.base_url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 3,
                                                                     "stream": True, "stream_options": options})
         assert (chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3) == wanted, options
+
+
+def test_continuous_usage_stats_count_each_choice_so_far(server, model, tokenizer):
+    """vLLM's continuous_usage_stats: beside include_usage, every chunk carries its choice's usage so far, against
+    its own prompt; without include_usage it adds nothing."""
+    prompts = [PROMPT, "Water boils at"]
+    body = {"model": model, "prompt": prompts, "n": 2, "seed": 3, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *token_chunks, last = stream_events(server.base_url, "/v1/completions", body)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 20
+    seen = {}
+    for chunk in token_chunks:
+        index, used = chunk["choices"][0]["index"], chunk["usage"]
+        assert used["prompt_tokens"] == len(tokenizer.encode(prompts[index // 2]))
+        assert used["total_tokens"] == used["prompt_tokens"] + used["completion_tokens"]
+        assert used["completion_tokens"] > seen.get(index, 0)
+        seen[index] = used["completion_tokens"]
+    assert seen == {0: 5, 1: 5, 2: 5, 3: 5}
+    body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+    assert all(chunk["usage"] is None for chunk in stream_events(server.base_url, "/v1/completions", body))

@@ -13,7 +13,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
-from .serving import ServedModel, usage, wants_usage_chunk
+from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
@@ -38,7 +38,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
-                                           role, echoed), stream.close)
+                                           role, echoed, wants_continuous_usage(request)), stream.close)
 
     async def complete() -> ChatCompletionResponse:
         stream = await served.generate(request, prompts, params, renames)
@@ -69,13 +69,18 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
-                  num_top: int, include_usage: bool, role: str, echoed: str) -> AsyncIterator[str]:
+                  num_top: int, include_usage: bool, role: str, echoed: str,
+                  continuous_usage: bool = False) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
-    choice something, finish_reason on its last."""
+    choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
+    far."""
     created = int(time.time())
     num_tokens = 0
+    choice_tokens = [0] * n
 
     def chunk(choices: list[ChatChunkChoice], **fields) -> str:
+        if continuous_usage:
+            fields["usage"] = usage(prompts, choice_tokens[choices[0].index])
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices, **fields))
 
     text_events = [TextEvents(lambda text, index=index: ChatCompletionChunk(
@@ -85,7 +90,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         num_tokens += len(delta.token_ids)
-        if delta.logprobs is None and not delta.finished:
+        choice_tokens[delta.index] += len(delta.token_ids)
+        if delta.logprobs is None and not delta.finished and not continuous_usage:
             return text_events[delta.index](delta.text)
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
         return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
@@ -96,6 +102,9 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   for index in range(n))
     if echoed:
         yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=echoed))]) for index in range(n))
-    async for events in sse_body(stream, chunk_of,
-                                 (lambda: chunk([], usage=usage(prompts, num_tokens))) if include_usage else None):
+    def usage_chunk() -> str:
+        return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
+                                         usage=usage(prompts, num_tokens)))
+
+    async for events in sse_body(stream, chunk_of, usage_chunk if include_usage else None):
         yield events

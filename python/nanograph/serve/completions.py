@@ -12,7 +12,7 @@ from ..outputs import CompletionDelta, Logprob
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import ServedModel, usage, wants_usage_chunk
+from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
@@ -35,8 +35,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
     if request.stream:
         stream = await served.generate(request, prompts, params)
-        return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage),
-                                   stream.close)
+        return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage,
+                                           wants_continuous_usage(request)), stream.close)
 
     async def complete() -> CompletionResponse:
         stream = await served.generate(request, prompts, params)
@@ -82,33 +82,36 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
 
 
 def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
-            n: int, include_usage: bool) -> AsyncIterator[str]:
+            n: int, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
-    last."""
+    last; with continuous_usage, each chunk carries its choice's usage so far (its own prompt's tokens)."""
     created = int(time.time())
     offsets, num_tokens = {}, 0
+    choice_tokens = [0] * (len(prompts) * n)
     text_events: dict[int, TextEvents] = {}  # each choice's, once its first chunk is out
 
     def chunk_of(prompt_index: int, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         index = prompt_index * n + delta.index
         text = delta.text
+        num_tokens += len(delta.token_ids)
+        choice_tokens[index] += len(delta.token_ids)
         plain = text_events.get(index)
         if plain is None:
             text = echoed[prompt_index] + text
             text_events[index] = TextEvents(lambda text: CompletionResponse(
                 id=response_id, created=created, model=model, choices=[CompletionChoice(index=index, text=text)]))
-        elif delta.logprobs is None and not delta.finished:
-            num_tokens += len(delta.token_ids)
+        elif delta.logprobs is None and not delta.finished and not continuous_usage:
             return plain(text)
         logprobs = None
         if delta.logprobs is not None:
             logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))
-        num_tokens += len(delta.token_ids)
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                   finish_reason=delta.finish_reason if delta.finished else None,
                                   stop_reason=delta.stop_reason if delta.finished else None)
-        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice]))
+        return event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice],
+                                        usage=usage([prompts[prompt_index]], choice_tokens[index])
+                                        if continuous_usage else None))
 
     def usage_chunk() -> str:
         return event(CompletionResponse(id=response_id, created=created, model=model, choices=[],

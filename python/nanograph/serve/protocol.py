@@ -44,6 +44,7 @@ class Request(BaseModel):
 class StreamOptions(Request):
     # vLLM's default: stream_options given without include_usage asks for the usage chunk.
     include_usage: bool = True
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchemaFormat(Request):

@@ -159,6 +159,12 @@ def unavailable(exc: EngineUnavailable) -> APIError:
     return APIError(503, str(exc), code="engine_unavailable")
 
 
+def wants_continuous_usage(request: SamplingRequest) -> bool:
+    """vLLM's stream_options.continuous_usage_stats, which counts only beside include_usage."""
+    options = request.stream_options
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 def usage(prompts: list[list[int]], num_completion_tokens: int) -> Usage:
     num_prompt_tokens = sum(map(len, prompts))
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
