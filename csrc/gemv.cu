@@ -32,9 +32,8 @@
 // resident warp slots. A warp keeps kUnroll steps of weight loads in flight, and requests its
 // next batch either whole, before the batch's first step, or (up to 8 rows of x) by halves, each
 // as soon as the steps holding its registers are summed (gemv_reloads_by_halves in gemv_plan.h
-// says which). Grid,
-// splits and reloads depend only on (M, N, K) and the device's SM count, so a captured graph is
-// valid for any data.
+// says which). Grid, splits and reloads depend only on (M, N, K) and the device's SM count, so a
+// captured graph is valid for any data.
 // gemv_argmax (lm_head at a greedy decode step) adds the row's argmax to the epilogue: each CTA
 // reduces its columns' (value, index) pairs, packed as 64-bit keys whose unsigned order is
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction

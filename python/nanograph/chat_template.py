@@ -54,13 +54,19 @@ def _text_message(message: dict) -> dict:
     if message.get("tool_calls"):
         message = {**message, "tool_calls": [_parsed_arguments(call) for call in message["tool_calls"]]}
     content = message.get("content")
+    return message if isinstance(content, str) else {**message, "content": text_content(content)}
+
+
+def text_content(content) -> str:
+    """A message's content as the chat template sees it: a string as it is, null as "", text parts joined by
+    newlines (vLLM's rule)."""
     if content is None:
-        return {**message, "content": ""}
+        return ""
     if not isinstance(content, list):
-        return message
+        return content
     if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
-    return {**message, "content": "\n".join(part["text"] for part in content)}
+    return "\n".join(part["text"] for part in content)
 
 
 def _parsed_arguments(call):

@@ -98,13 +98,13 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                                       finish_reason=delta.finish_reason if delta.finished else None,
                                       stop_reason=delta.stop_reason if delta.finished else None)])
 
-    yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
-                  for index in range(n))
-    if echoed:
-        yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=echoed))]) for index in range(n))
     def usage_chunk() -> str:
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
                                          usage=usage(prompts, num_tokens)))
 
+    yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
+                  for index in range(n))
+    if echoed:
+        yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=echoed))]) for index in range(n))
     async for events in sse_body(stream, chunk_of, usage_chunk if include_usage else None):
         yield events

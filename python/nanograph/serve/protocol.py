@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
+from ..chat_template import text_content
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 # The request fields that SamplingParams takes under the same name.
@@ -172,8 +173,8 @@ class ChatMessage(Request):
     content: str | list[TextPart] = ""  # null: an assistant message that only calls tools
 
     def text(self) -> str:
-        """The content as the chat template sees it: text parts joined by newlines."""
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+        """The content as the chat template sees it (chat_template.text_content)."""
+        return text_content(self.model_dump(include={"content"})["content"])
 
 
 class ChatCompletionRequest(SamplingRequest):
