@@ -163,14 +163,17 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
   const int steps = (K + kStepK - 1) / kStepK;
   const int begin = split * steps_per_split;
   const int end = n0 < N ? min(begin + steps_per_split, steps) : begin;
+  // The lane's steps end at `end` or where its 8 columns pass K, whichever is first: one compare
+  // per step. Addresses are a batch's base pointer plus a constant offset per step.
+  const int lane_end = min(end, (K - kElems * c + kStepK - 1) / kStepK);
   uint4 w[kUnroll];
   // Steps step0 + u for u in [first, last) into w[u].
   auto load_weights = [&](int step0, int first = 0, int last = kUnroll) {
+    const bf16* batch = w_row + static_cast<int64_t>(step0) * kStepK;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (u < first || u >= last) continue;
-      const int k = (step0 + u) * kStepK;
-      w[u] = load_weight(w_row + k, step0 + u < end && k + kElems * c < K);
+      w[u] = load_weight(batch + u * kStepK, step0 + u < lane_end);
     }
   };
   // The weight does not come from the previous kernel: its first batch is in flight before the
@@ -185,14 +188,14 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     const bf16* x_lo = x + static_cast<int64_t>(g) * K + kElems * c;
     for (int step0 = begin; step0 < end; step0 += kUnroll) {
       if (!kHalves && step0 != begin) load_weights(step0);
+      const bf16* x_batch = x_lo + static_cast<int64_t>(step0) * kStepK;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int k = (step0 + u) * kStepK;
-        const bool in_range = step0 + u < end && k + kElems * c < K;
+        const bool in_range = step0 + u < lane_end;
 #pragma unroll
         for (int t = 0; t < kTiles; ++t) {
           const int m = 16 * t + g;  // x rows m (lo) and m + 8 (hi)
-          const bf16* x_row = x_lo + static_cast<int64_t>(16 * t) * K + k;
+          const bf16* x_row = x_batch + static_cast<int64_t>(16 * t) * K + u * kStepK;
           const uint4 lo = load_x(x_row, in_range && m < M);
           const uint4 hi = load_x(x_row + static_cast<int64_t>(8) * K, in_range && kWideM && m + 8 < M);
           mma_16x8x16(acc[t][0], lo.x, hi.x, lo.y, hi.y, w[u].x, w[u].y);
@@ -276,6 +279,7 @@ bool gemv_supported(int M, int N, int K) {
 bool gemv_preferred(int M, int N, int K) {
   if (!gemv_supported(M, N, K)) return false;
   const int64_t elements = static_cast<int64_t>(N) * K;
+  if (elements > kGemvHugeElements) return false;
   return M <= 8 || elements <= (M <= 16 ? kGemvMidElements : kGemvWideElements);
 }
 
