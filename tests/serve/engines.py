@@ -2,26 +2,46 @@
 import them): the fake model, and the same with a fault planted."""
 from __future__ import annotations
 
+import time
+
 from ..engine.fake_model import fake_engine
 
 FAILING_SEED = 666  # a request with this seed fails in sampling
 DYING_SEED = 13  # once a request with this seed has a token, the step loop itself fails
 FAILING_ADD_SEED = 777  # adding a request with this seed raises a RuntimeError
+SLOW_SEED = 31  # a batch holding a request with this seed samples SLOW_STEP_SECONDS late
+SLOW_STEP_SECONDS = 0.05  # a test then acts on a running request with seconds to spare, not microseconds
 
 
 def fake(peak: float = 1.0):
     return fake_engine(peak=peak)
 
 
+def slow():
+    """Every step takes at least SLOW_STEP_SECONDS."""
+    engine = fake_engine()
+    step = engine.step
+
+    def slow_step():
+        time.sleep(SLOW_STEP_SECONDS)
+        return step()
+
+    engine.step = slow_step
+    return engine
+
+
 def failing_sampler():
     """Sampling raises for any batch holding a FAILING_SEED request: that request fails, the others go on; adding a
-    FAILING_ADD_SEED request raises something other than a ValueError."""
+    FAILING_ADD_SEED request raises something other than a ValueError; a batch holding a SLOW_SEED request samples
+    slowly."""
     engine = fake_engine(peak=1.0)
     sample = engine.runner.sample
 
     def failing_sample(rows, seqs):
         if any(seq.params.seed == FAILING_SEED for seq in seqs):
             raise RuntimeError("injected sampling failure")
+        if any(seq.params.seed == SLOW_SEED for seq in seqs):
+            time.sleep(SLOW_STEP_SECONDS)
         return sample(rows, seqs)
 
     engine.runner.sample = failing_sample

@@ -89,12 +89,14 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(shared):
     generated = async_llm.metrics.total_generation_tokens
 
     async def main():
-        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=50, ignore_eos=True)])
+        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=50, ignore_eos=True,
+                                                                        seed=engines.SLOW_SEED)])
         await anext(stream)
         stream.close()
+        # With this event loop still open (a closed one's streams are aborted as the next deltas find it closed).
+        await asyncio.to_thread(wait_until_idle, async_llm, 10)
 
     asyncio.run(main())
-    wait_until_idle(async_llm)
     assert async_llm.metrics.total_generation_tokens - generated < 50
 
 
@@ -166,7 +168,7 @@ def test_a_dead_loop_fails_open_streams_and_answers_503():
 
 
 def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():
-    async_llm = started(engines.fake)
+    async_llm = started(engines.slow)
 
     async def main():
         stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=60, ignore_eos=True)])
@@ -221,8 +223,8 @@ def test_a_defect_in_the_output_reader_fails_streams_and_new_requests_instead_of
         raise KeyError("injected defect")
 
     async def main():
+        async_llm.metrics.record_deltas = failing_record  # before the request: its first deltas meet the defect
         stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=30, ignore_eos=True)])
-        async_llm.metrics.record_deltas = failing_record
         with pytest.raises(EngineUnavailable, match="injected defect"):
             async for _ in stream:
                 pass

@@ -186,8 +186,8 @@ class AsyncLLM:
                     continue
                 message = self._outputs.recv()
                 if message[0] == "step":
+                    self.snapshot = message[2]  # first: whoever has a step's deltas sees that step's state
                     self._deliver(message[1])
-                    self.snapshot = message[2]
                     self.metrics.record_engine(message[2])
                     self._log_stats()
                 elif message[0] == "added":
