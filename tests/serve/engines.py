@@ -10,7 +10,7 @@ FAILING_SEED = 666  # a request with this seed fails in sampling
 DYING_SEED = 13  # once a request with this seed has a token, the step loop itself fails
 FAILING_ADD_SEED = 777  # adding a request with this seed raises a RuntimeError
 SLOW_SEED = 31  # a batch holding a request with this seed samples SLOW_STEP_SECONDS late
-SLOW_STEP_SECONDS = 0.05  # a test then acts on a running request with seconds to spare, not microseconds
+SLOW_STEP_SECONDS = 0.05  # a request of tens of tokens then runs for seconds, not milliseconds
 
 
 def fake(peak: float = 1.0):

@@ -48,6 +48,11 @@ async def collect(async_llm, prompts, params):
     return token_ids, finishes
 
 
+async def drain(stream):
+    async for _ in stream:
+        pass
+
+
 def wait_until_idle(async_llm, seconds=5):
     """The engine process reports nothing running or waiting and every KV block free."""
     deadline = time.monotonic() + seconds
@@ -97,7 +102,7 @@ def test_closing_a_stream_aborts_its_request_and_frees_its_blocks(shared):
         await asyncio.to_thread(wait_until_idle, async_llm, 10)
 
     asyncio.run(main())
-    assert async_llm.metrics.total_generation_tokens - generated < 50
+    assert async_llm.metrics.total_generation_tokens - generated < 25  # a few steps of 50 ms after the close
 
 
 def cpu_seconds(pid: int) -> float:
@@ -175,8 +180,7 @@ def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():
         await anext(stream)
         async_llm._process.kill()
         with pytest.raises(EngineUnavailable, match="engine process exited"):
-            async for _ in stream:
-                pass
+            await asyncio.wait_for(drain(stream), 10)
 
     asyncio.run(main())
     async_llm.join(5)
@@ -226,8 +230,7 @@ def test_a_defect_in_the_output_reader_fails_streams_and_new_requests_instead_of
         async_llm.metrics.record_deltas = failing_record  # before the request: its first deltas meet the defect
         stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=30, ignore_eos=True)])
         with pytest.raises(EngineUnavailable, match="injected defect"):
-            async for _ in stream:
-                pass
+            await asyncio.wait_for(drain(stream), 10)
         with pytest.raises(EngineUnavailable):
             await asyncio.wait_for(async_llm.generate([PROMPTS[1]], [SamplingParams(max_tokens=2)]), 5)
 

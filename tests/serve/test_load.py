@@ -51,7 +51,8 @@ def test_cancelled_requests_end_and_a_fresh_request_is_served_at_once(server, mo
 
     alone, seconds, completion = asyncio.run(main())
     assert completion.usage.completion_tokens == 10
-    # Beside the 20 cut requests, had they gone on, it would share their steps until they reach 400 tokens.
+    # Served at once: about as fast as alone, with room for this machine's noise. The counters below tell whether
+    # the cut requests went on.
     assert seconds < 3 * alone + 2, f"{seconds:.2f} s after the cuts, {alone:.2f} s before them"
     after = wait_idle(server, seconds=2)
     assert grew(before, after, "request_success_total", "abort") == NUM_CANCELS

@@ -14,21 +14,29 @@ def test_sigint_aborts_running_streams_and_exits_0(tmp_path):
     server = ServerProcess(tmp_path / "server.log")
     body = {"prompt": "Count with me: one, two,", "max_tokens": 400, "ignore_eos": True, "stream": True}
     num_streams = 3
-    streaming = set()  # the streams that have had two chunks: one SIGINT once all of them have
+    ready, signalled = set(), []  # the streams that have had two chunks (or ended before); the signal, once sent
+
+    def stream_ready(index: int):
+        """Exactly one SIGINT, once every stream is ready: a second one is uvicorn's force quit, which cuts open
+        responses."""
+        ready.add(index)
+        if len(ready) == num_streams and not signalled:
+            signalled.append(True)
+            server.process.send_signal(signal.SIGINT)
 
     async def stream_until_stopped(http: httpx.AsyncClient, index: int) -> tuple[list, bool]:
         chunks, done = [], False
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line:
-                    chunks.append(json.loads(line.removeprefix("data: ")))
-                    if len(chunks) == 2:
-                        streaming.add(index)
-                        # Exactly one signal: a second SIGINT is uvicorn's force quit, which cuts open responses.
-                        if len(streaming) == num_streams:
-                            server.process.send_signal(signal.SIGINT)
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line:
+                        chunks.append(json.loads(line.removeprefix("data: ")))
+                        if len(chunks) == 2:
+                            stream_ready(index)
+        finally:
+            stream_ready(index)  # one that ended early must not hold the others back until they end
         return chunks, done
 
     async def main():

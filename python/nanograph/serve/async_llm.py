@@ -186,9 +186,12 @@ class AsyncLLM:
                     continue
                 message = self._outputs.recv()
                 if message[0] == "step":
-                    self.snapshot = message[2]  # first: whoever has a step's deltas sees that step's state
-                    self._deliver(message[1])
+                    # The counters and the state first: whoever holds a step's deltas sees both up to that step.
+                    if message[1]:
+                        self.metrics.record_deltas(message[1])
+                    self.snapshot = message[2]
                     self.metrics.record_engine(message[2])
+                    self._deliver(message[1])
                     self._log_stats()
                 elif message[0] == "added":
                     self._answer_add(*message[1:])
@@ -225,7 +228,6 @@ class AsyncLLM:
         """Hand the deltas to their streams: one call into each event loop per step."""
         if not routed:
             return
-        self.metrics.record_deltas(routed)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for stream_id, prompt_index, delta in routed:
             entry = self._streams.get(stream_id)
