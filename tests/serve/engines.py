@@ -17,19 +17,6 @@ def fake(peak: float = 1.0):
     return fake_engine(peak=peak)
 
 
-def slow():
-    """Every step takes at least SLOW_STEP_SECONDS."""
-    engine = fake_engine()
-    step = engine.step
-
-    def slow_step():
-        time.sleep(SLOW_STEP_SECONDS)
-        return step()
-
-    engine.step = slow_step
-    return engine
-
-
 def failing_sampler():
     """Sampling raises for any batch holding a FAILING_SEED request: that request fails, the others go on; adding a
     FAILING_ADD_SEED request raises something other than a ValueError; a batch holding a SLOW_SEED request samples

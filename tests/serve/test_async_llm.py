@@ -173,10 +173,11 @@ def test_a_dead_loop_fails_open_streams_and_answers_503():
 
 
 def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():
-    async_llm = started(engines.slow)
+    async_llm = started(engines.failing_sampler)
 
     async def main():
-        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=60, ignore_eos=True)])
+        stream = await async_llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=60, ignore_eos=True,
+                                                                        seed=engines.SLOW_SEED)])
         await anext(stream)
         async_llm._process.kill()
         with pytest.raises(EngineUnavailable, match="engine process exited"):

@@ -14,15 +14,15 @@ def test_sigint_aborts_running_streams_and_exits_0(tmp_path):
     server = ServerProcess(tmp_path / "server.log")
     body = {"prompt": "Count with me: one, two,", "max_tokens": 400, "ignore_eos": True, "stream": True}
     num_streams = 3
-    ready, signalled = set(), []  # the streams that have had two chunks (or ended before); the signal, once sent
+    ready = set()  # the streams that have had two chunks (or ended before)
 
     def stream_ready(index: int):
         """Exactly one SIGINT, once every stream is ready: a second one is uvicorn's force quit, which cuts open
         responses."""
-        ready.add(index)
-        if len(ready) == num_streams and not signalled:
-            signalled.append(True)
-            server.process.send_signal(signal.SIGINT)
+        if index not in ready:
+            ready.add(index)
+            if len(ready) == num_streams:
+                server.process.send_signal(signal.SIGINT)
 
     async def stream_until_stopped(http: httpx.AsyncClient, index: int) -> tuple[list, bool]:
         chunks, done = [], False

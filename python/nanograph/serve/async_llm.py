@@ -187,8 +187,7 @@ class AsyncLLM:
                 message = self._outputs.recv()
                 if message[0] == "step":
                     # The counters and the state first: whoever holds a step's deltas sees both up to that step.
-                    if message[1]:
-                        self.metrics.record_deltas(message[1])
+                    self.metrics.record_deltas(message[1])
                     self.snapshot = message[2]
                     self.metrics.record_engine(message[2])
                     self._deliver(message[1])
