@@ -49,13 +49,21 @@ class StructuredOutputsParams:
         if self.json_object:
             return "json_schema", '{"type": "object"}'
         if self.choice is not None:
-            return "choice", json.dumps(list(self.choice))
+            # One regex of the choices as literals: llguidance's own "choice" is a grammar rule of one
+            # alternative per choice, and its parser takes at most 2,000.
+            return "regex", "(?:" + "|".join(map(_regex_literal, self.choice)) + ")"
         if self.regex is not None:
             return "regex", self.regex
         return "grammar", self.grammar
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+_REGEX_SPECIAL = frozenset("\\.+*?()|[]{}^$")
+
+
+def _regex_literal(text: str) -> str:
+    """A regex (llguidance's syntax, Rust's regex crate) matching exactly text."""
+    return "".join("\\" + char if char in _REGEX_SPECIAL else char for char in text)
 
 
 class RequestOutputKind(Enum):

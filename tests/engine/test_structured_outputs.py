@@ -82,3 +82,18 @@ def test_a_grammar_that_ends_before_min_tokens_ends_the_output(llm):
         completion = out.outputs[0]
         assert completion.text in CHOICES and completion.finish_reason == "stop"
         assert len(completion.token_ids) < 5
+
+
+def test_a_choice_of_thousands_with_regex_characters_gives_one_of_them(llm):
+    """A choice is matched as literal text (a regex's special characters too), and a list of thousands of choices
+    (more than llguidance's own choice rule takes) is served, greedy and sampled."""
+    specials = ["a.b", "a+b", r"x\y", "(q)|[r]{2}^$ #&~-", "what?*"]
+    many = [f"option {i}" for i in range(2500)] + specials
+    prompts = ["Pick one:", "Pick one:", "Pick an option:"]
+    params = [constrained(StructuredOutputsParams(choice=specials), max_tokens=16),
+              constrained(StructuredOutputsParams(choice=specials), max_tokens=16, temperature=1.0, seed=5),
+              constrained(StructuredOutputsParams(choice=many), max_tokens=16, temperature=1.0, seed=1)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out, allowed in zip(outputs, [specials, specials, many]):
+        completion = out.outputs[0]
+        assert completion.text in allowed and completion.finish_reason == "stop", completion.text

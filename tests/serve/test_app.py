@@ -38,7 +38,8 @@ def post(server, path, body=None, headers=AUTH, **kwargs):
 
 def test_every_v1_route_needs_the_key(server):
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": f"Bearer {KEY}x"}):
             response = httpx.request(method, server.base_url + path, headers=headers, json={}, timeout=10)
             error = error_of(response, 401)
             assert error["code"] == "invalid_api_key" and "--api-key" in error["message"]
@@ -47,6 +48,10 @@ def test_every_v1_route_needs_the_key(server):
             wrong.models.list()
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(server.base_url + path, timeout=10).status_code == 200
+    # The scheme's case does not matter.
+    for scheme in ("bearer", "BEARER"):
+        response = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=10)
+        assert response.status_code == 200, response.text
 
 
 def test_models_version_tokenize_detokenize(server, client, tokenizer):
@@ -70,14 +75,16 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     ({"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be non-negative"),
     ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs=50 is more than max_logprobs=20"),
-    ({"prompt": "hi", "max_tokens": 2.5}, 422, "max_tokens", "max_tokens: Input should be a valid integer"),
-    ({"prompt": "hi", "stream": "yes"}, 422, "stream", "stream: Input should be a valid boolean"),
-    ({"max_tokens": 2}, 422, "prompt", "prompt: Field required"),
-    ({"prompt": [1] * 600}, 400, "prompt", f"prompt has 600 tokens; max_model_len is {MAX_MODEL_LEN}"),
+    ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean"),
+    ({"max_tokens": 2}, 400, "prompt", "prompt: Field required"),
+    ({"prompt": [1] * 600}, 400, "prompt", f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, "
+     "your request has 600 input tokens, more than it can hold; shorten the prompt"),
     ({"prompt": [1] * 500, "max_tokens": 20}, 400, "max_tokens",
-     f"the prompt has 500 tokens and max_tokens is 20: 520 is more than max_model_len={MAX_MODEL_LEN}"),
-    ({"prompt": [[1, 2], [1] * 600]}, 400, "prompt", "prompt 1: prompt has 600 tokens"),
-    ({"prompt": ["fine", [1, 2]]}, 422, "prompt", "prompt: Input should be a valid string"),
+     f"max_tokens is too large: 20. This model's maximum context length is {MAX_MODEL_LEN} tokens and your request "
+     f"has 500 input tokens (20 > {MAX_MODEL_LEN} - 500); lower max_tokens to at most {MAX_MODEL_LEN - 500}"),
+    ({"prompt": [[1, 2], [1] * 600]}, 400, "prompt", "your request has 600 input tokens (prompt 1)"),
+    ({"prompt": ["fine", [1, 2]]}, 400, "prompt", "prompt: Input should be a valid string"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream_options is only allowed when stream is true"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "The model `gpt-4` does not exist"),
@@ -95,8 +102,18 @@ def test_completion_error_bodies(server, body, status, param, message):
 @pytest.mark.parametrize("body, status, param, message", [
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs",
      "top_logprobs needs logprobs"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, 422, "messages", "messages.0.role: Input should be"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 422, "messages", "messages.0.content"),
+    ({"messages": [{"role": "", "content": "hi"}]}, 400, "messages", "messages.0.role: String should have at least 1"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]}, 400,
+     "messages", "messages.0.content: content part 1 has type 'image_url'; this server takes text parts only"),
+    ({"messages": [{"role": "user", "content": "hi " * 600}]}, 400, "messages",
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10 ** 6}, 400,
+     "max_completion_tokens", "max_completion_tokens is too large: 1000000. This model's maximum context length"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, 400, "response_format",
+     "response_format.json_schema.schema is not a valid json schema"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_choice": []}, 400, "guided_choice",
+     "guided_choice must be a non-empty list of strings"),
     ({"messages": []}, 400, "messages", "messages is empty"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens",
      "max_completion_tokens must be at least 1"),
@@ -126,13 +143,39 @@ def test_chat_error_bodies(server, body, status, param, message):
     ({"prompt": "hi", "best_of": 3}, 400, "best_of", "best_of=3 is not supported"),
     ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", "beam search is not served"),
     ({"prompt": "hi", "prompt_logprobs": 1}, 400, "prompt_logprobs", "prompt logprobs are not served"),
-    ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": None}, 400, None, "leaves no room for output"),
+    ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": None}, 400, "prompt", "leaves no room for output"),
     ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, 400, "max_tokens", "leaves no room for output"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "truncate_prompt_tokens must be"),
 ])
 def test_unsupported_fields_and_a_full_prompt_are_400s(server, body, status, param, message):
     error = error_of(post(server, "/v1/completions", body), status)
     assert message in error["message"] and error["param"] == param
+
+
+def test_schema_errors_are_bad_requests_for_the_openai_client(client):
+    """A body that does not match the schema is a 400 (vLLM's status), which the client raises as BadRequestError."""
+    with pytest.raises(openai.BadRequestError, match="max_tokens: Input should be a valid integer"):
+        client.completions.create(model="smol", prompt="hi", max_tokens=2.5)
+    with pytest.raises(openai.BadRequestError, match="messages.0.content: content part 0 has type 'image_url'"):
+        client.chat.completions.create(model="smol", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://page.test/a.png"}}]}])
+    with pytest.raises(openai.BadRequestError, match="This model's maximum context length is") as raised:
+        client.completions.create(model="smol", prompt="hi " * 600, max_tokens=2)
+    assert raised.value.code == "context_length_exceeded" and raised.value.param == "prompt"
+
+
+def test_a_custom_role_reaches_the_chat_template(server, client, tokenizer):
+    """Any role is taken (Llama 3's ipython, ...), as vLLM takes it: the chat template decides what it renders."""
+    messages = [{"role": "user", "content": "Call the tool."}, {"role": "ipython", "content": "42"}]
+    rendered = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert rendered == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+    reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, temperature=0)
+    assert reply.choices[0].message.role == "assistant" and reply.usage.prompt_tokens == len(rendered)
+    continued = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, temperature=0,
+                                               extra_body={"add_generation_prompt": False,
+                                                           "continue_final_message": True})
+    assert continued.choices[0].message.role == "ipython"
 
 
 def test_null_means_the_default_and_vllms_chat_fields_apply(server):

@@ -3,6 +3,7 @@ abort frees the blocks, an idle engine process sleeps, a failure inside a step e
 a dead loop makes /health and new requests 503, and an engine that cannot be built fails start()."""
 import asyncio
 import os
+import threading
 import time
 
 import httpx
@@ -143,6 +144,52 @@ def test_a_failure_inside_a_step_ends_only_its_request_with_a_500(shared):
     assert survived.status_code == 200
     assert survived.json()["choices"][0]["text"] == "".join(f" {t}" for t in reference_completion(PROMPTS[0], 8))
     wait_until_idle(async_llm)
+
+
+class HoldingTokenizer(FakeTokenizer):
+    """Holds the encoding of the text "hold" until released (as a very long prompt would), noting each encoding's
+    thread."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.threads = []
+
+    def encode(self, text: str) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        if text == "hold" and not self.release.wait(20):
+            raise TimeoutError("never released")
+        return super().encode(text)
+
+
+def test_a_prompt_being_tokenized_holds_up_no_other_request(shared):
+    """Text is encoded on the tokenizer's thread, not the event loop's: while one prompt's encoding runs, the
+    server answers other requests."""
+    tokenizer = HoldingTokenizer()
+    app = build_app(ServedModel(shared, "fake", tokenizer))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hold", "max_tokens": 3,
+                                                                            "temperature": 0}))
+            while not tokenizer.threads:
+                await asyncio.sleep(0.01)
+            try:
+                other = await asyncio.wait_for(client.post("/v1/completions", json={
+                    "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}), 10)
+                health = await asyncio.wait_for(client.get("/health"), 10)
+                assert not held.done()
+            finally:
+                tokenizer.release.set()
+            return other, health, await asyncio.wait_for(held, 10)
+
+    other, health, held = asyncio.run(main())
+    assert other.status_code == 200 and health.status_code == 200
+    assert other.json()["choices"][0]["text"] == "".join(f" {t}" for t in reference_completion(PROMPTS[0], 4))
+    assert held.status_code == 200, held.text
+    assert held.json()["choices"][0]["text"] == "".join(f" {t}" for t in
+                                                        reference_completion(FakeTokenizer().encode("hold"), 3))
+    assert tokenizer.threads == ["tokenizer_0"]
+    wait_until_idle(shared)
 
 
 def test_a_dead_loop_fails_open_streams_and_answers_503():

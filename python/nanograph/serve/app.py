@@ -39,8 +39,9 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
     def check_api_key(request: Request):
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # The scheme's case does not matter (RFC 9110); the key's does.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
                                 "key the server was started with (--api-key)", code="invalid_api_key")
 
@@ -79,9 +80,10 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", "prompt", "invalid_value")
         if body.messages is not None:
-            tokens = served.render_chat(body.messages, body)
+            tokens = await served.render_chat(body.messages, body)
         else:
-            tokens = served.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await served.tokenized(served.tokenizer.encode, body.prompt,
+                                            add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=served.max_model_len, tokens=tokens)
 
     @app.post("/detokenize")
@@ -93,7 +95,7 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
         if outside:
             raise APIError(400, f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})", "tokens",
                            "invalid_value")
-        return DetokenizeResponse(prompt=served.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await served.tokenized(served.tokenizer.decode, body.tokens))
 
     @app.get("/metrics")
     async def metrics():

@@ -26,10 +26,10 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     if not request.messages:
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
     served.check_supported(request)
-    prompts = served.truncate([served.render_chat(request.messages, request)], request)
+    prompts = served.truncate([await served.render_chat(request.messages, request)], request)
     max_tokens, field_name = (request.max_completion_tokens, "max_completion_tokens") \
         if request.max_completion_tokens is not None else (request.max_tokens, "max_tokens")
-    served.check_room(prompts, max_tokens, field_name)
+    served.check_room(prompts, max_tokens, field_name, "messages")
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)

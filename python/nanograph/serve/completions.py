@@ -24,14 +24,14 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
         raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
                             "drop echo or logprobs", "echo", "invalid_value")
     served.check_supported(request)
-    prompts, texts = _prompts(served, request.prompt)
+    prompts, texts = await _prompts(served, request.prompt)
     kept = served.truncate(prompts, request)
     texts = [text if len(cut) == len(whole) else None for text, cut, whole in zip(texts, kept, prompts)]
     prompts = kept
-    served.check_room(prompts, request.max_tokens, "max_tokens")
+    served.check_room(prompts, request.max_tokens, "max_tokens", "prompt")
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
-    echoed = [served.tokenizer.decode(token_ids) if text is None else text for text, token_ids in zip(texts, prompts)] \
-        if request.echo else [""] * len(prompts)
+    echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text
+              for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
     if request.stream:
         stream = await served.generate(request, prompts, params)
@@ -52,7 +52,7 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     return await unless_disconnected(raw_request, complete())
 
 
-def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str | None]]:
+async def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str | None]]:
     """The prompts as token ids, and as text (None for one given as token ids)."""
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -62,7 +62,7 @@ def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str | N
     elif isinstance(prompt[0], int):
         prompt = [prompt]
     if isinstance(prompt[0], str):
-        return [served.encode(text) for text in prompt], prompt
+        return await served.tokenized(lambda: [served.encode(text) for text in prompt]), prompt
     return prompt, [None] * len(prompt)
 
 

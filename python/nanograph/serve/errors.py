@@ -36,18 +36,20 @@ class APIError(Exception):
 def invalid_value(exc: ValueError | TypeError, request: BaseModel, renames: dict[str, str] | None = None
                   ) -> APIError:
     """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with. renames:
-    an engine field name -> the request's name for it, wherever the message names it."""
+    an engine field name -> the request's name for it, wherever the message names it (and the grammar's, by the
+    field the request gave it in)."""
     message = str(exc)
-    for engine_name, field in (renames or {}).items():
-        message = re.sub(rf"\b{engine_name}\b", field, message)
+    grammar_renames = request.grammar_renames() if hasattr(request, "grammar_renames") else {}
+    for engine_name, field in {**grammar_renames, **(renames or {})}.items():
+        message = re.sub(rf"\b{re.escape(engine_name)}\b", field, message)
     word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
     param = word.group(1) if word and word.group(1) in type(request).model_fields else None
     return APIError(400, message, param, "invalid_value")
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The JSON body as `model`: 400 for a non-JSON Content-Type or malformed JSON, 422 for a body that does not
-    match the schema (naming the field)."""
+    """The JSON body as `model`: 400 for a non-JSON Content-Type, malformed JSON, or a body that does not match the
+    schema (naming the field, as vLLM's 400 does)."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise APIError(400, f"Content-Type must be application/json, got {content_type or 'none'!r}; send the body "
@@ -61,7 +63,8 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
             raise APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
         path = ".".join(str(part) for part in errors[0]["loc"]
                         if isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS))
-        raise APIError(422, f"{path or 'the request body'}: {errors[0]['msg']}", path.split(".")[0] or None,
+        message = errors[0]["msg"].removeprefix("Value error, ")  # a validator's own message, as it is
+        raise APIError(400, f"{path or 'the request body'}: {message}", path.split(".")[0] or None,
                        "invalid_type") from None
     if parsed.model_extra:
         logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(parsed.model_extra)))

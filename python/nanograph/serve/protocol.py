@@ -9,7 +9,7 @@ import time
 import typing
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..chat_template import text_content
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -127,6 +127,15 @@ class SamplingRequest(Request):
         return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
                               structured_outputs=self._grammar(), **{**defaults, **given})
 
+    def grammar_renames(self) -> dict[str, str]:
+        """The grammar's name in StructuredOutputsParams' messages -> the request field that gave it."""
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            return {"structured_outputs.json": "response_format.json_schema.schema"}
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                return {f"structured_outputs.{kind}": name}
+        return {}
+
     def _grammar(self) -> StructuredOutputsParams | None:
         """The one grammar the request asks for, by whichever field it uses."""
         grammars = {}
@@ -164,13 +173,24 @@ class TextPart(Request):
     text: str
 
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-
-
 class ChatMessage(Request):
-    """OpenAI's messages; extra fields (name, tool_calls, tool_call_id) reach the chat template as they are."""
-    role: Role
+    """OpenAI's messages; extra fields (name, tool_calls, tool_call_id) reach the chat template as they are. Any
+    role is taken, as vLLM takes custom roles (Llama 3's ipython, ...): the chat template decides what it renders."""
+    role: str = Field(min_length=1)
     content: str | list[TextPart] = ""  # null: an assistant message that only calls tools
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """A content part of another type (image_url, input_audio, ...) is named, rather than left to the union's
+        first error ("should be a valid string")."""
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part {i} has type {kind!r}; this server takes text parts only "
+                                     "({\"type\": \"text\", \"text\": ...}) or a string")
+        return content
 
     def text(self) -> str:
         """The content as the chat template sees it (chat_template.text_content)."""
@@ -274,7 +294,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Role = "assistant"
+    role: str = "assistant"
     content: str
 
 
@@ -296,7 +316,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Role | None = None
+    role: str | None = None
     content: str | None = None
 
 

@@ -2,6 +2,9 @@
 instance: the engine process detokenises with the engine's), the engine, and a request's completions collected."""
 from __future__ import annotations
 
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
@@ -35,17 +38,29 @@ class ServedModel:
         self.max_model_len = async_llm.info.max_model_len
         self.sampling_defaults = async_llm.info.sampling_defaults
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     def check_model(self, model: str | None):
         if model is not None and model != self.name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`", "model",
                            "model_not_found")
 
+    async def tokenized(self, function, *args, **kwargs):
+        """function(*args, **kwargs) on the tokenizer's thread: a long prompt's encoding or chat rendering (seconds
+        for a few MB of text) leaves the event loop free for the other requests' streams, and the tokenizer is
+        used by one thread at a time."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
+                                                                functools.partial(function, *args, **kwargs))
+
     def encode(self, text: str) -> list[int]:
         """Token ids as the engine's intake makes them from text."""
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[ChatMessage], request) -> list[int]:
+    async def render_chat(self, messages: list[ChatMessage], request) -> list[int]:
+        """render_chat_now, on the tokenizer's thread."""
+        return await self.tokenized(self.render_chat_now, messages, request)
+
+    def render_chat_now(self, messages: list[ChatMessage], request) -> list[int]:
         """request: a chat or tokenize request (its chat_template_kwargs, add_generation_prompt,
         continue_final_message, chat_template and tools). A template of the request's own (chat_template, or in
         chat_template_kwargs) runs only on a server started with --trust-request-chat-template, as vLLM's."""
@@ -82,21 +97,27 @@ class ServedModel:
         except ValueError as exc:
             raise invalid_value(exc, request) from None
 
-    def check_room(self, prompts: list[list[int]], max_tokens: int | None, field_name: str):
-        """vLLM's rule: a prompt and max_tokens must fit in max_model_len together, and a prompt that fills
-        max_model_len leaves no room for any output (a prompt too long on its own is the engine's error to
-        report)."""
+    def check_room(self, prompts: list[list[int]], max_tokens: int | None, field_name: str, prompt_field: str):
+        """vLLM's rule: a prompt must be shorter than max_model_len (one that fills it leaves no room for output),
+        and a prompt and max_tokens must fit in it together. The messages start as vLLM's ("This model's maximum
+        context length is ..."), which clients recognise, with code context_length_exceeded. prompt_field: the
+        request's field for the prompt (prompt, messages)."""
+        limit = self.max_model_len
         for i, prompt in enumerate(prompts):
-            which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
-            if len(prompt) == self.max_model_len:
-                raise APIError(400, f"{which} has {len(prompt)} tokens, which fills max_model_len="
-                                    f"{self.max_model_len} and leaves no room for output; shorten the prompt",
-                               field_name if max_tokens is not None else None, "context_length_exceeded")
-            if max_tokens is not None and len(prompt) < self.max_model_len < len(prompt) + max_tokens:
-                raise APIError(400, f"{which} has {len(prompt)} tokens and {field_name} is {max_tokens}: "
-                                    f"{len(prompt) + max_tokens} is more than max_model_len={self.max_model_len}; "
-                                    f"lower {field_name} to at most {self.max_model_len - len(prompt)}, or shorten "
-                                    "the prompt", field_name, "context_length_exceeded")
+            which = f" (prompt {i})" if len(prompts) > 1 else ""
+            if len(prompt) >= limit:
+                room = "which leaves no room for output" if len(prompt) == limit else "more than it can hold"
+                raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                                    f"has {len(prompt)} input tokens{which}, {room}; shorten the {prompt_field} to "
+                                    f"fewer than {limit} tokens (or set truncate_prompt_tokens)",
+                               field_name if len(prompt) == limit and max_tokens is not None else prompt_field,
+                               "context_length_exceeded")
+            if max_tokens is not None and len(prompt) + max_tokens > limit:
+                raise APIError(400, f"{field_name} is too large: {max_tokens}. This model's maximum context length "
+                                    f"is {limit} tokens and your request has {len(prompt)} input tokens{which} "
+                                    f"({max_tokens} > {limit} - {len(prompt)}); lower {field_name} to at most "
+                                    f"{limit - len(prompt)}, or shorten the {prompt_field}", field_name,
+                               "context_length_exceeded")
 
     def sampling_params(self, request: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                         renames: dict[str, str] | None = None) -> SamplingParams:
