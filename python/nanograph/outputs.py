@@ -28,6 +28,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"; None: running
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
 
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:

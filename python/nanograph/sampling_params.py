@@ -129,6 +129,9 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's: True asks for one
+                setattr(self, name, 1)
         if isinstance(self.seed, np.integer):
             self.seed = int(self.seed)
         if self.seed == -1:

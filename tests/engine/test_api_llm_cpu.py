@@ -4,6 +4,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from nanograph import LLM, SamplingParams
+from nanograph.outputs import CompletionOutput
 from nanograph.default_model import default_model_path
 from nanograph.engine.detokenizer import IncrementalDetokenizer
 from nanograph.engine.sequence import Sequence
@@ -24,15 +25,17 @@ def llm():
     return LLM(device="cpu", max_model_len=256, max_num_seqs=8)
 
 
-def feed(tokenizer, token_ids, params, prompt=(1, 2)):
-    """Deltas of each token, the stop string that ended the text (or None), and the final text."""
-    seq = Sequence("0", None, list(prompt), params, max_num_tokens=1 << 30)
+def feed(tokenizer, token_ids, params, prompt=(1, 2), stream=True, length_stop=False):
+    """Deltas of each token, the stop string that ended the text (or None), and the final text. stream=False reads
+    the text only at the end, as generate() does; length_stop: the last token ends the sequence by its length."""
+    seq = Sequence("0", None, list(prompt), params,
+                   max_num_tokens=len(prompt) + len(token_ids) if length_stop else 1 << 30)
     seq.detokenizer = detokenizer = IncrementalDetokenizer(tokenizer, list(prompt), params)
     deltas, stop, checker = [], None, StopChecker(set())
     for token_id in token_ids:
         seq.token_ids.append(token_id)
         finished = checker.check(seq)
-        deltas.append(detokenizer.take_new_text(finished=finished))
+        deltas.append(detokenizer.take_new_text(finished=finished) if stream else "")
         if finished:
             stop = seq.stop_reason
             break
@@ -54,6 +57,46 @@ def test_a_multi_byte_stop_string_spanning_tokens(tokenizer):
     assert stop == "界, 日" and text == "".join(deltas) == "Hello 😀 world 你好世"
     deltas, stop, text = feed(tokenizer, token_ids, SamplingParams(stop="😀", include_stop_str_in_output=True))
     assert text == "".join(deltas) == "Hello 😀"
+
+
+def test_a_stop_string_in_the_text_of_the_first_min_tokens_does_not_count(tokenizer):
+    """vLLM's rule, whether the text is read at every step (a stream) or only at the end (generate): a stop string
+    that ends within the text of the first min_tokens tokens does not stop the output, a later one does."""
+    token_ids = tokenizer.encode(" one two one two three")
+    min_tokens = len(tokenizer.encode(" one two"))  # the first " two" is within them
+    for stream in (True, False):
+        _, stop, text = feed(tokenizer, token_ids, SamplingParams(stop=["two"], min_tokens=min_tokens), stream=stream)
+        assert (stop, text) == ("two", " one two one "), stream
+        # A match may start in that text, but must end after it.
+        _, stop, text = feed(tokenizer, token_ids, SamplingParams(stop=["one two"], min_tokens=min_tokens + 1),
+                             stream=stream)
+        assert (stop, text) == ("one two", " one two "), stream
+        _, stop, text = feed(tokenizer, token_ids, SamplingParams(stop=["one two"], min_tokens=2 * min_tokens),
+                             stream=stream)
+        assert (stop, text) == (None, " one two one two three"), stream
+
+
+def test_a_character_split_between_prompt_and_completion_is_the_completions(tokenizer):
+    """A prompt that ends inside a character: the completion's text starts with the whole character; a completion
+    that ends inside one leaves it out (vLLM's rule: a partial character is never text)."""
+    token_ids = tokenizer.encode("語")  # three byte tokens
+    assert len(token_ids) > 1 and "\ufffd" in tokenizer.decode(token_ids[:-1])
+    prompt = tokenizer.encode("Hi") + token_ids[:-1]
+    for stream in (True, False):
+        completion = token_ids[-1:] + tokenizer.encode("!")
+        deltas, _, text = feed(tokenizer, completion, SamplingParams(), prompt, stream, length_stop=True)
+        assert text == "語!" and (not stream or "".join(deltas) == text)
+        completion = tokenizer.encode("ok") + token_ids[:-1]
+        deltas, _, text = feed(tokenizer, completion, SamplingParams(), (1, 2), stream, length_stop=True)
+        assert text == "ok" and (not stream or "".join(deltas) == text)
+
+
+def test_logprobs_true_asks_for_one_and_outputs_say_whether_they_finished(llm):
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
+    [out] = llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=True, temperature=0), use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.finished() and all(len(top) == 1 for top in completion.logprobs)  # greedy: the top one
+    assert not CompletionOutput(0, "", [], None, None).finished()
 
 
 def test_stream_matches_generate(llm):

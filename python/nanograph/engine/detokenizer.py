@@ -2,9 +2,9 @@
 
 Each token is decoded inside a short window of the tokens before it (starting in the prompt), because a token's
 text can depend on its neighbours (a leading space, a character split over several byte tokens). Text is only
-released once it no longer ends in "\\ufffd", i.e. never in the middle of a UTF-8 character. Without stop
-strings nothing needs the text token by token, so it is decoded only when read: one decode per read instead of one
-per token keeps detokenisation off the per-step path of large batches."""
+released once it no longer ends in "\\ufffd", i.e. never in the middle of a UTF-8 character (nor, at the end, a
+character left incomplete). Without stop strings nothing needs the text token by token, so it is decoded only when
+read: one decode per read instead of one per token keeps detokenisation off the per-step path of large batches."""
 from __future__ import annotations
 
 from ..sampling_params import SamplingParams
@@ -23,6 +23,11 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # the window: token_ids[prefix_offset:read_offset] is already text
         self.read_offset = len(self.token_ids)
+        # A prompt that ends inside a character leaves that character's first bytes pending: the completion's
+        # first tokens finish it, and its text starts with the whole character.
+        while self.read_offset and tokenizer.decode(self.token_ids[:self.read_offset],
+                                                    **self.decode_options).endswith("\ufffd"):
+            self.read_offset -= 1
         self._text = ""
         self.num_streamed_chars = 0
 
@@ -49,8 +54,9 @@ class IncrementalDetokenizer:
         self._text = self._text[:length]
 
     def flush(self):
-        """At the end of a sequence: release the text still held back, even an incomplete character."""
-        self._text += self._pending_text()
+        """At the end of a sequence: release the text still held back, but for a character left incomplete at its
+        end (vLLM's rule: a partial character is never text)."""
+        self._text += self._pending_text().rstrip("\ufffd")
         self.prefix_offset = self.read_offset = len(self.token_ids)
 
     def take_new_text(self, finished: bool) -> str:

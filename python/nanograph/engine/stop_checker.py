@@ -6,9 +6,10 @@ from .sequence import Sequence
 
 class StopChecker:
     """Applied to each sequence once its newest token is known, in vLLM's order: a stop token (EOS unless
-    ignore_eos, or one of stop_token_ids), then a stop string in the new text (once min_tokens are out), then the
-    length (max_tokens, or max_model_len). Sets seq.finish_reason and seq.stop_reason; the text of a stop token is
-    left out and the text after a stop string cut, unless include_stop_str_in_output. Aborts are the engine's."""
+    ignore_eos, or one of stop_token_ids), then a stop string ending in the new text (the text of the first
+    min_tokens tokens never counts), then the length (max_tokens, or max_model_len). Sets seq.finish_reason and
+    seq.stop_reason; the text of a stop token is left out and the text after a stop string cut, unless
+    include_stop_str_in_output. Aborts are the engine's."""
 
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
@@ -26,11 +27,16 @@ class StopChecker:
             return True
         if detokenizer is not None:
             detokenizer.append(token_id)
-            if params.stop and seq.num_completion_tokens > params.min_tokens:
-                stop_string = self._stop_string(detokenizer, params.stop, params.include_stop_str_in_output)
-                if stop_string is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop_string
-                    return True
+            if params.stop:
+                # Released at every token, so that the text of the first min_tokens tokens is never searched
+                # (vLLM's rule), however late it is read.
+                num_new_chars = detokenizer.release()
+                if seq.num_completion_tokens > params.min_tokens:
+                    stop_string = self._stop_string(detokenizer, num_new_chars, params.stop,
+                                                    params.include_stop_str_in_output)
+                    if stop_string is not None:
+                        seq.finish_reason, seq.stop_reason = "stop", stop_string
+                        return True
         if seq.reached_length:
             seq.finish_reason = "length"
             if detokenizer is not None:
@@ -39,10 +45,9 @@ class StopChecker:
         return False
 
     @staticmethod
-    def _stop_string(detokenizer, stops: list[str], include: bool) -> str | None:
-        """The stop string that ends within the newly released text, if any; the text is cut before it (after it,
-        if included)."""
-        num_new_chars = detokenizer.release()
+    def _stop_string(detokenizer, num_new_chars: int, stops: list[str], include: bool) -> str | None:
+        """The stop string that ends within the last num_new_chars characters of the text, if any; the text is cut
+        before it (after it, if included)."""
         if not num_new_chars:
             return None
         text = detokenizer.text
