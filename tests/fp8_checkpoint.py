@@ -1,7 +1,8 @@
 """make_fp8_checkpoint: a model folder converted to Hugging Face's fine-grained FP8 format, as transformers'
 FineGrainedFP8Config saves it: config.json's quantization_config, every linear's weight in float8_e4m3fn with a
 float32 `weight_scale_inv` per 128 x 128 block (the multiplier: w ≈ fp8 * scale_inv), the modules_to_not_convert
-left as they were. Written block by block with transformers' formula, independently of nanograph's quantizer."""
+left as they were. Written block by block with transformers' formula, independently of nanograph's quantizer.
+make_per_tensor_fp8_checkpoint: vLLM's per-tensor FP8 format (AutoFP8's), one float32 `weight_scale` per linear."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,38 @@ def make_fp8_checkpoint(src_folder, dst_folder, modules_to_not_convert=("lm_head
                 if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS and \
                         module not in modules_to_not_convert:
                     tensors[name], tensors[module + ".weight_scale_inv"] = quantize_blocks(tensor)
+                else:
+                    tensors[name] = tensor
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def make_per_tensor_fp8_checkpoint(src_folder, dst_folder, activation_scheme: str = "static") -> Path:
+    """Copies src_folder's files to dst_folder in vLLM's per-tensor FP8 format: quantization_config without
+    weight_block_size (lm_head in ignored_layers), each layer's linear in float8_e4m3fn with a scalar float32
+    `weight_scale` (w ≈ fp8 * weight_scale) and, for activation_scheme "static", a scalar `input_scale`."""
+    src, dst = Path(src_folder), Path(dst_folder)
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
+            shutil.copy(path, dst / path.name)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": activation_scheme,
+                                     "ignored_layers": ["lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {}
+    for path in sorted(src.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                module = name.removesuffix(".weight")
+                if name.endswith(".weight") and module.startswith("model.layers.") and \
+                        module.rsplit(".", 1)[-1] in LINEARS:
+                    scale = tensor.float().abs().max() / FP8_MAX
+                    tensors[name] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                    tensors[module + ".weight_scale"] = scale.reshape(())
+                    if activation_scheme == "static":
+                        tensors[module + ".input_scale"] = torch.tensor(0.05)
                 else:
                     tensors[name] = tensor
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})

@@ -99,7 +99,9 @@ def _check_supported_options(hf: PretrainedConfig, architecture: str) -> None:
 
 def _quantization(config: dict | None) -> str | None:
     """config.json's quantization_config: Hugging Face's fine-grained FP8 (quant_method "fp8", e4m3 weights with a
-    float32 weight_scale_inv per 128 x 128 block, activations quantized dynamically), or none."""
+    float32 weight_scale_inv per 128 x 128 block), vLLM's per-tensor FP8 (no weight_block_size, a float32
+    weight_scale per tensor; models/weights.py spreads it over the tensor's blocks), or none. Activations are
+    quantized dynamically: a checkpoint with activation_scheme "static" loads, its input scales unread."""
     if config is None:
         return None
     method = config.get("quant_method")
@@ -113,11 +115,11 @@ def _quantization(config: dict | None) -> str | None:
         raise ValueError(f"config.json's quantization_config has weight_block_size {block_size}; nanograph's FP8 "
                          f"weights have one scale per [128, 128] block: use a checkpoint quantized with "
                          f"weight_block_size [128, 128], or the unquantized model with quantization='fp8'")
-    if config.get("activation_scheme", "dynamic") != "dynamic":
+    if config.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
         raise ValueError(f"config.json's quantization_config has activation_scheme "
-                         f"{config['activation_scheme']!r}; nanograph runs FP8 weights with activation_scheme "
-                         f"'dynamic' only (no static activation scales): use a dynamic checkpoint, or the "
-                         f"unquantized model with quantization='fp8'")
+                         f"{config['activation_scheme']!r}; nanograph runs FP8 checkpoints of activation_scheme "
+                         f"'dynamic' or 'static' (whose activations it also quantizes dynamically): use such a "
+                         f"checkpoint, or the unquantized model with quantization='fp8'")
     if config.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"config.json's quantization_config has fmt {config['fmt']!r}; nanograph's FP8 weights are "
                          f"e4m3 (float8_e4m3fn): use an e4m3 checkpoint")
@@ -136,11 +138,16 @@ def rope_type(hf: PretrainedConfig) -> str:
 
 def _max_context(hf: PretrainedConfig) -> int:
     """YaRN stretches the original context by its factor (Qwen2.5's and Qwen3's long-context recipe keeps
-    max_position_embeddings at the original length); every other rope type serves max_position_embeddings."""
+    max_position_embeddings at the original length), and linear scaling, which divides every position by its
+    factor, stretches max_position_embeddings (as vLLM serves both). Every other rope type serves
+    max_position_embeddings: dynamic NTK scaling changes its frequencies with the length past it, and nanograph
+    keeps one table."""
     params = rope_parameters(hf)
     if rope_type(hf) == "yarn" and params.get("factor"):
         original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
         return max(hf.max_position_embeddings, int(original * params["factor"]))
+    if rope_type(hf) == "linear" and params.get("factor", 1) > 1:
+        return int(hf.max_position_embeddings * params["factor"])
     return hf.max_position_embeddings
 
 
@@ -153,6 +160,9 @@ def _eos_token_ids(hf: PretrainedConfig, path: Path) -> list[int]:
     ids = [hf.eos_token_id]
     generation_config = path / "generation_config.json"
     if generation_config.is_file():
-        ids.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        try:
+            ids.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+        except (ValueError, AttributeError) as exc:
+            raise ValueError(f"{generation_config} is not a JSON object ({exc}); fix or remove the file") from None
     flat = [i for item in ids for i in (item if isinstance(item, list) else [item]) if i is not None]
     return list(dict.fromkeys(flat))

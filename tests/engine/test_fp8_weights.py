@@ -19,7 +19,7 @@ from nanograph.models import load_weights
 from nanograph.models.fp8 import (BLOCK_SIZE, FP8_DTYPE, PACKED_SCALE_ROWS, dequantize_fp8, expand_block_scales,
                                   quantize_fp8)
 
-from ..fp8_checkpoint import make_fp8_checkpoint
+from ..fp8_checkpoint import make_fp8_checkpoint, make_per_tensor_fp8_checkpoint
 from .test_torch_backend import forward_batch, hf_logits
 from .tiny_models import _save_random_model
 
@@ -176,6 +176,49 @@ def test_pieces_left_unquantized_are_quantized_at_load(odd_folder, tmp_path):
                                                           BLOCK_SIZE))
 
 
+@pytest.mark.parametrize("activation_scheme", ["static", "dynamic"])
+def test_a_per_tensor_fp8_checkpoint_runs_as_its_dequantized_weights(odd_folder, tmp_path, activation_scheme):
+    """vLLM's per-tensor FP8 format (no weight_block_size; a weight_scale per linear; a static checkpoint's input
+    scales unread): each piece's scale in every block of its rows, and the torch backend's logits those of the
+    float model that holds the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_per_tensor_fp8_checkpoint(odd_folder, tmp_path / "fp8", activation_scheme)
+    stored = checkpoint_tensors(folder)
+    mc = ModelConfig.from_pretrained(folder)
+    assert mc.quantization == "fp8"
+    weights = load_weights(folder, mc, torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(odd_folder, dtype=torch.float32).eval()
+    for i in range(mc.num_layers):
+        for name, pieces in LINEAR_PIECES.items():
+            modules = [f"model.layers.{i}.{piece}" for piece in pieces]
+            packed, scales = weights[f"layers.{i}.{name}"], weights[f"layers.{i}.{name}_scale"]
+            assert torch.equal(packed.view(torch.uint8),
+                               torch.cat([stored[m + ".weight"] for m in modules]).view(torch.uint8))
+            assert torch.equal(scales, torch.cat([stored[m + ".weight_scale"].expand(
+                -(-stored[m + ".weight"].shape[0] // 8), -(-packed.shape[1] // 128)) for m in modules]))
+            for m in modules:
+                with torch.no_grad():
+                    hf.get_submodule(m).weight.copy_(stored[m + ".weight"].float() * stored[m + ".weight_scale"])
+    assert torch.equal(weights["lm_head"], stored["lm_head.weight"])  # in ignored_layers
+    runner = TorchRunner(mc, block_size=4, num_kv_blocks=64, max_model_len=128)
+    prompt = np.random.default_rng(1).integers(0, 256, 19).tolist()
+    logits = runner.run(forward_batch([(list(range(5)), 0, prompt)]))
+    torch.testing.assert_close(logits[0], hf_logits(hf, prompt)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_per_channel_fp8_scale_is_a_value_error(odd_folder, tmp_path):
+    folder = make_per_tensor_fp8_checkpoint(odd_folder, tmp_path / "fp8", "dynamic")
+    from safetensors.torch import save_file
+    tensors = checkpoint_tensors(folder)
+    name = "model.layers.0.mlp.down_proj"
+    tensors[name + ".weight_scale"] = tensors[name + ".weight_scale"].expand(200).contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{name}.weight_scale in .* holds 200 scales; nanograph reads FP8 weights "
+                                         "with one scale per tensor"):
+        load_weights(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+
+
 def test_quantization_fp8_quantizes_a_float_checkpoint_at_load(odd_folder):
     mc = ModelConfig.from_pretrained(odd_folder)
     assert mc.quantization is None
@@ -243,8 +286,8 @@ def test_smollm2_in_fp8_knows_the_capital_of_france(smollm2_fp8, source):
     ({"quant_method": "gptq"}, "quantization_config has quant_method 'gptq', which nanograph does not run; it loads "
                                "['fp8'] checkpoints"),
     ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors', which nanograph does not run"),
-    ({"activation_scheme": "static"}, "quantization_config has activation_scheme 'static'; nanograph runs FP8 "
-                                      "weights with activation_scheme 'dynamic' only"),
+    ({"activation_scheme": "tensorwise"}, "quantization_config has activation_scheme 'tensorwise'; nanograph runs "
+                                          "FP8 checkpoints of activation_scheme 'dynamic' or 'static'"),
     ({"weight_block_size": [64, 64]}, "quantization_config has weight_block_size [64, 64]; nanograph's FP8 weights "
                                       "have one scale per [128, 128] block"),
     ({"weight_block_size": None}, "weight_block_size None"),
@@ -282,7 +325,7 @@ def test_an_fp8_tensor_without_its_block_scales_is_a_value_error_naming_them(odd
     save_file({name: t for name, t in checkpoint_tensors(odd_fp8_folder).items() if name != missing},
               str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"model.layers.1.mlp.down_proj.weight in FP8 without its block scales "
-                                         f"{missing}"):
+                                         f"{missing} \\(or a per-tensor model.layers.1.mlp.down_proj.weight_scale\\)"):
         load_weights(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
 
 

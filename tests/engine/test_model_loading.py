@@ -91,6 +91,36 @@ def test_eos_token_ids_merge_generation_config(tmp_path):
     assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == [7, 9]
 
 
+def test_a_malformed_generation_config_is_named(tmp_path):
+    make_tiny_model(tmp_path, "qwen2-tied")
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"generation_config.json is not a JSON object .*fix or remove the file"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_linear_rope_scaling_stretches_the_context_and_matches_hf_past_it(tmp_path):
+    """Linear scaling divides every position by its factor: the model serves max_position_embeddings x factor
+    positions (as vLLM), and past max_position_embeddings its logprobs are transformers'. Dynamic NTK scaling keeps
+    max_position_embeddings (its frequencies change with the length past it)."""
+    from nanograph import LLM, SamplingParams
+
+    linear = {"max_position_embeddings": 64, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    hf = make_tiny_model(tmp_path / "linear", "llama3-untied", config_overrides=linear)
+    assert ModelConfig.from_pretrained(tmp_path / "linear").max_context == 256
+    make_tiny_model(tmp_path / "dynamic", "llama3-untied", config_overrides={
+        "max_position_embeddings": 64, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})
+    assert ModelConfig.from_pretrained(tmp_path / "dynamic").max_context == 64
+
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(str(tmp_path / "linear"), device="cpu", max_model_len=256, max_num_seqs=1, max_logprobs=-1)
+    [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=-1),
+                         use_tqdm=False)
+    got = torch.tensor([[entry[token].logprob for token in range(256)] for entry in out.prompt_logprobs[1:]])
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_folder_without_config_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         ModelConfig.from_pretrained(tmp_path)

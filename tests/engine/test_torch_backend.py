@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import nanograph
-from nanograph.backends import make_runner
+from nanograph.backends import make_runner, resolve_dtype
 from nanograph.backends.torch_backend import TorchRunner
 from nanograph.config import Config
 from nanograph.engine.batch import ForwardBatch
@@ -118,6 +118,16 @@ def test_make_runner_cpu_and_auto(pair):
         assert runner.num_kv_blocks == 3 * 64 // config.block_size
     runner = make_runner(Config(model=mc.path, device="torch:cpu", dtype="bfloat16", num_kv_blocks=5), mc)
     assert runner.num_kv_blocks == 5 and runner.k_caches[0].dtype == torch.bfloat16
+
+
+def test_dtype_names_are_vllms(tmp_path):
+    make_tiny_model(tmp_path, "qwen2-tied")
+    mc, cpu = ModelConfig.from_pretrained(tmp_path), torch.device("cpu")
+    names = {"float": torch.float32, "float32": torch.float32, "half": torch.float16, "float16": torch.float16,
+             "bfloat16": torch.bfloat16, "auto": torch.float32}
+    assert {name: resolve_dtype(name, mc, cpu) for name in names} == names
+    with pytest.raises(ValueError, match="unknown dtype 'double'; use auto, float32"):
+        resolve_dtype("double", mc, cpu)
 
 
 def test_make_runner_rejects_unknown_device(pair):

@@ -68,15 +68,30 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                                      f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
                 tensor = view[index[0]] if index else file_of[name].get_tensor(name)
-                scale_name = name + "_scale_inv"
                 is_fp8 = tensor.dtype == FP8_DTYPE
-                if is_fp8 and scale_name not in file_of:
-                    raise ValueError(f"checkpoint in {str(path)!r} holds {name} in FP8 without its block scales "
-                                     f"{scale_name}; save the checkpoint with its weight_scale_inv tensors")
                 if is_fp8 and index:
                     raise ValueError(f"{name} is FP8, whose 128-column blocks a tensor-parallel rank's part would "
                                      f"split; use tensor_parallel_size=1")
-                yield tensor.to(device), file_of[scale_name].get_tensor(scale_name).to(device) if is_fp8 else None
+                yield tensor.to(device), checkpoint_scales(name, tensor.shape).to(device) if is_fp8 else None
+
+        def checkpoint_scales(name: str, shape: torch.Size) -> torch.Tensor:
+            """An FP8 tensor's multipliers per 128 x 128 block: its weight_scale_inv (one per block, Hugging Face's
+            fine-grained format), or its weight_scale (one for the whole tensor, vLLM's per-tensor format) in every
+            block."""
+            if name + "_scale_inv" in file_of:
+                return file_of[name + "_scale_inv"].get_tensor(name + "_scale_inv")
+            if name + "_scale" not in file_of:
+                raise ValueError(f"checkpoint in {str(path)!r} holds {name} in FP8 without its block scales "
+                                 f"{name}_scale_inv (or a per-tensor {name}_scale); save the checkpoint with its "
+                                 f"scales")
+            scale = file_of[name + "_scale"].get_tensor(name + "_scale")
+            if scale.numel() != 1:
+                raise ValueError(f"{name}_scale in {str(path)!r} holds {scale.numel()} scales; nanograph reads FP8 "
+                                 f"weights with one scale per tensor ({name}_scale) or per 128 x 128 block "
+                                 f"({name}_scale_inv): use such a checkpoint, or the unquantized model with "
+                                 f"quantization='fp8'")
+            blocks = (-(-shape[0] // BLOCK_SIZE), -(-shape[1] // BLOCK_SIZE))
+            return scale.float().reshape(1, 1).expand(blocks).contiguous()
 
         def get(*parts: tuple) -> torch.Tensor:
             """The named tensors concatenated in dtype (an FP8 one dequantized)."""
@@ -86,7 +101,8 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
 
         def linear(name: str, *parts: tuple) -> dict[str, torch.Tensor]:
             """weights[name], the pieces concatenated along rows, and for an FP8 model its packed scales."""
-            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, *_ in parts):
+            if not fp8_model and not any(piece + suffix in file_of for piece, *_ in parts
+                                         for suffix in ("_scale_inv", "_scale")):
                 return {name: get(*parts)}
             split = [shape[0] for _, shape, *_ in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
             if split:
