@@ -24,6 +24,13 @@ ENGINE_OPTIONS = {
                             "scale per layer, twice the tokens of bf16"),
     "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
                                   "or torch:<torch device>)"),
+    "max_num_batched_tokens": (int, "tokens in one step at most (a longer prompt is prefilled in chunks)"),
+    "max_logprobs": (int, "the most top logprobs a request may ask for; -1: no limit"),
+    "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
+    "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),
+    "download_dir": (str, "the Hub cache to download into (default: $HF_HUB_CACHE)"),
+    "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "
+                               "none; or a folder holding a generation_config.json"),
 }
 
 
@@ -41,14 +48,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                             help=f"{help_text} (default: {default})")
     parser.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,
                         help="run decode without CUDA graphs")
+    parser.add_argument("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
+                        help="let the tokenizer run code from its folder")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                         help=f"reuse the KV blocks of shared prompt prefixes (default: {Config.enable_prefix_caching})")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The Config fields given on the command line."""
-    return {field: getattr(args, field) for field in (*ENGINE_OPTIONS, "enforce_eager", "enable_prefix_caching")
-            if hasattr(args, field)}
+    return {field: getattr(args, field) for field in (*ENGINE_OPTIONS, "enforce_eager", "enable_prefix_caching",
+                                                      "trust_remote_code") if hasattr(args, field)}
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser):

@@ -56,16 +56,19 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
-        in input order."""
+        in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters)."""
+        _check_no_lora(lora_request)
         return self.engine.generate(*self._requests(prompts, sampling_params), use_tqdm)
 
     def stream(self, prompts: Prompt | list[Prompt],
-               sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[CompletionDelta]:
+               sampling_params: SamplingParams | list[SamplingParams] | None = None,
+               lora_request=None) -> Iterator[CompletionDelta]:
         """Like generate(), but yields each step's new text and token ids of every completion as they come; the
         texts of one completion's deltas concatenate to its final text (SamplingParams.output_kind: CUMULATIVE
         yields all so far each time, FINAL_ONLY only the finished completion)."""
+        _check_no_lora(lora_request)
         return self.engine.stream(*self._requests(prompts, sampling_params))
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
@@ -77,13 +80,14 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them; a content is a string
         or a list of OpenAI-style text parts ({"type": "text", "text": ...}). As in vLLM: chat_template replaces the
         tokenizer's; add_generation_prompt opens the assistant's turn; continue_final_message (with
         add_generation_prompt=False) leaves the last message open for the model to continue; tools and
         chat_template_kwargs (e.g. Qwen3's enable_thinking=False) go to the template. Each output's prompt is the
         rendered text."""
+        _check_no_lora(lora_request)
         if self.tokenizer is None:
             raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
                              "files, or call generate() with token-id prompts")
@@ -99,6 +103,12 @@ class LLM:
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:
         return _requests(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params)
+
+
+def _check_no_lora(lora_request):
+    if lora_request is not None:
+        raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None (or merge the "
+                         "adapter into the model's weights)")
 
 
 def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams]

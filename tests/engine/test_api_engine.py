@@ -210,3 +210,20 @@ def test_aborting_a_streamed_request_ends_it_with_an_abort_delta():
             other = (str(int(deltas[0].request_id) + 1), 0)
             assert token_ids[other] == reference_completion([2, 7], 8) and finishes[other] == 1
         assert not engine.has_unfinished() and engine.scheduler.block_manager.num_free_blocks == 64
+
+
+def test_vllms_engine_loop_runs_as_written():
+    """vLLM's LLMEngine loop: add_request(request_id, prompt, params), has_unfinished_requests(), step(), and
+    abort_request with a list of ids (aborted requests end without an output, as vLLM's)."""
+    engine = fake_engine()
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request("b", PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request(request_id="c", prompt=PROMPT, params=SamplingParams(temperature=0, max_tokens=50))
+    engine.abort_request(["b", "c", "unknown"])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert list(finished) == ["a"] and finished["a"].outputs[0].token_ids == reference_completion(PROMPT, 4)
+    assert engine.get_tokenizer() is engine.tokenizer
+    assert engine.scheduler.block_manager.num_free_blocks == 64  # the fake engine's

@@ -113,8 +113,27 @@ def test_skip_tokenizer_init_takes_token_ids_and_gives_no_text(folder, reference
     assert llm.get_tokenizer() is None
     out = llm.generate([reference.prompt_token_ids], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference.outputs[0].token_ids and out.outputs[0].text == ""
-    with pytest.raises(ValueError, match="has no tokenizer; pass prompts as token-id lists"):
+    with pytest.raises(ValueError, match=r"has no tokenizer \(the model folder has none, or skip_tokenizer_init is "
+                                         r"set\); pass prompts as token-id lists"):
         llm.generate(PROMPT, GREEDY, use_tqdm=False)
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_refused(folder, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=f"tokenizer='{tmp_path / 'empty'}': .* holds no tokenizer"):
+        LLM(str(folder), tokenizer=str(tmp_path / "empty"), **ENGINE)
+
+
+def test_lora_request_none_is_taken_and_an_adapter_refused(folder, reference):
+    llm = LLM(str(folder), **ENGINE)
+    out = llm.generate(PROMPT, GREEDY, use_tqdm=False, lora_request=None)[0]
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    chat = [{"role": "user", "content": "Hi"}]
+    assert llm.chat(chat, GREEDY, use_tqdm=False, lora_request=None)[0].outputs[0].token_ids
+    for call in (lambda: llm.generate(PROMPT, GREEDY, lora_request=object()),
+                 lambda: llm.chat(chat, GREEDY, lora_request=object())):
+        with pytest.raises(ValueError, match="lora_request: nanograph runs no LoRA adapters"):
+            call()
 
 
 def write_generation_config(folder, **fields):

@@ -15,7 +15,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol",
+    yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol", "smol-alias",
                              "--allowed-origins", '["http://page.test"]', "--trust-request-chat-template")
 
 
@@ -55,8 +55,12 @@ def test_every_v1_route_needs_the_key(server):
 
 
 def test_models_version_tokenize_detokenize(server, client, tokenizer):
-    [card] = client.models.list().data
-    assert card.id == "smol" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    cards = client.models.list().data
+    assert [card.id for card in cards] == ["smol", "smol-alias"]
+    assert all(card.model_extra["max_model_len"] == MAX_MODEL_LEN for card in cards)
+    # Either name serves; a response names the model as the request did.
+    reply = client.completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
+    assert reply.model == "smol-alias" and reply.usage.completion_tokens == 2
     assert httpx.get(server.base_url + "/version").json() == {"version": nanograph.__version__}
     text = "Hello 😀 world"
     tokens = post(server, "/tokenize", {"prompt": text}).json()

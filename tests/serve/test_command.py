@@ -61,3 +61,62 @@ def test_cors_flags_take_json_lists_of_strings(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--allowed-origins", bad])
         assert "argument --allowed-origins" in capsys.readouterr().err
+
+
+def test_vllms_engine_flags_reach_the_config():
+    from nanograph.cli import build_parser
+    from nanograph.cli_options import engine_kwargs
+
+    args = build_parser().parse_args([
+        "serve", "--model", "MODEL", "--max-num-batched-tokens", "512", "--max-logprobs", "5", "--tokenizer", "TOK",
+        "--revision", "v1", "--download-dir", "/hub", "--generation-config", "vllm", "--trust-remote-code",
+        "--served-model-name", "a", "b", "--uvicorn-log-level", "warning"])
+    assert engine_kwargs(args) == {"max_num_batched_tokens": 512, "max_logprobs": 5, "tokenizer": "TOK",
+                                   "revision": "v1", "download_dir": "/hub", "generation_config": "vllm",
+                                   "trust_remote_code": True}
+    assert (args.model, args.model_option, args.served_model_name, args.uvicorn_log_level) == \
+        (None, "MODEL", ["a", "b"], "warning")
+
+
+def test_two_different_models_are_one_error_line():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "ONE", "--model", "TWO", "--device", "cpu"])
+    assert str(exit_info.value) == "nanograph serve: two models given, 'ONE' and --model 'TWO'; give one"
+
+
+def test_the_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    from nanograph.serve.command import read_chat_template
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    (tmp_path / "template.jinja").write_text(template)
+    assert read_chat_template(str(tmp_path / "template.jinja")) == template
+    assert read_chat_template(template) == template and read_chat_template(None) is None
+    with pytest.raises(SystemExit, match="--chat-template 'no/such/file.jinja' is not a file, nor a template"):
+        read_chat_template("no/such/file.jinja")
+
+
+def test_the_servers_chat_template_renders_requests_that_bring_none():
+    """--chat-template replaces the tokenizer's for every request; a request's own still needs
+    --trust-request-chat-template."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from nanograph.default_model import default_model_path
+    from nanograph.serve.errors import APIError
+    from nanograph.serve.protocol import ChatCompletionRequest
+    from nanograph.serve.serving import ServedModel
+
+    info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    served = ServedModel(SimpleNamespace(info=info), ["smol", "alias"], tokenizer, chat_template=template)
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert served.render_chat_now(request.messages, request) == tokenizer.encode("[user] hi\n", add_special_tokens=False)
+    served.check_model("alias")
+    with pytest.raises(APIError, match="this server serves `smol`, `alias`"):
+        served.check_model("other")
+    own = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                "chat_template": "{{ messages[0].content }}"})
+    with pytest.raises(APIError, match="needs a server started with --trust-request-chat-template"):
+        served.render_chat_now(own.messages, own)

@@ -46,6 +46,9 @@ def test_the_names_are_vllms(server):
                  "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count"):
         assert f"nanograph:{name}" in names
+    # Every finish reason has its series from the start, as vLLM's.
+    reasons = {reason for name, reason in scrape(server) if name == "nanograph:request_success_total"}
+    assert reasons >= {"stop", "length", "abort", "error"}
 
 
 def test_counts_are_exact_after_ten_requests_of_ten_tokens(server, client, model, tokenizer):

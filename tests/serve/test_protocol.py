@@ -9,6 +9,8 @@ def test_the_models_generation_config_defaults_fill_what_a_request_leaves_out():
     params = request.sampling_params(None, None, defaults)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.5, 20, 300)
     assert request.sampling_params(7, None, defaults).max_tokens == 7
+    # max_new_tokens caps a larger request, as vLLM's server does.
+    assert request.sampling_params(1000, None, defaults).max_tokens == 300
     assert request.sampling_params(None, None).temperature == 1.0
 
 

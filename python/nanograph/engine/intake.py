@@ -194,7 +194,8 @@ class Intake:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model folder has no tokenizer; pass prompts as token-id lists")
+            raise ValueError("this engine has no tokenizer (the model folder has none, or skip_tokenizer_init is "
+                             "set); pass prompts as token-id lists")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from itertools import count
 from pathlib import Path
@@ -89,7 +89,8 @@ class LLMEngine:
         tokenizer_path = model if config.tokenizer is None else \
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model)
-        tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(tokenizer_path, config.trust_remote_code)
+        tokenizer = None if config.skip_tokenizer_init else \
+            _load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         if isinstance(eos, int) and 0 <= eos < model_config.vocab_size and eos not in model_config.eos_token_ids:
             # The tokenizer's end-of-text token ends a completion too, as in vLLM: a fine-tune often sets it
@@ -129,7 +130,11 @@ class LLMEngine:
                     stream: bool = False) -> str:
         """Queue one request and return its id (request_id, or a new one); step() returns its output once it has
         finished. stream: take_deltas() also reports what each step adds to it. An invalid request raises
-        (ValueError, TypeError) and changes nothing."""
+        (ValueError, TypeError) and changes nothing. vLLM's order, add_request(request_id, prompt, params), is taken
+        too."""
+        if isinstance(request_id, SamplingParams) and isinstance(prompt, str) and not isinstance(params,
+                                                                                               SamplingParams):
+            prompt, params, request_id = params, request_id, prompt
         with self._lock:
             if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
                                            or request_id in self._streamed):
@@ -141,19 +146,25 @@ class LLMEngine:
                 self._streamed[request_id] = self.requests[request_id]
             return request_id
 
-    def abort_request(self, request_id: str):
-        """End an unfinished request wherever its sequences are; they finish with reason "abort" and their blocks
-        are free at once. Ids of finished or unknown requests are ignored, as a request may finish while its abort
-        is on its way."""
+    def abort_request(self, request_id: str | Iterable[str]):
+        """End an unfinished request (or each of a list of them, as vLLM takes) wherever its sequences are; they
+        finish with reason "abort" and their blocks are free at once. Ids of finished or unknown requests are
+        ignored, as a request may finish while its abort is on its way."""
         with self._lock:
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._end(request)
+            for one in [request_id] if isinstance(request_id, str) else request_id:
+                request = self.requests.get(one)
+                if request is not None:
+                    self._end(request)
 
     def has_unfinished(self) -> bool:
         with self._lock:
             # A sequence stays running or waiting until the token that ends it has been read.
             return self.scheduler.has_unfinished()
+
+    has_unfinished_requests = has_unfinished  # vLLM's name
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def step(self) -> list[RequestOutput]:
         """Run one step: queue a batch, and apply the tokens of the one before. Returns the requests queued with
@@ -527,9 +538,13 @@ def _generation_config_folder(config: Config) -> str | None:
     return config.generation_config
 
 
-def _load_tokenizer(folder: str, trust_remote_code: bool):
-    """The folder's tokenizer, or None for a folder without one (prompts must then be token ids)."""
+def _load_tokenizer(folder: str, trust_remote_code: bool, given: str | None = None):
+    """The folder's tokenizer, or None for a model folder without one (prompts must then be token ids). given: the
+    tokenizer argument, whose folder must hold one."""
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any((Path(folder) / name).is_file() for name in files):
+        if given is not None:
+            raise ValueError(f"tokenizer={given!r}: {folder} holds no tokenizer ({', '.join(files)}); give a "
+                             "tokenizer folder or Hub id, or leave tokenizer unset for the model's")
         return None
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)

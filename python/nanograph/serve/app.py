@@ -49,7 +49,8 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
 
     @v1.get("/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served.name, root=served.path, max_model_len=served.max_model_len)])
+        return ModelList(data=[ModelCard(id=name, root=served.path, max_model_len=served.max_model_len)
+                               for name in served.names])
 
     @v1.post("/completions")
     async def completions(request: Request):

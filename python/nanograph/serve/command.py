@@ -18,12 +18,19 @@ INSTALL_HINT = "pip install 'nanograph[serve]'"
 
 def add_arguments(parser: argparse.ArgumentParser):
     add_engine_arguments(parser, model_positional=True)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the model, as the positional MODEL")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s, this "
+                        "machine only; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", help="the name clients use (default: MODEL as given, or the default "
-                        "model's name)")
-    parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY"),
-                        help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY)")
+    parser.add_argument("--served-model-name", nargs="+", help="the names clients may use, the first in responses "
+                        "(default: MODEL as given, or the default model's name)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY, "
+                        "else $VLLM_API_KEY)")
+    parser.add_argument("--chat-template", help="the chat template for requests that bring none: a Jinja file, or "
+                        "the template itself (default: the tokenizer's)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
     # CORS, as vLLM's flags: which web pages a browser lets call the server.
     parser.add_argument("--allowed-origins", type=json_str_list, default=["*"],
@@ -35,6 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat_template (Jinja run on the server)")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template given inline (vLLM's rule: text that is no file but holds
+    Jinja's braces or a newline)."""
+    if value is None or os.path.isfile(value):
+        return value if value is None else open(value, encoding="utf-8").read()
+    if not any(char in value for char in "{}\n"):
+        raise SystemExit(f"nanograph serve: --chat-template {value!r} is not a file, nor a template (no Jinja "
+                         "braces): give the path of a Jinja file or the template's text")
+    return value
 
 
 def json_str_list(text: str) -> list[str]:
@@ -65,8 +83,14 @@ def serve(args: argparse.Namespace):
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logger = logging.getLogger("nanograph.serve")
-    config = Config(model=args.model, **engine_kwargs(args))
-    name = args.served_model_name or args.model or MODEL_NAME
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        raise SystemExit(f"nanograph serve: two models given, {args.model!r} and --model {args.model_option!r}; "
+                         "give one")
+    model = args.model or args.model_option
+    chat_template = read_chat_template(args.chat_template)
+    config = Config(model=model, **engine_kwargs(args))
+    names = args.served_model_name or [model or MODEL_NAME]
+    name = names[0]
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name), args.log_interval)
     try:
         info = async_llm.start()
@@ -75,7 +99,8 @@ def serve(args: argparse.Namespace):
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
-    served = ServedModel(async_llm, name, trust_request_chat_template=args.trust_request_chat_template)
+    served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
+                         chat_template=chat_template)
     app = build_app(served, args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
@@ -83,6 +108,7 @@ def serve(args: argparse.Namespace):
     logger.info("listening on http://%s:%d%s", args.host, args.port, " (API key required on /v1)" if args.api_key
                 else "")
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                         log_level=args.uvicorn_log_level,
                                          timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm)
     server.run()
 

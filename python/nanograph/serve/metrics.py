@@ -18,6 +18,7 @@ PREFIX = "nanograph:"
 # Seconds, in a 1-2.5-5 series over the range each latency spans, from a fast GPU to a loaded CPU.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # request_success's finished_reason values
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
 
 
@@ -50,6 +51,8 @@ class ServerMetrics:
         self.generation_tokens = labelled(Counter, "generation_tokens", "Tokens generated.")
         self.request_success = Counter(PREFIX + "request_success", "Completions finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # at 0 from the start, as vLLM's, so that a rate() has a series to read
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
         self.time_to_first_token = labelled(Histogram, "time_to_first_token_seconds",
                                             "Seconds from a request's arrival to its first token.",
                                             buckets=TTFT_BUCKETS)

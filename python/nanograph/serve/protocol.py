@@ -119,12 +119,13 @@ class SamplingRequest(Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
                         ) -> SamplingParams:
         """The request's SamplingParams; the fields it left out (or null) take the model's defaults (its
-        generation_config.json's, as vLLM's server does; max_tokens only when the request's is null), then
+        generation_config.json's, as vLLM's server does; its max_new_tokens caps max_tokens, as vLLM's does), then
         SamplingParams' own. Raises SamplingParams' ValueError on an invalid value."""
         defaults = dict(defaults or {})
         default_max_tokens = defaults.pop("max_tokens", None)
         given = {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, logprobs=logprobs,
+        max_tokens = min((value for value in (max_tokens, default_max_tokens) if value is not None), default=None)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=self._grammar(), **{**defaults, **given})
 
     def grammar_renames(self) -> dict[str, str]:

@@ -29,11 +29,15 @@ class Completion:
 
 
 class ServedModel:
-    def __init__(self, async_llm: AsyncLLM, name: str, tokenizer=None, trust_request_chat_template: bool = False):
-        """tokenizer: the frontend's (None: a new instance from the model folder)."""
+    def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
+                 trust_request_chat_template: bool = False, chat_template: str | None = None):
+        """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
+        instance from the model folder); chat_template: the server's in place of the tokenizer's."""
         self.async_llm = async_llm
         self.trust_request_chat_template = trust_request_chat_template
-        self.name = name
+        self.chat_template = chat_template
+        self.names = [names] if isinstance(names, str) else list(names)
+        self.name = self.names[0]
         self.path = async_llm.info.model
         self.max_model_len = async_llm.info.max_model_len
         self.sampling_defaults = async_llm.info.sampling_defaults
@@ -41,9 +45,9 @@ class ServedModel:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     def check_model(self, model: str | None):
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`", "model",
-                           "model_not_found")
+        if model is not None and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"{', '.join(f'`{name}`' for name in self.names)}", "model", "model_not_found")
 
     async def tokenized(self, function, *args, **kwargs):
         """function(*args, **kwargs) on the tokenizer's thread: a long prompt's encoding or chat rendering (seconds
@@ -72,7 +76,8 @@ class ServedModel:
         try:
             return chat_prompt_token_ids(self.tokenizer, [message.model_dump() for message in messages],
                                          chat_template_kwargs=request.chat_template_kwargs,
-                                         chat_template=request.chat_template,
+                                         chat_template=request.chat_template if request.chat_template is not None
+                                         else self.chat_template,
                                          add_generation_prompt=request.add_generation_prompt,
                                          continue_final_message=request.continue_final_message, tools=request.tools)
         except ChatOptionError as exc:
