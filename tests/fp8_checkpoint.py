@@ -38,43 +38,45 @@ def make_fp8_checkpoint(src_folder, dst_folder, modules_to_not_convert=("lm_head
     """Copies src_folder's files to dst_folder with its linears (model.layers.*.{q,k,v,o,gate,up,down}_proj and an
     untied lm_head) in FP8, except the modules named in modules_to_not_convert (e.g.
     "model.layers.0.self_attn.k_proj")."""
-    src, dst = Path(src_folder), Path(dst_folder)
-    dst.mkdir(parents=True, exist_ok=True)
-    for path in src.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
-            shutil.copy(path, dst / path.name)
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK],
-                                     "modules_to_not_convert": list(modules_to_not_convert)}
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {}
-    for path in sorted(src.glob("*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                module = name.removesuffix(".weight")
-                if name.endswith(".weight") and module.rsplit(".", 1)[-1] in LINEARS and \
-                        module not in modules_to_not_convert:
-                    tensors[name], tensors[module + ".weight_scale_inv"] = quantize_blocks(tensor)
-                else:
-                    tensors[name] = tensor
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
+    def quantize(module: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if module in modules_to_not_convert:
+            return None
+        fp8, scale_inv = quantize_blocks(tensor)
+        return {module + ".weight": fp8, module + ".weight_scale_inv": scale_inv}
+
+    return _converted(src_folder, dst_folder, quantize, {
+        "quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
+        "modules_to_not_convert": list(modules_to_not_convert)})
 
 
 def make_per_tensor_fp8_checkpoint(src_folder, dst_folder, activation_scheme: str = "static") -> Path:
     """Copies src_folder's files to dst_folder in vLLM's per-tensor FP8 format: quantization_config without
     weight_block_size (lm_head in ignored_layers), each layer's linear in float8_e4m3fn with a scalar float32
     `weight_scale` (w ≈ fp8 * weight_scale) and, for activation_scheme "static", a scalar `input_scale`."""
+    def quantize(module: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not module.startswith("model.layers."):
+            return None
+        scale = tensor.float().abs().max() / FP8_MAX
+        out = {module + ".weight": (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn),
+               module + ".weight_scale": scale.reshape(())}
+        if activation_scheme == "static":
+            out[module + ".input_scale"] = torch.tensor(0.05)
+        return out
+
+    return _converted(src_folder, dst_folder, quantize, {
+        "quant_method": "fp8", "activation_scheme": activation_scheme, "ignored_layers": ["lm_head"]})
+
+
+def _converted(src_folder, dst_folder, quantize, quantization_config: dict) -> Path:
+    """src_folder's files in dst_folder, config.json with quantization_config, each linear's weight replaced by what
+    quantize(module, weight) gives (None: kept as it is)."""
     src, dst = Path(src_folder), Path(dst_folder)
     dst.mkdir(parents=True, exist_ok=True)
     for path in src.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and path.name != "model.safetensors.index.json":
             shutil.copy(path, dst / path.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": activation_scheme,
-                                     "ignored_layers": ["lm_head"]}
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {}
     for path in sorted(src.glob("*.safetensors")):
@@ -82,14 +84,8 @@ def make_per_tensor_fp8_checkpoint(src_folder, dst_folder, activation_scheme: st
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 module = name.removesuffix(".weight")
-                if name.endswith(".weight") and module.startswith("model.layers.") and \
-                        module.rsplit(".", 1)[-1] in LINEARS:
-                    scale = tensor.float().abs().max() / FP8_MAX
-                    tensors[name] = (tensor.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-                    tensors[module + ".weight_scale"] = scale.reshape(())
-                    if activation_scheme == "static":
-                        tensors[module + ".input_scale"] = torch.tensor(0.05)
-                else:
-                    tensors[name] = tensor
+                converted = quantize(module, tensor) if name.endswith(".weight") and \
+                    module.rsplit(".", 1)[-1] in LINEARS else None
+                tensors.update(converted or {name: tensor})
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
