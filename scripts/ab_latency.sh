@@ -8,14 +8,13 @@
 # a config in tests/hf_models.py (random weights made under /tmp/models), with ":fp8" appended for
 # --quantization fp8. Defaults: MODELS="qwen3-0.6b", ROUNDS=2, LATENCY_ARGS="".
 # Each run prints "model tree ms/token"; the summary gives each tree's best and B's time over A's.
-# Logs go to /tmp/ab/logs, copied to $OUT when it is set.
+# Logs go to /tmp/ab/logs.
 set -uo pipefail
 [ $# -eq 2 ] || { sed -n 2,10p "$0"; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree_a=$(cd "$1" && pwd) && tree_b=$(cd "$2" && pwd) || exit 2
 logs=/tmp/ab/logs
 mkdir -p "$logs"
-trap '[ -n "${OUT:-}" ] && cp -r "$logs" "$OUT/ab_logs"' EXIT
 
 for side in a b; do
   tree=$tree_a; [ $side = b ] && tree=$tree_b

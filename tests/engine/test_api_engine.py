@@ -1,5 +1,6 @@
 """The request API on the fake model: stop strings and stop reasons, min/max tokens, n completions sharing the
 prompt's blocks, seeds across batch compositions, logprobs, metrics, and streaming."""
+import time
 from collections import defaultdict
 
 from nanograph import SamplingParams
@@ -219,11 +220,13 @@ def test_vllms_engine_loop_runs_as_written():
     engine.add_request("a", PROMPT, SamplingParams(temperature=0, max_tokens=4))
     engine.add_request("b", PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.add_request(request_id="c", prompt=PROMPT, params=SamplingParams(temperature=0, max_tokens=50))
+    engine.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=3), time.time())  # an arrival time
     engine.abort_request(["b", "c", "unknown"])
+    engine.abort_request(7)  # no such request: ignored
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             finished[out.request_id] = out
-    assert list(finished) == ["a"] and finished["a"].outputs[0].token_ids == reference_completion(PROMPT, 4)
+    assert sorted(finished) == ["a", "d"] and finished["a"].outputs[0].token_ids == reference_completion(PROMPT, 4)
     assert engine.get_tokenizer() is engine.tokenizer
     assert engine.scheduler.block_manager.num_free_blocks == 64  # the fake engine's

@@ -84,6 +84,13 @@ def test_two_different_models_are_one_error_line():
     assert str(exit_info.value) == "nanograph serve: two models given, 'ONE' and --model 'TWO'; give one"
 
 
+def test_a_model_taken_as_a_served_name_is_one_error_line(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--served-model-name", "a", str(tmp_path), "--device", "cpu"])
+    assert str(exit_info.value).startswith(f"nanograph serve: --served-model-name took ['{tmp_path}'] as names too; "
+                                           "give the model first")
+
+
 def test_the_chat_template_flag_takes_a_file_or_the_template(tmp_path):
     from nanograph.serve.command import read_chat_template
 
@@ -91,6 +98,7 @@ def test_the_chat_template_flag_takes_a_file_or_the_template(tmp_path):
     (tmp_path / "template.jinja").write_text(template)
     assert read_chat_template(str(tmp_path / "template.jinja")) == template
     assert read_chat_template(template) == template and read_chat_template(None) is None
+    assert read_chat_template("{{ messages[0].content }}\\n") == "{{ messages[0].content }}\n"  # as vLLM reads it
     with pytest.raises(SystemExit, match="--chat-template 'no/such/file.jinja' is not a file, nor a template"):
         read_chat_template("no/such/file.jinja")
 

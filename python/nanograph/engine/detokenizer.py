@@ -23,10 +23,11 @@ class IncrementalDetokenizer:
         self.token_ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0  # the window: token_ids[prefix_offset:read_offset] is already text
         self.read_offset = len(self.token_ids)
-        # A prompt that ends inside a character leaves that character's first bytes pending: the completion's
-        # first tokens finish it, and its text starts with the whole character.
-        while self.read_offset and tokenizer.decode(self.token_ids[:self.read_offset],
-                                                    **self.decode_options).endswith("\ufffd"):
+        # A prompt that ends inside a character leaves that character's first bytes pending (at most 3 of UTF-8's
+        # 4): the completion's first tokens finish it, and its text starts with the whole character.
+        last_bytes = max(self.read_offset - 3, 0)
+        while self.read_offset > last_bytes and tokenizer.decode(self.token_ids[:self.read_offset],
+                                                                 **self.decode_options).endswith("\ufffd"):
             self.read_offset -= 1
         self._text = ""
         self.num_streamed_chars = 0

@@ -135,6 +135,7 @@ class LLMEngine:
         if isinstance(request_id, SamplingParams) and isinstance(prompt, str) and not isinstance(params,
                                                                                                SamplingParams):
             prompt, params, request_id = params, request_id, prompt
+            stream = stream is True  # vLLM's fourth argument is an arrival time, not ours
         with self._lock:
             if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
                                            or request_id in self._streamed):
@@ -151,7 +152,8 @@ class LLMEngine:
         finish with reason "abort" and their blocks are free at once. Ids of finished or unknown requests are
         ignored, as a request may finish while its abort is on its way."""
         with self._lock:
-            for one in [request_id] if isinstance(request_id, str) else request_id:
+            for one in request_id if isinstance(request_id, Iterable) and not isinstance(request_id, str) \
+                    else [request_id]:
                 request = self.requests.get(one)
                 if request is not None:
                     self._end(request)
@@ -515,13 +517,14 @@ def _restore(seqs, states):
 
 
 def _model_len(asked: int | None, positions: int) -> int:
-    """max_model_len before the KV cache is sized: the model's positions (max_position_embeddings, or YaRN's scaled
-    context) unless a length was asked for, which is capped at them."""
+    """max_model_len before the KV cache is sized: the model's positions (max_position_embeddings, or the context
+    that YaRN or linear scaling stretches it to) unless a length was asked for, which is capped at them."""
     if asked is None:
         return positions
     if asked > positions:
         warnings.warn(f"max_model_len {asked} is more than the model's {positions} positions "
-                      f"(max_position_embeddings, or YaRN's scaled context); using {positions}", stacklevel=4)
+                      f"(max_position_embeddings, or its context stretched by YaRN or linear scaling); using "
+                      f"{positions}", stacklevel=4)
     return min(asked, positions)
 
 

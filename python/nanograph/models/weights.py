@@ -101,8 +101,7 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
 
         def linear(name: str, *parts: tuple) -> dict[str, torch.Tensor]:
             """weights[name], the pieces concatenated along rows, and for an FP8 model its packed scales."""
-            if not fp8_model and not any(piece + suffix in file_of for piece, *_ in parts
-                                         for suffix in ("_scale_inv", "_scale")):
+            if not fp8_model and not any(piece + "_scale_inv" in file_of for piece, *_ in parts):
                 return {name: get(*parts)}
             split = [shape[0] for _, shape, *_ in parts[:-1] if shape[0] % PACKED_SCALE_ROWS]
             if split:

@@ -33,7 +33,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
-    response_id, model = f"chatcmpl-{uuid.uuid4().hex}", request.model or served.name
+    response_id, model = f"chatcmpl-{uuid.uuid4().hex}", served.name
     role, echoed = request.reply_role(), request.echoed()
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)

@@ -5,10 +5,12 @@ This module imports nothing of the server until it runs, so that `nanograph --he
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import os
 from functools import partial
+from pathlib import Path
 
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
@@ -46,13 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser):
 
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's text, or the template given inline (vLLM's rule: text that is no file but holds
-    Jinja's braces or a newline)."""
+    Jinja's braces or a newline, its backslash escapes such as \\n decoded)."""
     if value is None or os.path.isfile(value):
-        return value if value is None else open(value, encoding="utf-8").read()
+        return value if value is None else Path(value).read_text(encoding="utf-8")
     if not any(char in value for char in "{}\n"):
         raise SystemExit(f"nanograph serve: --chat-template {value!r} is not a file, nor a template (no Jinja "
                          "braces): give the path of a Jinja file or the template's text")
-    return value
+    return codecs.decode(value, "unicode_escape")
 
 
 def json_str_list(text: str) -> list[str]:
@@ -87,6 +89,10 @@ def serve(args: argparse.Namespace):
         raise SystemExit(f"nanograph serve: two models given, {args.model!r} and --model {args.model_option!r}; "
                          "give one")
     model = args.model or args.model_option
+    if model is None and args.served_model_name and any(
+            "/" in name or os.path.isdir(name) for name in args.served_model_name[1:]):
+        raise SystemExit(f"nanograph serve: --served-model-name took {args.served_model_name[1:]} as names too; "
+                         "give the model first (nanograph serve MODEL --served-model-name NAME ...) or as --model")
     chat_template = read_chat_template(args.chat_template)
     config = Config(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
@@ -100,7 +106,7 @@ def serve(args: argparse.Namespace):
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
-                         chat_template=chat_template)
+                         chat_template=chat_template, trust_remote_code=config.trust_remote_code)
     app = build_app(served, args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)

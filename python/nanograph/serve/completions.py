@@ -32,7 +32,7 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
     echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text
               for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
-    response_id, model = f"cmpl-{uuid.uuid4().hex}", request.model or served.name
+    response_id, model = f"cmpl-{uuid.uuid4().hex}", served.name
     if request.stream:
         stream = await served.generate(request, prompts, params)
         return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage,

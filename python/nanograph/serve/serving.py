@@ -30,9 +30,11 @@ class Completion:
 
 class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
-                 trust_request_chat_template: bool = False, chat_template: str | None = None):
+                 trust_request_chat_template: bool = False, chat_template: str | None = None,
+                 trust_remote_code: bool = False):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
-        instance from the model folder); chat_template: the server's in place of the tokenizer's."""
+        instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
+        tokenizer's."""
         self.async_llm = async_llm
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
@@ -41,7 +43,8 @@ class ServedModel:
         self.path = async_llm.info.model
         self.max_model_len = async_llm.info.max_model_len
         self.sampling_defaults = async_llm.info.sampling_defaults
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path,
+                                                                    trust_remote_code=trust_remote_code)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     def check_model(self, model: str | None):
