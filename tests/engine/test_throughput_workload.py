@@ -47,7 +47,8 @@ def test_256_sampled_requests_finish_with_their_max_tokens_on_a_tiny_model(tmp_p
 def test_a_max_model_len_past_the_models_positions_is_capped_with_a_warning(tmp_path):
     make_tiny_model(tmp_path, "qwen3-tied")  # 256 positions
     with pytest.warns(UserWarning, match="max_model_len 100000 is more than the model's 256 positions "
-                                         r"\(max_position_embeddings, or YaRN's scaled context\); using 256"):
+                                         r"\(max_position_embeddings, or its context stretched by YaRN or linear "
+                                         r"scaling\); using 256"):
         llm = LLM(str(tmp_path), device="cpu", max_model_len=100000, num_kv_blocks=24, block_size=16)
     assert llm.engine.config.max_model_len == 256
     with warnings.catch_warnings():
