@@ -161,6 +161,11 @@ class HoldingTokenizer(FakeTokenizer):
         return super().encode(text)
 
 
+async def until_encoding(tokenizer: HoldingTokenizer):
+    while not tokenizer.threads:
+        await asyncio.sleep(0.01)
+
+
 def test_a_prompt_being_tokenized_holds_up_no_other_request(shared):
     """Text is encoded on the tokenizer's thread, not the event loop's: while one prompt's encoding runs, the
     server answers other requests."""
@@ -171,9 +176,8 @@ def test_a_prompt_being_tokenized_holds_up_no_other_request(shared):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
             held = asyncio.create_task(client.post("/v1/completions", json={"prompt": "hold", "max_tokens": 3,
                                                                             "temperature": 0}))
-            while not tokenizer.threads:
-                await asyncio.sleep(0.01)
             try:
+                await asyncio.wait_for(until_encoding(tokenizer), 10)
                 other = await asyncio.wait_for(client.post("/v1/completions", json={
                     "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}), 10)
                 health = await asyncio.wait_for(client.get("/health"), 10)
