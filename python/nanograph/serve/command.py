@@ -49,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser):
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's text, or the template given inline (vLLM's rule: text that is no file but holds
     Jinja's braces or a newline, its backslash escapes such as \\n decoded)."""
-    if value is None or os.path.isfile(value):
-        return value if value is None else Path(value).read_text(encoding="utf-8")
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        return Path(value).read_text(encoding="utf-8")
     if not any(char in value for char in "{}\n"):
         raise SystemExit(f"nanograph serve: --chat-template {value!r} is not a file, nor a template (no Jinja "
                          "braces): give the path of a Jinja file or the template's text")

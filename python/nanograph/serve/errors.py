@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from .protocol import ErrorInfo, ErrorResponse
+from .protocol import ErrorInfo, ErrorResponse, SamplingRequest
 
 logger = logging.getLogger("nanograph.serve")
 
@@ -33,14 +33,13 @@ class APIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status)
 
 
-def invalid_value(exc: ValueError | TypeError, request: BaseModel, renames: dict[str, str] | None = None
+def invalid_value(exc: ValueError | TypeError, request: SamplingRequest, renames: dict[str, str] | None = None
                   ) -> APIError:
     """A 400 with the engine's (or SamplingParams') message; param is the request field it starts with. renames:
     an engine field name -> the request's name for it, wherever the message names it (and the grammar's, by the
     field the request gave it in)."""
     message = str(exc)
-    grammar_renames = request.grammar_renames() if hasattr(request, "grammar_renames") else {}
-    for engine_name, field in {**grammar_renames, **(renames or {})}.items():
+    for engine_name, field in {**request.grammar_renames(), **(renames or {})}.items():
         message = re.sub(rf"\b{re.escape(engine_name)}\b", field, message)
     word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
     param = word.group(1) if word and word.group(1) in type(request).model_fields else None
