@@ -279,7 +279,6 @@ bool gemv_supported(int M, int N, int K) {
 bool gemv_preferred(int M, int N, int K) {
   if (!gemv_supported(M, N, K)) return false;
   const int64_t elements = static_cast<int64_t>(N) * K;
-  if (elements > kGemvHugeElements) return false;
   return M <= 8 || elements <= (M <= 16 ? kGemvMidElements : kGemvWideElements);
 }
 

@@ -20,15 +20,13 @@ bool gemv_supported(int M, int N, int K);
 
 // True when a bf16 linear layer of M rows over an [N, K] weight should take the GEMV rather than
 // cuBLASLt: Gemm::linear's choice, and the decode step's for its fused gate_up (gemv_silu_mul) and
-// lm_head (gemv_argmax). Up to 8 rows (where the GEMV supports the shape) for weights of at most
-// kGemvHugeElements elements: above that cuBLASLt streams the weight faster at every M. The
-// GEMV's time grows with M, while cuBLASLt's sits at a floor of a few microseconds on small
-// weights and streams large ones near bandwidth, so 9 to 16 rows take the GEMV for weights of at
-// most kGemvMidElements elements and 17 to 32 rows for at most kGemvWideElements.
+// lm_head (gemv_argmax). Up to 8 rows always (where the GEMV supports the shape); the GEMV's time
+// then grows with M, while cuBLASLt's sits at a floor of a few microseconds on small weights and
+// streams large ones near bandwidth, so 9 to 16 rows take it for weights of at most
+// kGemvMidElements elements and 17 to 32 rows for at most kGemvWideElements.
 bool gemv_preferred(int M, int N, int K);
 constexpr int64_t kGemvMidElements = 8 << 20;    // Qwen3-0.6B's projections; not Qwen3-8B's
 constexpr int64_t kGemvWideElements = 7 << 19;   // Qwen3-0.6B's o and down, not its qkv
-constexpr int64_t kGemvHugeElements = 256 << 20;  // Qwen3-0.6B's lm_head (148 Mi), not Qwen3-8B's (594 Mi)
 
 // x: [M, K] row-major; weight: [N, K] row-major (torch Linear layout); bias: [N] or nullptr;
 // out: [M, N]. All bf16; fp32 accumulation, fp32 bias add, one rounding to bf16.

@@ -11,7 +11,6 @@ constexpr int kMaxSplits = 16;
 // 128, which is what holds a whole batch of loads in flight: without a minimum, ptxas trades
 // them for occupancy and issues each load just before its MMA.
 constexpr int kWarpsPerSm = 16;
-constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for streamed matrices
 
 // K splits per row group on a device of sm_count SMs, for a kernel whose warps keep `unroll` steps
 // of loads in flight: a warp owns one row group and one of `splits` contiguous ranges of its
@@ -19,9 +18,9 @@ constexpr int kStreamWaves = 8;  // waves of CTAs at which splitting stops for s
 // batches per warp of a full wave fit one wave: splits double while the launch stays within it (so
 // that no matrix ends in a partial second wave) and while a split holds more than one load batch
 // (below that, more splits add warps but no bytes in flight). Larger ones (Qwen3-8B's bf16
-// projections, any lm_head) stream through several waves of 8-warp CTAs: splits double (up to 8,
-// each split keeping two load batches) until the grid has kStreamWaves waves, so that the last,
-// partial wave is short against the whole launch.
+// projections, the lm_heads) stream through several waves of 8-warp CTAs: splits double up to 8
+// while each split keeps two load batches, however many waves the grid then has (a warp that
+// streams a whole long row alone holds its slot of the SM for all of it).
 inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
   const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
   int splits = 1;
@@ -33,9 +32,7 @@ inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
     }
     return splits;
   }
-  auto ctas = [&](int s) { return ceil_div(row_groups * s, kWarpsPerCta); };
-  while (2 * splits <= kWarpsPerCta && 2 * splits * 2 * unroll <= steps &&
-         static_cast<int64_t>(ctas(splits)) * kWarpsPerCta < kStreamWaves * wave) {
+  while (2 * splits <= kWarpsPerCta && 2 * splits * 2 * unroll <= steps) {
     splits *= 2;
   }
   return splits;

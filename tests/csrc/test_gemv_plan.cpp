@@ -1,8 +1,9 @@
 // The small-M GEMVs' grids (gemv_plan.h) on described devices (host only): a matrix that fits one
-// wave of the device launches at most one wave, a streamed one stops splitting at kStreamWaves
-// waves of the device, and the SM count is what sets both.
+// wave of the device launches at most one wave, a streamed one splits while each split keeps two
+// load batches (up to 8), and the SM count is what tells the two apart.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "gemv_plan.h"
@@ -51,10 +52,13 @@ TEST(GemvPlan, AMatrixThatFitsOneWaveLaunchesAtMostOne) {
         if (!streaming && g.splits > 1) {
           EXPECT_LE(static_cast<int64_t>(row_groups) * g.splits, wave);
         }
-        if (streaming && g.splits > 1) {
-          // It split only while the grid was short of kStreamWaves waves.
-          const GemvGrid fewer = gemv_grid_of(row_groups, steps, g.splits / 2);
-          EXPECT_LT(static_cast<int64_t>(fewer.ctas) * kWarpsPerCta, kStreamWaves * wave);
+        if (streaming) {
+          // As many splits as keep two load batches each, up to a CTA's 8 warps.
+          EXPECT_LE(g.splits, kWarpsPerCta);
+          EXPECT_LE(g.splits * 2 * kernel.unroll, std::max(steps, 2 * kernel.unroll));
+          if (g.splits < kWarpsPerCta) {
+            EXPECT_GT(g.splits * 4 * kernel.unroll, steps);
+          }
         }
       }
     }
@@ -71,13 +75,19 @@ TEST(GemvPlan, TheSmCountSetsTheSplits) {
   // A wave of 132 SMs is 2,112 warps, not 2,048: 264 row groups of 64 steps split 8 ways.
   EXPECT_EQ(choose_splits(264, 64, 8, 132), 8);
   // Qwen3-8B's o in the FP8 kernel (256 row groups of 64 steps): one wave of 132 SMs in 8 splits;
-  // on 16 SMs it streams, splitting while the grid is under 8 waves: 8 splits, 8 waves.
+  // on 16 SMs it streams, 8 splits keeping two load batches each.
   EXPECT_EQ(choose_splits(256, 64, 4, 132), 8);
   EXPECT_EQ(choose_splits(256, 64, 4, 16), 8);
-  // Qwen3-8B's down in the FP8 kernel (256 row groups of 192 steps) streams: 8 splits on 132 SMs;
-  // on 8 SMs the grid has 8 waves at 4 splits (128 CTAs of 8 warps) and stops there.
+  // Qwen3-8B's down in the FP8 kernel (256 row groups of 192 steps) streams: 8 splits on 132 SMs,
+  // and on 8 SMs, however many waves the grid then has (16 there).
   EXPECT_EQ(choose_splits(256, 192, 4, 132), 8);
-  EXPECT_EQ(choose_splits(256, 192, 4, 8), 4);
+  EXPECT_EQ(choose_splits(256, 192, 4, 8), 8);
+  // The lm_heads in the bf16 kernel stream on every device: Qwen3-0.6B's (18,992 row groups of 32
+  // steps) in 2 splits of two load batches, Qwen3-8B's (128 steps) in 8.
+  for (int sms : kSmCounts) {
+    EXPECT_EQ(choose_splits(18992, 32, 8, sms), 2) << sms << " SMs";
+    EXPECT_EQ(choose_splits(18992, 128, 8, sms), 8) << sms << " SMs";
+  }
 }
 
 TEST(GemvPlan, BatchesAreRequestedByHalvesInOneWave) {

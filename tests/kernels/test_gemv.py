@@ -80,10 +80,9 @@ def test_offset_views():
 
 # Gemm.linear's choice between the GEMV and cuBLASLt (gemv_preferred), on the decode shapes it was measured on
 # (Qwen3-0.6B and Qwen3-8B on an H200): 0.6B's projections keep the GEMV up to 16 rows, its o and down up to 32;
-# 8B's projections and 0.6B's lm_head leave it above 8 rows, where cuBLASLt streams them faster; 8B's lm_head
-# (above kGemvHugeElements) takes cuBLASLt at every M.
+# 8B's projections and both lm_heads leave it above 8 rows, where cuBLASLt streams them faster.
 ROUTES = [((4096, 1024), 16), ((1024, 2048), 32), ((6144, 1024), 16), ((1024, 3072), 32), ((151936, 1024), 8),
-          ((6144, 4096), 8), ((4096, 4096), 8), ((24576, 4096), 8), ((4096, 12288), 8), ((151936, 4096), 0)]
+          ((6144, 4096), 8), ((4096, 4096), 8), ((24576, 4096), 8), ((4096, 12288), 8), ((151936, 4096), 8)]
 
 
 @pytest.mark.parametrize("shape,last_gemv_m", ROUTES)
