@@ -6,6 +6,8 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from .server_process import MAX_MODEL_LEN
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 PROMPTS = [f"Request number {i} asks for a short story about" for i in range(10)]
 
@@ -44,7 +46,8 @@ def test_the_names_are_vllms(server):
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
-                 "e2e_request_latency_seconds_count"):
+                 "e2e_request_latency_seconds_count", "request_decode_time_seconds_count", "request_prompt_tokens_sum",
+                 "request_generation_tokens_sum", "request_params_n_count", "request_params_max_tokens_sum"):
         assert f"nanograph:{name}" in names
     # Every finish reason has its series from the start, as vLLM's.
     reasons = {reason for name, reason in scrape(server) if name == "nanograph:request_success_total"}
@@ -74,6 +77,34 @@ def test_counts_are_exact_after_ten_requests_of_ten_tokens(server, client, model
     assert grew(before, after, "num_preemptions_total") == 0
     assert 0 < grew(before, after, "time_to_first_token_seconds_sum") < 10 * grew(
         before, after, "e2e_request_latency_seconds_sum")
+    # vLLM's per-request histograms: one observation per request, at its end.
+    for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_params_max_tokens", "request_decode_time_seconds"):
+        assert grew(before, after, f"{name}_count") == 10, name
+    assert grew(before, after, "request_prompt_tokens_sum") == prompt_tokens
+    assert grew(before, after, "request_generation_tokens_sum") == 100
+    assert grew(before, after, "request_params_n_sum") == 10
+    assert grew(before, after, "request_params_max_tokens_sum") == 100
+    # Decode time runs from the first token to the end: within the end-to-end latency, past its time to first token.
+    decode = grew(before, after, "request_decode_time_seconds_sum")
+    assert 0 < decode < grew(before, after, "e2e_request_latency_seconds_sum")
+
+
+def test_request_histograms_count_n_completions_as_one_request_and_fill_in_max_tokens(server, client, model):
+    """Two completions of one prompt are one request (their tokens summed); a chat without max_tokens may take
+    the room its prompt leaves in max_model_len, and that is its max_tokens."""
+    before = wait_idle(server)
+    client.completions.create(model=model, prompt="Once upon a time", n=2, max_tokens=7, temperature=1,
+                              seed=3, extra_body={"ignore_eos": True})
+    messages = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    chat = client.chat.completions.create(model=model, messages=messages,
+                                          extra_body={"guided_choice": ["yes", "no"]})
+    after = wait_idle(server)
+    chat_prompt = chat.usage.prompt_tokens
+    assert grew(before, after, "request_params_n_count") == 2
+    assert grew(before, after, "request_params_n_sum") == 3
+    assert grew(before, after, "request_params_max_tokens_sum") == 7 + (MAX_MODEL_LEN - chat_prompt)
+    assert grew(before, after, "request_generation_tokens_sum") == 14 + chat.usage.completion_tokens
 
 
 def test_prefix_cache_hits_count_the_cached_tokens(server, client, model, tokenizer):

@@ -84,7 +84,7 @@ class AsyncLLM:
         self._stream_ids = count()
         # Each open stream, and its completions not yet finished; each add waiting for the engine's word.
         self._streams: dict[int, list] = {}
-        self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int]]]] = {}  # + arrival, sizes
+        self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int, int]]]] = {}  # + arrival, sizes
         self._last_log = (time.monotonic(), 0, 0, None)  # time, prompt and generation tokens, the line's state
         self._process: multiprocessing.Process | None = None
         self._reader = threading.Thread(target=self._read, name="nanograph-engine-output", daemon=True)
@@ -130,8 +130,10 @@ class AsyncLLM:
             if not self.is_running:
                 raise self._unavailable()
             self._streams[stream_id] = [stream, num_completions]
-            self._adds[stream_id] = (added, time.monotonic(),
-                                     [(len(prompt), p.n) for prompt, p in zip(prompts, params)])
+            room = self.info.max_model_len
+            self._adds[stream_id] = (added, time.monotonic(), [
+                (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 0))
+                for prompt, p in zip(prompts, params)])
         self._send(("add", stream_id, prompts, params))
         try:
             await added
@@ -219,8 +221,8 @@ class AsyncLLM:
         if error is not None:
             self._streams.pop(stream_id, None)
         else:
-            for prompt_index, (num_prompt_tokens, n) in enumerate(sizes):
-                self.metrics.request_added((stream_id, prompt_index), arrival, num_prompt_tokens, n)
+            for prompt_index, (num_prompt_tokens, n, max_tokens) in enumerate(sizes):
+                self.metrics.request_added((stream_id, prompt_index), arrival, num_prompt_tokens, n, max_tokens)
         _settle(future, error)
 
     def _deliver(self, routed: list[tuple[int, int, CompletionDelta]]):

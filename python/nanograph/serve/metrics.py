@@ -20,14 +20,21 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")  # request_success's finished_reason values
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
+# Tokens per request (prompt, generated, max_tokens): a 1-2-5 series up to a million, past any model's context.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
+N_BUCKETS = (1, 2, 5, 10, 20)  # request_params_n, as vLLM's
 
 
 @dataclass
 class _RequestTimes:
     arrival: float
     num_prompt_tokens: int
+    n: int
+    max_tokens: int
     num_open_completions: int
-    last_token: float | None = None  # when the request last got tokens; None until its first
+    first_token: float | None = None  # when the request got its first tokens; None until then
+    last_token: float | None = None  # when it last got tokens
+    num_generated: int = 0  # over its completions
 
 
 class ServerMetrics:
@@ -62,14 +69,28 @@ class ServerMetrics:
         self.e2e_request_latency = labelled(Histogram, "e2e_request_latency_seconds",
                                             "Seconds from a request's arrival to its last completion's end.",
                                             buckets=E2E_BUCKETS)
+        self.request_decode_time = labelled(Histogram, "request_decode_time_seconds",
+                                            "Seconds from a request's first token to its last completion's end.",
+                                            buckets=E2E_BUCKETS)
+        self.request_prompt_tokens = labelled(Histogram, "request_prompt_tokens", "Prompt tokens of each request.",
+                                              buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = labelled(Histogram, "request_generation_tokens",
+                                                  "Tokens generated for each request, over its n completions.",
+                                                  buckets=TOKEN_BUCKETS)
+        self.request_params_n = labelled(Histogram, "request_params_n", "Each request's n.", buckets=N_BUCKETS)
+        self.request_params_max_tokens = labelled(Histogram, "request_params_max_tokens",
+                                                  "Each request's max_tokens (when not given: the room its prompt "
+                                                  "leaves in max_model_len).", buckets=TOKEN_BUCKETS)
         self.total_prompt_tokens = 0  # the counters' values, for the periodic log line
         self.total_generation_tokens = 0
         self._requests: dict[tuple[int, int], _RequestTimes] = {}
         self._preemptions = self._prefix_queries = self._prefix_hits = 0  # the engine's counts last seen
 
-    def request_added(self, request: tuple[int, int], arrival: float, num_prompt_tokens: int, num_completions: int):
-        """request: its stream and its prompt's index there; arrival: time.monotonic() when the server took it."""
-        self._requests[request] = _RequestTimes(arrival, num_prompt_tokens, num_completions)
+    def request_added(self, request: tuple[int, int], arrival: float, num_prompt_tokens: int, n: int,
+                      max_tokens: int):
+        """request: its stream and its prompt's index there; arrival: time.monotonic() when the server took it; n:
+        its completions; max_tokens: the most each may generate."""
+        self._requests[request] = _RequestTimes(arrival, num_prompt_tokens, n, max_tokens, n)
 
     def record_deltas(self, deltas: list[tuple[int, int, CompletionDelta]]):
         """One step's deltas: token counts, the first token's and the step-to-step latency (once per request per
@@ -85,9 +106,11 @@ class ServerMetrics:
                 continue
             if delta.token_ids:
                 self.total_generation_tokens += len(delta.token_ids)
+                times.num_generated += len(delta.token_ids)
                 if request not in stepped:
                     stepped.add(request)
                     if times.last_token is None:
+                        times.first_token = now
                         self.time_to_first_token.observe(now - times.arrival)
                         self.prompt_tokens.inc(times.num_prompt_tokens)
                         self.total_prompt_tokens += times.num_prompt_tokens
@@ -99,9 +122,18 @@ class ServerMetrics:
                 self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
                 times.num_open_completions -= 1
                 if not times.num_open_completions:
-                    self.e2e_request_latency.observe(now - times.arrival)
+                    self._request_finished(times, now)
                     del self._requests[request]
         self.generation_tokens.inc(self.total_generation_tokens - generated)
+
+    def _request_finished(self, times: _RequestTimes, now: float):
+        self.e2e_request_latency.observe(now - times.arrival)
+        if times.first_token is not None:
+            self.request_decode_time.observe(now - times.first_token)
+        self.request_prompt_tokens.observe(times.num_prompt_tokens)
+        self.request_generation_tokens.observe(times.num_generated)
+        self.request_params_n.observe(times.n)
+        self.request_params_max_tokens.observe(times.max_tokens)
 
     def record_engine(self, snapshot: EngineSnapshot):
         """The scheduler's and the KV cache's state, and the engine counters' growth since the last call."""
