@@ -16,7 +16,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol", "smol-alias",
-                             "--allowed-origins", '["http://page.test"]', "--trust-request-chat-template")
+                             "--allowed-origins", '["http://page.test"]', "--trust-request-chat-template",
+                             "--response-role", "narrator", "--root-path", "/behind-proxy", "--disable-log-stats",
+                             "--disable-log-requests")
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +177,8 @@ def test_a_custom_role_reaches_the_chat_template(server, client, tokenizer):
     assert rendered == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False)
     reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, temperature=0)
-    assert reply.choices[0].message.role == "assistant" and reply.usage.prompt_tokens == len(rendered)
+    # The reply's role is the server's --response-role.
+    assert reply.choices[0].message.role == "narrator" and reply.usage.prompt_tokens == len(rendered)
     continued = client.chat.completions.create(model="smol", messages=messages, max_tokens=3, temperature=0,
                                                extra_body={"add_generation_prompt": False,
                                                            "continue_final_message": True})
@@ -257,3 +260,13 @@ def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):
     # The server goes on serving after all of these.
     assert client.completions.create(model="smol", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_response_role_streams_and_root_path(server, client):
+    """--response-role names a streamed chat reply's role too (test_a_custom_role_reaches_the_chat_template: the
+    whole reply's, and a continued message's own); --root-path is the prefix a proxy adds, which the OpenAPI
+    document gives while the routes stay where they are."""
+    messages = [{"role": "user", "content": "Hi"}]
+    chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=2, stream=True))
+    assert chunks[0].choices[0].delta.role == "narrator"
+    assert httpx.get(server.base_url + "/openapi.json").json()["servers"] == [{"url": "/behind-proxy"}]

@@ -70,12 +70,15 @@ def test_vllms_engine_flags_reach_the_config():
     args = build_parser().parse_args([
         "serve", "--model", "MODEL", "--max-num-batched-tokens", "512", "--max-logprobs", "5", "--tokenizer", "TOK",
         "--revision", "v1", "--download-dir", "/hub", "--generation-config", "vllm", "--trust-remote-code",
-        "--served-model-name", "a", "b", "--uvicorn-log-level", "warning"])
+        "--served-model-name", "a", "b", "--uvicorn-log-level", "warning", "--response-role", "bot",
+        "--root-path", "/api", "--disable-log-stats", "--disable-log-requests"])
     assert engine_kwargs(args) == {"max_num_batched_tokens": 512, "max_logprobs": 5, "tokenizer": "TOK",
                                    "revision": "v1", "download_dir": "/hub", "generation_config": "vllm",
                                    "trust_remote_code": True}
     assert (args.model, args.model_option, args.served_model_name, args.uvicorn_log_level) == \
         (None, "MODEL", ["a", "b"], "warning")
+    assert (args.response_role, args.root_path, args.disable_log_stats, args.disable_log_requests) == \
+        ("bot", "/api", True, True)
 
 
 def test_two_different_models_are_one_error_line():

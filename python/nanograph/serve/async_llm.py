@@ -67,9 +67,10 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: ServerMetrics, log_interval: float = 10.0):
+    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: ServerMetrics,
+                 log_interval: float | None = 10.0):
         """make_engine: builds the engine in the engine process (picklable, e.g. a partial of
-        LLMEngine.from_config)."""
+        LLMEngine.from_config); log_interval: seconds between stats lines, None for none."""
         self.make_engine = make_engine
         self.metrics = metrics
         self.log_interval = log_interval
@@ -271,7 +272,7 @@ class AsyncLLM:
         generation throughput since the last line, KV cache use."""
         now = time.monotonic()
         since, prompt_tokens, generation_tokens, state = self._last_log
-        if now - since < self.log_interval or self.snapshot is None:
+        if self.log_interval is None or now - since < self.log_interval or self.snapshot is None:
             return
         snapshot, metrics = self.snapshot, self.metrics
         new_state = (snapshot.num_running, snapshot.num_waiting)

@@ -34,7 +34,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
     response_id, model = f"chatcmpl-{uuid.uuid4().hex}", served.name
-    role, echoed = request.reply_role(), request.echoed()
+    role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,

@@ -34,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
+    parser.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM's command lines: requests are not logged one by one")
+    parser.add_argument("--response-role", default="assistant",
+                        help="the role of a chat reply when add_generation_prompt is on (default: %(default)s)")
+    parser.add_argument("--root-path", default="",
+                        help="the path prefix a proxy serves the API under (ASGI root_path; routes stay the same)")
     # CORS, as vLLM's flags: which web pages a browser lets call the server.
     parser.add_argument("--allowed-origins", type=json_str_list, default=["*"],
                         help='CORS: the origins allowed, a JSON list (default: ["*"])')
@@ -99,7 +106,8 @@ def serve(args: argparse.Namespace):
     config = Config(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
-    async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name), args.log_interval)
+    async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
+                         None if args.disable_log_stats else args.log_interval)
     try:
         info = async_llm.start()
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
@@ -108,7 +116,8 @@ def serve(args: argparse.Namespace):
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
-                         chat_template=chat_template, trust_remote_code=config.trust_remote_code)
+                         chat_template=chat_template, trust_remote_code=config.trust_remote_code,
+                         response_role=args.response_role)
     app = build_app(served, args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
@@ -116,7 +125,7 @@ def serve(args: argparse.Namespace):
     logger.info("listening on http://%s:%d%s", args.host, args.port, " (API key required on /v1)" if args.api_key
                 else "")
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                         log_level=args.uvicorn_log_level,
+                                         log_level=args.uvicorn_log_level, root_path=args.root_path,
                                          timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm)
     server.run()
 
