@@ -133,7 +133,7 @@ class AsyncLLM:
             self._streams[stream_id] = [stream, num_completions]
             room = self.info.max_model_len
             self._adds[stream_id] = (added, time.monotonic(), [
-                (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 0))
+                (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 1))
                 for prompt, p in zip(prompts, params)])
         self._send(("add", stream_id, prompts, params))
         try:

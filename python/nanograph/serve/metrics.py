@@ -70,7 +70,7 @@ class ServerMetrics:
                                             "Seconds from a request's arrival to its last completion's end.",
                                             buckets=E2E_BUCKETS)
         self.request_decode_time = labelled(Histogram, "request_decode_time_seconds",
-                                            "Seconds from a request's first token to its last completion's end.",
+                                            "Seconds from a request's first token to its last.",
                                             buckets=E2E_BUCKETS)
         self.request_prompt_tokens = labelled(Histogram, "request_prompt_tokens", "Prompt tokens of each request.",
                                               buckets=TOKEN_BUCKETS)
@@ -128,8 +128,9 @@ class ServerMetrics:
 
     def _request_finished(self, times: _RequestTimes, now: float):
         self.e2e_request_latency.observe(now - times.arrival)
-        if times.first_token is not None:
-            self.request_decode_time.observe(now - times.first_token)
+        # vLLM's: first token to last (not to an abort's or an error's end, which brings none); 0 without tokens.
+        decode = times.last_token - times.first_token if times.first_token is not None else 0.0
+        self.request_decode_time.observe(decode)
         self.request_prompt_tokens.observe(times.num_prompt_tokens)
         self.request_generation_tokens.observe(times.num_generated)
         self.request_params_n.observe(times.n)
