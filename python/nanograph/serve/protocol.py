@@ -212,12 +212,12 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict | None = None  # "none": tools reach the template, a call comes back as text
     echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
 
-    def reply_role(self, response_role: str = "assistant") -> str:
+    def reply_role(self, response_role: str) -> str:
         """vLLM's rule: the server's response role, unless add_generation_prompt is off, then the last message's
         (continued)."""
         return response_role if self.add_generation_prompt else self.messages[-1].role
 
-    def echoed(self, response_role: str = "assistant") -> str:
+    def echoed(self, response_role: str) -> str:
         """What echo puts before each choice's text: the last message's content if it has the reply's role."""
         last = self.messages[-1] if self.echo and self.messages else None
         return last.text() if last is not None and last.role == self.reply_role(response_role) else ""
