@@ -16,6 +16,8 @@ class RequestMetrics:
     arrival_time: float  # time.time() seconds
     first_token_time: float | None = None
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # when the engine first scheduled one of its sequences
+    time_in_queue: float | None = None  # first_scheduled_time - arrival_time
 
 
 @dataclass
@@ -59,3 +61,4 @@ class CompletionDelta:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # of token_ids, when the request asked for logprobs
     error: str | None = None  # on the last delta of a request that a failure inside a step ended
+    scheduled_time: float | None = None  # the request's RequestMetrics.first_scheduled_time (None: not yet)

@@ -122,7 +122,25 @@ def test_logprobs_and_cumulative_logprob():
 def test_metrics_are_in_order():
     [out] = run(fake_engine(), [PROMPT], SamplingParams(max_tokens=3))
     metrics = out.metrics
-    assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
+    assert metrics.arrival_time <= metrics.first_scheduled_time <= metrics.first_token_time <= metrics.finished_time
+    assert metrics.time_in_queue == metrics.first_scheduled_time - metrics.arrival_time
+
+
+def test_a_request_queued_behind_a_full_batch_reports_its_queue_time():
+    """max_num_seqs 1: the second request is first scheduled once the first has finished; every delta of a request
+    carries that time."""
+    engine = fake_engine(max_num_seqs=1)
+    first = engine.add_request(PROMPT, SamplingParams(max_tokens=3), stream=True)
+    second = engine.add_request(PROMPT, SamplingParams(max_tokens=2), stream=True)
+    deltas = []
+    while engine.has_unfinished():
+        engine.step()
+        deltas += engine.take_deltas()
+    scheduled = {delta.request_id: {d.scheduled_time for d in deltas if d.request_id == delta.request_id}
+                 for delta in deltas}
+    assert len(scheduled[first]) == len(scheduled[second]) == 1
+    [first_time], [second_time] = scheduled[first], scheduled[second]
+    assert first_time is not None and second_time is not None and first_time < second_time
 
 
 def collect(deltas):

@@ -47,7 +47,10 @@ def test_the_names_are_vllms(server):
                  "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
                  "generation_tokens_total", "time_to_first_token_seconds_count", "inter_token_latency_seconds_sum",
                  "e2e_request_latency_seconds_count", "request_decode_time_seconds_count", "request_prompt_tokens_sum",
-                 "request_generation_tokens_sum", "request_params_n_count", "request_params_max_tokens_sum"):
+                 "request_generation_tokens_sum", "request_params_n_count", "request_params_max_tokens_sum",
+                 "request_max_num_generation_tokens_sum", "request_queue_time_seconds_count",
+                 "request_prefill_time_seconds_sum", "request_inference_time_seconds_count",
+                 "iteration_tokens_total_count", "cache_config_info"):
         assert f"nanograph:{name}" in names
     # Every finish reason has its series from the start, as vLLM's.
     reasons = {reason for name, reason in scrape(server) if name == "nanograph:request_success_total"}
@@ -79,8 +82,20 @@ def test_counts_are_exact_after_ten_requests_of_ten_tokens(server, client, model
         before, after, "e2e_request_latency_seconds_sum")
     # vLLM's per-request histograms: one observation per request, at its end.
     for name in ("request_prompt_tokens", "request_generation_tokens", "request_params_n",
-                 "request_params_max_tokens", "request_decode_time_seconds"):
+                 "request_params_max_tokens", "request_decode_time_seconds", "request_max_num_generation_tokens",
+                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
         assert grew(before, after, f"{name}_count") == 10, name
+    assert grew(before, after, "request_max_num_generation_tokens_sum") == 100
+    # Every step that gave these requests tokens: the prompts it finished and the tokens it generated.
+    assert grew(before, after, "iteration_tokens_total_sum") == prompt_tokens + 100
+    assert 10 <= grew(before, after, "iteration_tokens_total_count") <= 100
+    # Queued, then prefilling: together the time to the first token (the same arrival and first token; the
+    # engine's clock read for the scheduling), and prefill then decode make up inference.
+    queue, prefill = (grew(before, after, f"request_{name}_time_seconds_sum") for name in ("queue", "prefill"))
+    assert queue > 0 and prefill > 0
+    assert abs(queue + prefill - grew(before, after, "time_to_first_token_seconds_sum")) < 0.01
+    assert abs(grew(before, after, "request_inference_time_seconds_sum") - prefill -
+               grew(before, after, "request_decode_time_seconds_sum")) < 0.01
     assert grew(before, after, "request_prompt_tokens_sum") == prompt_tokens
     assert grew(before, after, "request_generation_tokens_sum") == 100
     assert grew(before, after, "request_params_n_sum") == 10
@@ -106,6 +121,21 @@ def test_request_histograms_count_n_completions_as_one_request_and_fill_in_max_t
     assert grew(before, after, "request_params_n_sum") == 3
     assert grew(before, after, "request_params_max_tokens_sum") == 7 + (MAX_MODEL_LEN - chat_prompt)
     assert grew(before, after, "request_generation_tokens_sum") == 14 + chat.usage.completion_tokens
+    # The longest of a request's completions: 7 of the two (both ran to max_tokens), and the chat's one.
+    assert grew(before, after, "request_max_num_generation_tokens_sum") == 7 + chat.usage.completion_tokens
+
+
+def test_cache_config_info_labels_the_kv_cache(server):
+    """vLLM's cache_config_info: 1, with the KV cache's configuration as labels."""
+    text = httpx.get(server.base_url + "/metrics", timeout=10).text
+    [sample] = [sample for family in text_string_to_metric_families(text) for sample in family.samples
+                if sample.name == "nanograph:cache_config_info"]
+    assert sample.value == 1
+    labels = dict(sample.labels)
+    assert int(labels.pop("num_gpu_blocks")) > 0
+    assert labels == {"model_name": MODEL_NAME, "block_size": "16", "cache_dtype": "auto",
+                      "enable_prefix_caching": "True", "gpu_memory_utilization": "0.9",
+                      "num_gpu_blocks_override": "None"}
 
 
 def test_prefix_cache_hits_count_the_cached_tokens(server, client, model, tokenizer):

@@ -34,6 +34,9 @@ class Request:
 
     def output(self) -> RequestOutput:
         first = self.seqs[0]
+        if first.first_scheduled_time is not None and self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = first.first_scheduled_time
+            self.metrics.time_in_queue = first.first_scheduled_time - self.metrics.arrival_time
         cached = [seq.num_cached_tokens for seq in self.seqs if seq.num_cached_tokens is not None]
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
@@ -69,5 +72,6 @@ class Request:
                 text = seq.detokenizer.streamed_text if seq.detokenizer else ""
                 logprobs = None if seq.logprobs is None else list(seq.logprobs)
             deltas.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished, seq.finish_reason,
-                                          seq.stop_reason, logprobs, self.error if seq.is_finished else None))
+                                          seq.stop_reason, logprobs, self.error if seq.is_finished else None,
+                                          self.seqs[0].first_scheduled_time))
         return deltas

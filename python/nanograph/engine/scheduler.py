@@ -2,6 +2,7 @@
 preemption when blocks run out, and the blocks back when a sequence ends."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -94,8 +95,9 @@ class Scheduler:
             if not self.block_manager.append_slots(seq, num_new):
                 self.block_manager.deallocate(seq)
                 break
-            if seq.num_cached_tokens is None:
+            if seq.num_cached_tokens is None:  # its first admission (a preempted one comes back)
                 seq.num_cached_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             batch.add(seq, num_new)

@@ -40,6 +40,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; the rest are fed in the next step(s)
         self.num_cached_tokens: int | None = None  # prefix-cache hit tokens at first scheduling
+        self.first_scheduled_time: float | None = None  # time.time() at first scheduling
         self.sample_row = -1  # while token_ids[-1] is PENDING_TOKEN: its row in the runner's sampled tokens
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

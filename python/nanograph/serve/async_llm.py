@@ -112,6 +112,7 @@ class AsyncLLM:
             self._process.join()
             raise message[1]
         self.info = message[1]
+        self.metrics.record_engine_info(self.info)
         self._reader.start()
         return self.info
 

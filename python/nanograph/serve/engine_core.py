@@ -36,6 +36,7 @@ class EngineInfo:
     vocab_size: int
     device: str
     kv_cache: str  # what the KV cache holds, in words (Runner.kv_cache_summary)
+    cache_config: dict[str, str]  # vLLM's cache_config_info labels that apply here
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,13 @@ class EngineSnapshot:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner = engine.config, engine.runner
+    cache_config = {"block_size": runner.block_size, "cache_dtype": config.kv_cache_dtype,
+                    "enable_prefix_caching": config.enable_prefix_caching,
+                    "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": runner.num_kv_blocks,
+                    "num_gpu_blocks_override": config.num_kv_blocks}
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
-                      config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary())
+                      config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
+                      {name: str(value) for name, value in cache_config.items()})
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

@@ -1,9 +1,13 @@
 """The server's Prometheus metrics: vLLM's names under the "nanograph:" prefix, each labelled with model_name.
 
 AsyncLLM's reader thread records everything: the gauges and the engine's counters from the state the engine
-process reports after each step, the latencies and token counts from the deltas it hands out. Latencies are per
-request (each prompt of an API request, its n completions together); finish reasons are per completion, as each
-has its own."""
+process reports after each step, the latencies and token counts from the deltas it hands out, cache_config_info
+from what the engine reports once built. Latencies are per request (each prompt of an API request, its n
+completions together); finish reasons are per completion, as each has its own.
+
+A request's phases, as vLLM's: queued from its arrival at the server to the step that first scheduled it (the
+engine's clock, on its deltas), then prefill to its first token, decode to its last; inference is prefill and
+decode. Phases a request never reached record 0 (a request aborted while queued: its whole life as queue time)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..outputs import CompletionDelta
-from .engine_core import EngineSnapshot
+from .engine_core import EngineInfo, EngineSnapshot
 
 PREFIX = "nanograph:"
 # Seconds, in a 1-2.5-5 series over the range each latency spans, from a fast GPU to a loaded CPU.
@@ -23,6 +27,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250
 # Tokens per request (prompt, generated, max_tokens): a 1-2-5 series up to a million, past any model's context.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
 N_BUCKETS = (1, 2, 5, 10, 20)  # request_params_n, as vLLM's
+# Tokens an engine step computed for the requests it gave tokens to: powers of two, as vLLM's without CUDA graphs.
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -34,7 +40,9 @@ class _RequestTimes:
     num_open_completions: int
     first_token: float | None = None  # when the request got its first tokens; None until then
     last_token: float | None = None  # when it last got tokens
+    scheduled: float | None = None  # when the engine first scheduled it; None until a delta says
     num_generated: int = 0  # over its completions
+    completion_tokens: dict[int, int] | None = None  # generated tokens by completion index
 
 
 class ServerMetrics:
@@ -77,6 +85,22 @@ class ServerMetrics:
         self.request_generation_tokens = labelled(Histogram, "request_generation_tokens",
                                                   "Tokens generated for each request, over its n completions.",
                                                   buckets=TOKEN_BUCKETS)
+        self.request_max_num_generation_tokens = labelled(
+            Histogram, "request_max_num_generation_tokens",
+            "The most tokens any one of a request's n completions generated.", buckets=TOKEN_BUCKETS)
+        self.request_queue_time = labelled(Histogram, "request_queue_time_seconds",
+                                           "Seconds from a request's arrival to the step that first scheduled it.",
+                                           buckets=E2E_BUCKETS)
+        self.request_prefill_time = labelled(Histogram, "request_prefill_time_seconds",
+                                             "Seconds from a request's first scheduling to its first token.",
+                                             buckets=E2E_BUCKETS)
+        self.request_inference_time = labelled(Histogram, "request_inference_time_seconds",
+                                               "Seconds from a request's first scheduling to its last token.",
+                                               buckets=E2E_BUCKETS)
+        self.iteration_tokens = labelled(Histogram, "iteration_tokens_total",
+                                         "Tokens of each engine step that gave tokens: the prompts it finished "
+                                         "prefilling and the tokens it generated.", buckets=ITERATION_BUCKETS)
+        self.cache_config_info = None  # a Gauge labelled with the engine's cache config, once it is known
         self.request_params_n = labelled(Histogram, "request_params_n", "Each request's n.", buckets=N_BUCKETS)
         self.request_params_max_tokens = labelled(Histogram, "request_params_max_tokens",
                                                   "Each request's max_tokens (when not given: the room its prompt "
@@ -85,6 +109,13 @@ class ServerMetrics:
         self.total_generation_tokens = 0
         self._requests: dict[tuple[int, int], _RequestTimes] = {}
         self._preemptions = self._prefix_queries = self._prefix_hits = 0  # the engine's counts last seen
+
+    def record_engine_info(self, info: EngineInfo):
+        """vLLM's cache_config_info: 1, labelled with the KV cache's configuration."""
+        labels = {"model_name": self.model_name, **info.cache_config}
+        self.cache_config_info = Gauge(PREFIX + "cache_config_info", "Information of the engine's cache config.",
+                                       list(labels), registry=self.registry)
+        self.cache_config_info.labels(**labels).set(1)
 
     def request_added(self, request: tuple[int, int], arrival: float, num_prompt_tokens: int, n: int,
                       max_tokens: int):
@@ -97,16 +128,23 @@ class ServerMetrics:
         step), and, for each completion that ended, its finish reason (and the request's latency when it was the
         last)."""
         now = time.monotonic()
+        wall_to_monotonic = now - time.time()  # the engine's times are time.time()'s
         stepped = set()
-        generated = self.total_generation_tokens
+        generated, prompted = self.total_generation_tokens, self.total_prompt_tokens
         for stream_id, prompt_index, delta in deltas:
             request = (stream_id, prompt_index)
             times = self._requests.get(request)
             if times is None:
                 continue
+            if times.scheduled is None and delta.scheduled_time is not None:
+                times.scheduled = min(delta.scheduled_time + wall_to_monotonic, now)
             if delta.token_ids:
                 self.total_generation_tokens += len(delta.token_ids)
                 times.num_generated += len(delta.token_ids)
+                if times.completion_tokens is None:
+                    times.completion_tokens = {}
+                times.completion_tokens[delta.index] = times.completion_tokens.get(delta.index, 0) + \
+                    len(delta.token_ids)
                 if request not in stepped:
                     stepped.add(request)
                     if times.last_token is None:
@@ -125,12 +163,22 @@ class ServerMetrics:
                     self._request_finished(times, now)
                     del self._requests[request]
         self.generation_tokens.inc(self.total_generation_tokens - generated)
+        step_tokens = self.total_generation_tokens - generated + self.total_prompt_tokens - prompted
+        if step_tokens:
+            self.iteration_tokens.observe(step_tokens)
 
     def _request_finished(self, times: _RequestTimes, now: float):
         self.e2e_request_latency.observe(now - times.arrival)
         # vLLM's: first token to last (not to an abort's or an error's end, which brings none); 0 without tokens.
         decode = times.last_token - times.first_token if times.first_token is not None else 0.0
         self.request_decode_time.observe(decode)
+        scheduled = times.scheduled if times.scheduled is not None else now
+        self.request_queue_time.observe(max(0.0, scheduled - times.arrival))
+        got_tokens = times.first_token is not None and times.scheduled is not None
+        self.request_prefill_time.observe(max(0.0, times.first_token - scheduled) if got_tokens else 0.0)
+        self.request_inference_time.observe(max(0.0, times.last_token - scheduled) if got_tokens else 0.0)
+        self.request_max_num_generation_tokens.observe(max(times.completion_tokens.values())
+                                                       if times.completion_tokens else 0)
         self.request_prompt_tokens.observe(times.num_prompt_tokens)
         self.request_generation_tokens.observe(times.num_generated)
         self.request_params_n.observe(times.n)
