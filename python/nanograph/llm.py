@@ -48,6 +48,12 @@ class LLM:
         """Encode and decode requests queued from now on with tokenizer."""
         self.engine.set_tokenizer(tokenizer)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt prefix, so that later requests compute all of their prompt tokens
+        (after a change of weights, or to time prefills from a cold cache). Returns False, changing nothing, while
+        a request holds KV blocks (a stream still running)."""
+        return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams that generate(), chat() and stream() use when given none: the model folder's
         generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as

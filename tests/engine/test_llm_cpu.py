@@ -83,3 +83,8 @@ def test_prefix_cache_hit_gives_the_uncached_greedy_tokens(llm, small_uncached_l
     [uncached] = small_uncached_llm.generate([second], greedy(8), use_tqdm=False)
     assert cached.num_cached_tokens >= 80 and uncached.num_cached_tokens == 0
     assert cached.outputs[0].token_ids == uncached.outputs[0].token_ids
+    # vLLM's reset_prefix_cache: the same prompt then computes every token, and gives the same ones.
+    assert llm.reset_prefix_cache()
+    [cold] = llm.generate([second], greedy(8), use_tqdm=False)
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == uncached.outputs[0].token_ids

@@ -166,6 +166,25 @@ def test_prefix_cache_hits_are_reported_and_reused_correctly():
     assert output.outputs[0].token_ids == reference_completion(shared + [3], 6)
 
 
+def test_reset_prefix_cache_forgets_cached_prefixes_but_not_while_a_request_holds_blocks():
+    engine = fake_engine()
+    shared = [(5 * i) % 40 + 1 for i in range(18)]
+    generate(engine, [shared + [1, 2]])
+    running = engine.add_request(shared + [4], SamplingParams(max_tokens=6), stream=True)
+    engine.step()  # admitted: it holds blocks
+    assert not engine.reset_prefix_cache()
+    while engine.has_unfinished():
+        engine.step()
+    assert [d.request_id for d in engine.take_deltas() if d.finished] == [running]
+    assert engine.reset_prefix_cache()
+    [cold] = generate(engine, [shared + [3]])
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == reference_completion(shared + [3], 6)
+    [warm] = generate(engine, [shared + [3]])  # the cache fills again
+    assert warm.num_cached_tokens == 16
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
 def test_chunking_preemption_and_prefix_caching_together_keep_outputs_exact():
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randrange(4, 20))] for _ in range(3)]

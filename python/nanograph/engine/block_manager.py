@@ -91,6 +91,16 @@ class BlockManager:
             block.hash = hash_block(prev_hash, block.token_ids)
             self.hash_to_block_id.setdefault(block.hash, block.block_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, so that later prompts compute all of their tokens; False, changing nothing,
+        while any sequence holds blocks."""
+        if self.num_free_blocks != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.hash = block.token_ids = None
+        self.hash_to_block_id.clear()
+        return True
+
     def deallocate(self, seq: Sequence):
         # Tail blocks are freed first, so they are also reused first: a prefix outlives its continuations.
         for block_id in reversed(seq.block_table):

@@ -178,6 +178,11 @@ class LLMEngine:
                     outputs.append(output)
             return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache; False, changing nothing, while a request holds KV blocks."""
+        with self._lock:
+            return self.scheduler.block_manager.reset_prefix_cache()
+
     def shutdown(self):
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
         which its steps fail)."""
