@@ -89,7 +89,7 @@ def summarize(timeline: dict, out=sys.stdout):
             per_role[role]["exposed"].append(exposed)
             per_role[role]["duration"].append(duration / calls)
             per_role[role]["calls"].append(calls)
-    spans = [step[-1][2] - step[0][1] for step in steps]
+    spans = [max(end for _, _, end in step) - step[0][1] for step in steps]
     span = statistics.median(spans)
     print(f"{timeline.get('label', '')}: {len(steps)} steps profiled, span {span:.1f} us (median); "
           f"{statistics.median(len(s) for s in steps):.0f} kernels a step", file=out)
@@ -131,11 +131,14 @@ def profile(model: str, batch: int, context: int, max_model_len: int | None, ste
     label = f"{model} batch {batch}, context {context}, max_model_len {max_model_len}" + "".join(
         f", {k} {v}" for k, v in llm_kwargs.items() if v not in (None, False, "auto"))
     kernels.sort(key=lambda k: k[1])
-    if len(kernels) % steps == 0:  # every step ran the same kernels
-        per_step = len(kernels) // steps
+    step_kernels = split_steps(kernels)
+    if len(step_kernels) != steps and len(kernels) % steps == 0:  # steps closer than the gap: every step ran
+        per_step = len(kernels) // steps                          # the same kernels, so cut them by count
         step_kernels = [kernels[i:i + per_step] for i in range(0, len(kernels), per_step)]
-    else:
-        step_kernels = split_steps(kernels)
+    names = [[k[0] for k in step] for step in step_kernels]
+    if len(step_kernels) != steps or any(n != names[0] for n in names):
+        raise RuntimeError(f"{steps} steps were profiled, but their kernels do not split into {steps} equal steps "
+                           f"({len(kernels)} kernels): another process's kernels on this GPU?")
     return {"label": label, "num_layers": runner.model_config.num_layers, "step_us": step_us,
             "steps": step_kernels}
 

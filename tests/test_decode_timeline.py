@@ -30,6 +30,17 @@ def test_exposed_times_follow_the_latest_end_and_add_up_to_the_span():
     assert sum(exposed) == pytest.approx(step[-1][2] - step[0][1])
 
 
+def test_the_span_runs_to_the_latest_end_not_to_the_last_kernels():
+    """The kernel that starts last may end before one that started earlier: the span ends at the latest end, and
+    the shares add up to 100%."""
+    step = [("a", 0.0, 10.0), ("b", 2.0, 30.0), ("c", 12.0, 14.0)]
+    out = io.StringIO()
+    dt.summarize({"label": "overlap", "num_layers": 1, "steps": [step]}, out)
+    assert "span 30.0 us" in out.getvalue()
+    shares = [float(line.split()[-2].rstrip("%")) for line in out.getvalue().splitlines()[2:]]
+    assert sum(shares) == pytest.approx(100.0, abs=0.2)
+
+
 def test_steps_split_where_every_kernel_before_has_ended_long_before():
     kernels = [("a", 0, 10), ("b", 2, 30), ("c", 12, 14),  # c starts after a but inside b: same step
                ("a", 40, 50), ("b", 51, 60), ("a", 100, 101)]

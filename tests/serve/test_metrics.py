@@ -184,3 +184,18 @@ def test_gauges_follow_a_running_request_and_return_to_zero_after_aborts(server,
     after = wait_idle(server)
     assert grew(before, after, "request_success_total", "abort") == 5
     assert grew(before, after, "generation_tokens_total") < 5 * 400
+
+
+def test_an_engine_built_again_replaces_its_cache_config_info():
+    from prometheus_client import generate_latest
+
+    from nanograph.serve.engine_core import EngineInfo
+    from nanograph.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    for blocks in ("100", "200"):
+        metrics.record_engine_info(EngineInfo("m", None, 64, {}, 4, 100, "cpu", "", {"num_gpu_blocks": blocks}))
+    text = generate_latest(metrics.registry).decode()
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "nanograph:cache_config_info"]
+    assert [dict(sample.labels) for sample in samples] == [{"model_name": "m", "num_gpu_blocks": "200"}]

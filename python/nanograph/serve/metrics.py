@@ -113,6 +113,8 @@ class ServerMetrics:
     def record_engine_info(self, info: EngineInfo):
         """vLLM's cache_config_info: 1, labelled with the KV cache's configuration."""
         labels = {"model_name": self.model_name, **info.cache_config}
+        if self.cache_config_info is not None:  # an engine built again: its config replaces the last one's
+            self.registry.unregister(self.cache_config_info)
         self.cache_config_info = Gauge(PREFIX + "cache_config_info", "Information of the engine's cache config.",
                                        list(labels), registry=self.registry)
         self.cache_config_info.labels(**labels).set(1)
