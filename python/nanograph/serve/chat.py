@@ -1,7 +1,9 @@
 """POST /v1/chat/completions: the messages rendered by the model's chat template, n choices, logprobs with
-top_logprobs, vLLM's echo; one response or an SSE stream of chunks (each choice's first carries the reply's role)."""
+top_logprobs, vLLM's echo, tool calls (tool_calls.py); one response or an SSE stream of chunks (each choice's first
+carries the reply's role)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,12 +11,14 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from ..outputs import CompletionDelta, Logprob
+from ..sampling_params import StructuredOutputsParams
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
+from .tool_calls import ToolCall, ToolCallStream, extract_tool_calls, named_function
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
@@ -26,6 +30,17 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     if not request.messages:
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
     served.check_supported(request)
+    tool_mode, function = request.tool_mode(), None
+    if tool_mode == "auto" and served.tool_call_parser is None:
+        raise APIError(400, '"auto" tool choice requires nanograph serve --enable-auto-tool-choice and '
+                            '--tool-call-parser to be set; or give tool_choice "none" (the tools still reach the '
+                            'chat template, and a call comes back as the model\'s text) or a named function',
+                       "tool_choice", "unsupported_value")
+    if tool_mode == "named":
+        try:
+            function = named_function(request.tool_choice, request.tools)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
     prompts = served.truncate([await served.render_chat(request.messages, request)], request)
     max_tokens, field_name = (request.max_completion_tokens, "max_completion_tokens") \
         if request.max_completion_tokens is not None else (request.max_tokens, "max_tokens")
@@ -33,21 +48,50 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
+    if function is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, "a named tool_choice constrains the reply to its function's arguments, so the "
+                                "request cannot also give structured outputs (response_format, structured_outputs, "
+                                "guided_*); drop one of them", "tool_choice", "invalid_value")
+        schema = function.get("parameters") or {"type": "object"}
+        try:
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, f"the named function's parameters are not a JSON schema the server takes: {exc}",
+                           "tools", "invalid_value") from None
+    parse_calls = tool_mode == "auto"
     response_id, model = f"chatcmpl-{uuid.uuid4().hex}", served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
-                                           role, echoed, wants_continuous_usage(request)), stream.close)
+                                           role, echoed, wants_continuous_usage(request), parse_calls,
+                                           function["name"] if function is not None else None), stream.close)
+
+    def message(text: str) -> tuple[ChatResponseMessage, bool]:
+        """A choice's message, and whether it called tools."""
+        if function is not None:
+            call = ToolCall(function["name"], text)
+            return ChatResponseMessage(role=role, content=echoed or None, tool_calls=[call.as_dict()]), True
+        if parse_calls:
+            content, calls = extract_tool_calls(text)
+            if calls:
+                content = echoed + content if content is not None else (echoed or None)
+                return ChatResponseMessage(role=role, content=content,
+                                           tool_calls=[call.as_dict() for call in calls]), True
+        return ChatResponseMessage(role=role, content=echoed + text), False
 
     async def complete() -> ChatCompletionResponse:
         stream = await served.generate(request, prompts, params, renames)
         completions = await served.collect(stream, params.n)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(role=role, content=echoed + c.text),
-                              finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason,
-                              logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top) if request.logprobs else None)
-                   for i, c in enumerate(completions)]
+        choices = []
+        for i, c in enumerate(completions):
+            reply, called = message(c.text)
+            # vLLM's: "tool_calls" when the parser found calls (a named function's reply ends as it ended).
+            finish_reason = "tool_calls" if called and parse_calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatChoice(index=i, message=reply, finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                      logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
+                                      if request.logprobs else None))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
                                       usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
 
@@ -70,10 +114,12 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
                   num_top: int, include_usage: bool, role: str, echoed: str,
-                  continuous_usage: bool = False) -> AsyncIterator[str]:
+                  continuous_usage: bool = False, parse_calls: bool = False,
+                  named: str | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
-    far."""
+    far. parse_calls: the text goes through a ToolCallStream, each call whole in one chunk; named: the reply is
+    the arguments of a call of that function, streamed as they come."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -87,10 +133,49 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         id=response_id, created=created, model=model,
         choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))])) for index in range(n)]
 
+    parsers = [ToolCallStream() for _ in range(n)] if parse_calls else None
+    named_calls = [ToolCall(named, "") for _ in range(n)] if named is not None else None
+
+    def tool_chunk(delta: CompletionDelta) -> str:
+        """A parsed or named choice's chunks for this delta: its content and its calls as they are complete."""
+        index = delta.index
+        pieces = []
+        if named_calls is not None:
+            if delta.text:
+                pieces.append({"index": 0, "function": {"arguments": delta.text}})
+        else:
+            parser = parsers[index]
+            items = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
+            for item in items:
+                if isinstance(item, ToolCall):
+                    pieces.append({"index": parser.num_calls - 1, **item.as_dict()})
+                else:
+                    pieces.append(item)
+        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
+        finish_reason = None
+        if delta.finished:
+            called = named_calls is None and parsers[index].num_calls > 0
+            finish_reason = "tool_calls" if called and delta.finish_reason == "stop" else delta.finish_reason
+        chunks, text, calls = [], "".join(p for p in pieces if isinstance(p, str)), \
+            [p for p in pieces if isinstance(p, dict)]
+        if text or (not calls and (logprobs is not None or finish_reason is not None or continuous_usage)):
+            chunks.append(ChatDelta(content=text))
+        if calls:
+            chunks.append(ChatDelta(tool_calls=calls))
+        events = []
+        for i, chat_delta in enumerate(chunks):
+            last = i == len(chunks) - 1
+            events.append(chunk([ChatChunkChoice(index=index, delta=chat_delta, logprobs=logprobs if i == 0 else None,
+                                                 finish_reason=finish_reason if last else None,
+                                                 stop_reason=delta.stop_reason if last and delta.finished else None)]))
+        return "".join(events)
+
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         num_tokens += len(delta.token_ids)
         choice_tokens[delta.index] += len(delta.token_ids)
+        if parsers is not None or named_calls is not None:
+            return tool_chunk(delta)
         if delta.logprobs is None and not delta.finished and not continuous_usage:
             return text_events[delta.index](delta.text)
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
@@ -104,6 +189,10 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
 
     yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
                   for index in range(n))
+    if named_calls is not None:  # the call's id, type and name, then its arguments as they come
+        yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[
+            {"index": 0, **dataclasses.replace(named_calls[index], arguments="").as_dict()}]))])
+            for index in range(n))
     if echoed:
         yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(content=echoed))]) for index in range(n))
     async for events in sse_body(stream, chunk_of, usage_chunk if include_usage else None):

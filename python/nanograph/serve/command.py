@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
+from .tool_calls import TOOL_CALL_PARSERS
 
 INSTALL_HINT = "pip install 'nanograph[serve]'"
 
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="accepted for vLLM's command lines: requests are not logged one by one")
     parser.add_argument("--response-role", default="assistant",
                         help="the role of a chat reply when add_generation_prompt is on (default: %(default)s)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto" (and tools without tool_choice): the reply\'s tool calls are parsed '
+                             'by --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                        help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
+                             "Hermes)")
     parser.add_argument("--root-path", default="",
                         help="the path prefix a proxy serves the API under (ASGI root_path; routes stay the same)")
     # CORS, as vLLM's flags: which web pages a browser lets call the server.
@@ -102,6 +109,9 @@ def serve(args: argparse.Namespace):
             "/" in name or os.path.isdir(name) for name in args.served_model_name[1:]):
         raise SystemExit(f"nanograph serve: --served-model-name took {args.served_model_name[1:]} as names too; "
                          "give the model first (nanograph serve MODEL --served-model-name NAME ...) or as --model")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("nanograph serve: --enable-auto-tool-choice needs --tool-call-parser (one of: "
+                         f"{', '.join(TOOL_CALL_PARSERS)})")
     chat_template = read_chat_template(args.chat_template)
     config = Config(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
@@ -117,7 +127,8 @@ def serve(args: argparse.Namespace):
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
                          chat_template=chat_template, trust_remote_code=config.trust_remote_code,
-                         response_role=args.response_role)
+                         response_role=args.response_role,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     app = build_app(served, args.api_key, cors)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)

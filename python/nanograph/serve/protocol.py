@@ -9,7 +9,7 @@ import time
 import typing
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ..chat_template import text_content
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -208,8 +208,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True  # vLLM's
     continue_final_message: bool = False  # vLLM's
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the tokenizer's
-    tools: list[dict] | None = None  # given to the chat template; the reply is text (no tool-call parser)
-    tool_choice: str | dict | None = None  # "none": tools reach the template, a call comes back as text
+    tools: list[dict] | None = None  # given to the chat template (tool_calls.py: what comes back)
+    tool_choice: str | dict | None = None  # "none", "auto" (a tool-call parser) or a named function
     echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
 
     def reply_role(self, response_role: str) -> str:
@@ -222,13 +222,20 @@ class ChatCompletionRequest(SamplingRequest):
         last = self.messages[-1] if self.echo and self.messages else None
         return last.text() if last is not None and last.role == self.reply_role(response_role) else ""
 
-    def unsupported(self) -> tuple[str, str] | None:
-        # Without tool_choice, tools mean "auto", as in vLLM, which needs a tool-call parser.
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none": a call comes back as text), "auto" (tools without tool_choice
+        too, as in vLLM), "required" or "named"."""
+        if isinstance(self.tool_choice, dict):
+            return "named"
         choice = self.tool_choice if self.tool_choice is not None or not self.tools else "auto"
-        if choice not in (None, "none"):
-            return "tool_choice", (f"tool_choice {choice!r} needs a tool-call parser, which this server does not "
-                                   "have; set tool_choice to 'none' (the tools still reach the chat template, and a "
-                                   "call comes back as the model's text)")
+        return None if choice in (None, "none") else choice
+
+    def unsupported(self) -> tuple[str, str] | None:
+        mode = self.tool_mode()
+        if mode not in (None, "auto", "named"):
+            return "tool_choice", (f"tool_choice {self.tool_choice!r} is not supported; use 'auto' (with nanograph "
+                                   "serve --enable-auto-tool-choice --tool-call-parser hermes), a named function, or "
+                                   "'none'")
         return super().unsupported()
 
 
@@ -297,7 +304,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None  # None: a reply of tool calls alone
+    tool_calls: list[dict] = Field(default_factory=list)  # OpenAI's: id, type "function", function name, arguments
 
 
 class ChatChoice(BaseModel):
@@ -320,6 +328,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict] | None = None  # each with its index among the choice's calls; left out when None
+
+    @model_serializer(mode="wrap")
+    def _tool_calls_only_when_given(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChunkChoice(BaseModel):

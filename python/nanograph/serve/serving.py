@@ -31,12 +31,14 @@ class Completion:
 class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
-                 trust_remote_code: bool = False, response_role: str = "assistant"):
+                 trust_remote_code: bool = False, response_role: str = "assistant",
+                 tool_call_parser: str | None = None):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; response_role: a chat reply's role when add_generation_prompt is on."""
         self.async_llm = async_llm
         self.response_role = response_role
+        self.tool_call_parser = tool_call_parser  # tool_calls.TOOL_CALL_PARSERS; None: no "auto" tool choice
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.names = [names] if isinstance(names, str) else list(names)

@@ -1,0 +1,139 @@
+"""Tool calls in a chat reply, as vLLM's server returns them.
+
+tool_choice "auto" (or tools without tool_choice) needs `nanograph serve --enable-auto-tool-choice
+--tool-call-parser hermes`: the model writes each call as Hermes' format, which Qwen2.5 and Qwen3 use,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and the parser turns those into the message's tool_calls (the text before the first call is its content), with
+finish_reason "tool_calls". A call whose JSON does not parse leaves the whole reply as text, as vLLM's parser does.
+Streamed, the content goes out as it comes, text that may open a call is held back until it is known, and each
+call is sent whole once its closing tag arrives.
+
+A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
+to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
+arguments."""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("hermes",)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + r"|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _parsed(body: str) -> ToolCall | None:
+    """A call's JSON ({"name": ..., "arguments": {...}}), or None when it is not one."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def extract_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply -> (its content, its calls). Without a call, or with one that does not parse, the content is
+    the text and there are no calls; otherwise the content is the text before the first call (None if empty)."""
+    if OPEN not in text:
+        return text, []
+    calls = []
+    for match in _CALL.finditer(text):
+        call = _parsed((match.group(1) if match.group(1) is not None else match.group(2)).strip())
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:text.index(OPEN)]
+    return (content if content.strip() else None), calls
+
+
+class ToolCallStream:
+    """One choice's streamed reply -> its content pieces and its whole calls, in order."""
+
+    def __init__(self):
+        self.buffer = ""  # text not yet given out: a possible start of a call, or a call still open
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | ToolCall]:
+        self.buffer += text
+        out: list[str | ToolCall] = []
+        while self.buffer:
+            if self.in_call:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    break
+                out.append(self._call(self.buffer[:end]))
+                self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
+                continue
+            start = self.buffer.find(OPEN)
+            if start >= 0:
+                if start:
+                    out.append(self.buffer[:start])
+                self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
+                continue
+            keep = _partial_open(self.buffer)
+            if len(self.buffer) > keep:
+                out.append(self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+            break
+        return out
+
+    def finish(self) -> list[str | ToolCall]:
+        """The end of the reply: a call left open is parsed as it stands; held text is content."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_call:
+            self.in_call = False
+            return [self._call(rest)]
+        return [rest] if rest else []
+
+    def _call(self, body: str) -> str | ToolCall:
+        """A call's body -> the call, or, when it does not parse, its text as content."""
+        call = _parsed(body.strip())
+        if call is None:
+            return OPEN + body + CLOSE
+        self.num_calls += 1
+        return call
+
+
+def _partial_open(text: str) -> int:
+    """How many characters at text's end could be the start of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def named_function(tool_choice, tools: list[dict] | None) -> dict | None:
+    """The tool a named tool_choice picks (its "function" entry), or None for "none", "auto" and no choice.
+    Raises ValueError naming the problem when the name is not among the tools."""
+    if not isinstance(tool_choice, dict):
+        return None
+    name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        if tool.get("type") == "function" and function.get("name") == name:
+            return function
+    raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
