@@ -143,6 +143,22 @@ def test_a_request_queued_behind_a_full_batch_reports_its_queue_time():
     assert first_time is not None and second_time is not None and first_time < second_time
 
 
+def test_a_preempted_request_keeps_its_first_scheduling_time():
+    engine = fake_engine()
+    request_id = engine.add_request(PROMPT, SamplingParams(max_tokens=6), stream=True)
+    engine.step()
+    [seq] = engine.requests[request_id].seqs
+    first = seq.first_scheduled_time
+    assert first is not None
+    engine.scheduler.running.remove(seq)
+    engine.scheduler._preempt(seq)  # back to waiting, its blocks gone: admitted again later
+    while engine.has_unfinished():
+        engine.step()
+    deltas = engine.take_deltas()
+    assert seq.first_scheduled_time == first
+    assert {delta.scheduled_time for delta in deltas} == {first}
+
+
 def collect(deltas):
     """Texts and token ids per (request_id, index), and how many finished deltas each got."""
     texts, token_ids, finishes = defaultdict(str), defaultdict(list), defaultdict(int)

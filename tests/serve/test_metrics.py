@@ -4,6 +4,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .server_process import MAX_MODEL_LEN
@@ -199,3 +200,27 @@ def test_an_engine_built_again_replaces_its_cache_config_info():
     samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == "nanograph:cache_config_info"]
     assert [dict(sample.labels) for sample in samples] == [{"model_name": "m", "num_gpu_blocks": "200"}]
+
+
+def test_phases_of_a_request_aborted_while_queued_and_of_one_without_tokens():
+    """Queued and never scheduled: all of its time is queue time, no prefill or inference. Scheduled and aborted
+    before its first token: queue time up to the scheduling, prefill and inference 0."""
+    from nanograph.outputs import CompletionDelta
+    from nanograph.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    now = time.monotonic()
+    metrics.request_added((1, 0), now - 2.0, 5, 1, 10)
+    metrics.record_deltas([(1, 0, CompletionDelta("a", 0, "", [], True, "abort"))])
+    metrics.request_added((2, 0), now - 3.0, 5, 1, 10)
+    scheduled = time.time() - 1.0  # the engine's clock: a second ago
+    metrics.record_deltas([(2, 0, CompletionDelta("b", 0, "", [], True, "abort", scheduled_time=scheduled))])
+
+    def value(name, suffix):
+        return metrics.registry.get_sample_value(f"nanograph:{name}_{suffix}", {"model_name": "m"})
+
+    assert value("request_queue_time_seconds", "count") == 2
+    assert value("request_queue_time_seconds", "sum") == pytest.approx(2.0 + 2.0, abs=0.05)
+    assert value("request_prefill_time_seconds", "sum") == 0 and value("request_inference_time_seconds", "sum") == 0
+    assert value("request_max_num_generation_tokens", "sum") == 0
+    assert value("iteration_tokens_total", "count") == 0  # no step gave tokens
