@@ -30,6 +30,8 @@ def test_a_reply_with_calls_gives_its_content_and_calls():
     assert extract_tool_calls("no calls here") == ("no calls here", [])
     broken = "x <tool_call>{not json}</tool_call>"
     assert extract_tool_calls(broken) == (broken, [])
+    # Whitespace before a call is kept as the content, as vLLM keeps it.
+    assert extract_tool_calls("\n\n" + CALL)[0] == "\n\n"
     # A call cut off by max_tokens after its JSON is still a call.
     assert [c.name for c in extract_tool_calls('<tool_call>{"name": "f", "arguments": {}}')[1]] == ["f"]
 
@@ -42,13 +44,33 @@ def test_a_streamed_reply_gives_the_same_content_and_calls_in_any_pieces(piece):
         out += stream.feed(text[i:i + piece])
     out += stream.finish()
     content = "".join(item for item in out if isinstance(item, str))
-    calls = [item for item in out if isinstance(item, ToolCall)]
+    calls = [item for item in out if not isinstance(item, str)]
+    # Streamed, text after a call is content too (the whole reply's parse drops it, as vLLM's does).
     assert content == "Weather <tool maybe> then  and after"
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "°C"})]
-    assert stream.num_calls == 1
+    assert [(i, c.name, json.loads(c.arguments)) for i, c in calls] == [
+        (0, "get_weather", {"city": "Paris", "unit": "°C"})]
+    assert isinstance(calls[0][1], ToolCall) and stream.num_calls == 1
     # Held-back text that turns out not to open a call is given out by the end.
     stream = ToolCallStream()
     assert stream.feed("a <tool_") == ["a "] and stream.finish() == ["<tool_"]
+
+
+def test_calls_that_complete_in_one_piece_get_their_own_indexes_in_order():
+    stream = ToolCallStream()
+    out = stream.feed("x" + CALL + "mid" + CALL.replace("Paris", "Oslo") + '<tool_call>{"name": "f", "arguments": {}}')
+    out += stream.finish()  # the third call, left open by the end of the reply, still parses
+    assert [item if isinstance(item, str) else (item[0], item[1].name) for item in out] == [
+        "x", (0, "get_weather"), "mid", (1, "get_weather"), (2, "f")]
+    assert stream.num_calls == 3
+
+
+def test_a_call_that_does_not_parse_streams_as_the_text_the_model_wrote():
+    stream = ToolCallStream()
+    assert stream.feed('Hi <tool_call>\n{"') == ["Hi "]
+    assert stream.finish() == ['<tool_call>\n{"']  # cut off: no closing tag that the model never wrote
+    stream = ToolCallStream()
+    assert stream.feed("<tool_call>{oops}</tool_call> ok") == ["<tool_call>{oops}</tool_call>", " ok"]
+    assert stream.num_calls == 0
 
 
 @pytest.fixture(scope="module")
@@ -109,3 +131,26 @@ def test_a_named_tool_choice_constrains_the_reply_to_the_functions_arguments(cli
     assert pieces[0].function.name == "get_weather" and pieces[0].id.startswith("chatcmpl-tool-")
     assert all(piece.index == 0 for piece in pieces)
     assert "".join(piece.function.arguments or "" for piece in pieces) == call.function.arguments
+
+
+def test_two_calls_stream_with_their_own_indexes_and_one_finish_reason(client):
+    two = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>\n' \
+          r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                            temperature=0, extra_body={"structured_outputs": {"regex": two}},
+                                            stream=True)
+    calls, finishes = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            calls += choice.delta.tool_calls or []
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert finishes == ["tool_calls"]
+    assert [(call.index, json.loads(call.function.arguments)["city"]) for call in calls] == [(0, "Paris"), (1, "Oslo")]
+    assert calls[0].id != calls[1].id
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                           temperature=0, extra_body={"structured_outputs": {"regex": two}})
+    assert whole.choices[0].message.content is None and whole.choices[0].finish_reason == "tool_calls"
+    assert [json.loads(call.function.arguments)["city"] for call in whole.choices[0].message.tool_calls] == \
+        ["Paris", "Oslo"]

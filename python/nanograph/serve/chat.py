@@ -18,7 +18,7 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
-from .tool_calls import ToolCall, ToolCallStream, extract_tool_calls, named_function
+from .tool_calls import NO_PARAMETERS, ToolCall, ToolCallStream, extract_tool_calls, named_function
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
@@ -31,6 +31,9 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
     served.check_supported(request)
     tool_mode, function = request.tool_mode(), None
+    if tool_mode is not None and not request.tools:
+        raise APIError(400, f"tool_choice {request.tool_choice!r} needs tools; give the request's tools, or leave "
+                            "tool_choice out", "tools", "invalid_value")
     if tool_mode == "auto" and served.tool_call_parser is None:
         raise APIError(400, '"auto" tool choice requires nanograph serve --enable-auto-tool-choice and '
                             '--tool-call-parser to be set; or give tool_choice "none" (the tools still reach the '
@@ -53,7 +56,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
             raise APIError(400, "a named tool_choice constrains the reply to its function's arguments, so the "
                                 "request cannot also give structured outputs (response_format, structured_outputs, "
                                 "guided_*); drop one of them", "tool_choice", "invalid_value")
-        schema = function.get("parameters") or {"type": "object"}
+        schema = function.get("parameters") or NO_PARAMETERS
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         except (ValueError, TypeError) as exc:
@@ -72,7 +75,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         """A choice's message, and whether it called tools."""
         if function is not None:
             call = ToolCall(function["name"], text)
-            return ChatResponseMessage(role=role, content=echoed or None, tool_calls=[call.as_dict()]), True
+            return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
         if parse_calls:
             content, calls = extract_tool_calls(text)
             if calls:
@@ -88,7 +91,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         for i, c in enumerate(completions):
             reply, called = message(c.text)
             # vLLM's: "tool_calls" when the parser found calls (a named function's reply ends as it ended).
-            finish_reason = "tool_calls" if called and parse_calls and c.finish_reason == "stop" else c.finish_reason
+            finish_reason = "tool_calls" if called and parse_calls else c.finish_reason
             choices.append(ChatChoice(index=i, message=reply, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                       logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
                                       if request.logprobs else None))
@@ -139,29 +142,31 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     def tool_chunk(delta: CompletionDelta) -> str:
         """A parsed or named choice's chunks for this delta: its content and its calls as they are complete."""
         index = delta.index
-        pieces = []
+        chunks: list[ChatDelta] = []  # in the reply's order: runs of text, runs of calls
         if named_calls is not None:
             if delta.text:
-                pieces.append({"index": 0, "function": {"arguments": delta.text}})
+                chunks.append(ChatDelta(tool_calls=[{"index": 0, "function": {"arguments": delta.text}}]))
         else:
             parser = parsers[index]
-            items = parser.feed(delta.text) + (parser.finish() if delta.finished else [])
-            for item in items:
-                if isinstance(item, ToolCall):
-                    pieces.append({"index": parser.num_calls - 1, **item.as_dict()})
+            for item in parser.feed(delta.text) + (parser.finish() if delta.finished else []):
+                if isinstance(item, str):
+                    if chunks and chunks[-1].content is not None:
+                        chunks[-1].content += item
+                    else:
+                        chunks.append(ChatDelta(content=item))
                 else:
-                    pieces.append(item)
+                    call = {"index": item[0], **item[1].as_dict()}
+                    if chunks and chunks[-1].tool_calls is not None:
+                        chunks[-1].tool_calls.append(call)
+                    else:
+                        chunks.append(ChatDelta(tool_calls=[call]))
         logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
         finish_reason = None
         if delta.finished:
             called = named_calls is None and parsers[index].num_calls > 0
-            finish_reason = "tool_calls" if called and delta.finish_reason == "stop" else delta.finish_reason
-        chunks, text, calls = [], "".join(p for p in pieces if isinstance(p, str)), \
-            [p for p in pieces if isinstance(p, dict)]
-        if text or (not calls and (logprobs is not None or finish_reason is not None or continuous_usage)):
-            chunks.append(ChatDelta(content=text))
-        if calls:
-            chunks.append(ChatDelta(tool_calls=calls))
+            finish_reason = "tool_calls" if called else delta.finish_reason
+        if not chunks and (logprobs is not None or finish_reason is not None or continuous_usage):
+            chunks.append(ChatDelta(content=""))
         events = []
         for i, chat_delta in enumerate(chunks):
             last = i == len(chunks) - 1

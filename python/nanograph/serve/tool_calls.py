@@ -7,10 +7,11 @@ tool_choice "auto" (or tools without tool_choice) needs `nanograph serve --enabl
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-and the parser turns those into the message's tool_calls (the text before the first call is its content), with
-finish_reason "tool_calls". A call whose JSON does not parse leaves the whole reply as text, as vLLM's parser does.
-Streamed, the content goes out as it comes, text that may open a call is held back until it is known, and each
-call is sent whole once its closing tag arrives.
+and the parser turns those into the message's tool_calls (the text before the first call is its content; text
+after a call is dropped, as vLLM's parser drops it), with finish_reason "tool_calls". A call whose JSON does not
+parse leaves the whole reply as text, as vLLM's parser does. Streamed, the content goes out as it comes (text after
+a call too), text that may open a call is held back until it is known, and each call is sent whole once its
+closing tag arrives (or the reply ends); a call that does not parse then goes out as text, the others stay calls.
 
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
@@ -64,26 +65,27 @@ def extract_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         calls.append(call)
     content = text[:text.index(OPEN)]
-    return (content if content.strip() else None), calls
+    return (content or None), calls
 
 
 class ToolCallStream:
-    """One choice's streamed reply -> its content pieces and its whole calls, in order."""
+    """One choice's streamed reply -> its content pieces and its whole calls, in order; each call as (its index
+    among the choice's calls, the call)."""
 
     def __init__(self):
         self.buffer = ""  # text not yet given out: a possible start of a call, or a call still open
         self.in_call = False
         self.num_calls = 0
 
-    def feed(self, text: str) -> list[str | ToolCall]:
+    def feed(self, text: str) -> list[str | tuple[int, ToolCall]]:
         self.buffer += text
-        out: list[str | ToolCall] = []
+        out: list[str | tuple[int, ToolCall]] = []
         while self.buffer:
             if self.in_call:
                 end = self.buffer.find(CLOSE)
                 if end < 0:
                     break
-                out.append(self._call(self.buffer[:end]))
+                out.append(self._call(self.buffer[:end], closed=True))
                 self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
                 continue
             start = self.buffer.find(OPEN)
@@ -99,21 +101,21 @@ class ToolCallStream:
             break
         return out
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self) -> list[str | tuple[int, ToolCall]]:
         """The end of the reply: a call left open is parsed as it stands; held text is content."""
         rest, self.buffer = self.buffer, ""
         if self.in_call:
             self.in_call = False
-            return [self._call(rest)]
+            return [self._call(rest, closed=False)]
         return [rest] if rest else []
 
-    def _call(self, body: str) -> str | ToolCall:
-        """A call's body -> the call, or, when it does not parse, its text as content."""
+    def _call(self, body: str, closed: bool) -> str | tuple[int, ToolCall]:
+        """A call's body -> (its index, the call), or, when it does not parse, its text as the model wrote it."""
         call = _parsed(body.strip())
         if call is None:
-            return OPEN + body + CLOSE
+            return OPEN + body + (CLOSE if closed else "")
         self.num_calls += 1
-        return call
+        return self.num_calls - 1, call
 
 
 def _partial_open(text: str) -> int:
@@ -124,16 +126,21 @@ def _partial_open(text: str) -> int:
     return 0
 
 
+# A function without parameters takes none: its arguments are an empty object (OpenAI's reading).
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def named_function(tool_choice, tools: list[dict] | None) -> dict | None:
     """The tool a named tool_choice picks (its "function" entry), or None for "none", "auto" and no choice.
     Raises ValueError naming the problem when the name is not among the tools."""
     if not isinstance(tool_choice, dict):
         return None
-    name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+    chosen = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = chosen.get("name") if isinstance(chosen, dict) else None
     if not isinstance(name, str):
         raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
     for tool in tools or []:
-        function = tool.get("function") or {}
-        if tool.get("type") == "function" and function.get("name") == name:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and tool.get("type") == "function" and function.get("name") == name:
             return function
     raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
