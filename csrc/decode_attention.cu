@@ -191,11 +191,6 @@ __device__ __forceinline__ uint32_t key_pair_operand(const uint2& a, const uint2
   return zip_e4m3x8_to_f16x2(a, b, j);
 }
 
-__device__ __forceinline__ void store_f32x8(float* dst, const Float8& x) {
-  reinterpret_cast<float4*>(dst)[0] = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
-  reinterpret_cast<float4*>(dst)[1] = make_float4(x.v[4], x.v[5], x.v[6], x.v[7]);
-}
-
 // The cluster barrier (sm_90), executed by every thread of the CTA at the same point (.aligned).
 // An arrive with release makes this CTA's earlier writes to any rank's shared memory visible to a
 // thread that then waits (acquire) on the same phase; each thread waits once per phase before it
@@ -251,11 +246,14 @@ __device__ __forceinline__ uint2 merge_column(const float* lse, const float* row
       return *reinterpret_cast<const float4*>(p);
     }
   };
+  // Unrolled so that many parts' loads are in flight at once: from the workspace each is a round
+  // trip to L2, and the merge is the last thing the step waits for.
   float max = -INFINITY;
+#pragma unroll 16
   for (int i = 0; i < n; ++i) max = fmaxf(max, load(lse + part(i)));
   float sum = 0.f;
   float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+#pragma unroll 8
   for (int i = 0; i < n; ++i) {
     const int p = part(i);
     const float w = exp2f(load(lse + p) - max);
@@ -514,6 +512,14 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     rotate_own_token<HD>(args, seq, position, slot, kv_head, group, holds_newest, &s_q[0][0]);
     __syncthreads();
   }
+  // If the newest key falls in the warp's first step, the step is loaded again, now whole, with
+  // the same loader as every other step. It is requested before q, so that the two round trips
+  // overlap (q's loads feed selects, which wait for them).
+  if constexpr (kEarlyKv) {
+    if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
+      load_step(first_step, end, first_blocks);
+    }
+  }
   uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
   const bf16* q = kRope ? &s_q[0][0]
                         : args.q + static_cast<size_t>(seq) * args.q_stride + kv_head * group * HD;
@@ -526,13 +532,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     if constexpr (kFp8) {
       q_lo[c] = bf16x8_to_f16x8(q_lo[c]);
       q_hi[c] = bf16x8_to_f16x8(q_hi[c]);
-    }
-  }
-  // If the newest key falls in the warp's first step, the step is loaded again, now whole: one
-  // more round trip for that warp only, and the same loader as every other step.
-  if constexpr (kEarlyKv) {
-    if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
-      load_step(first_step, end, first_blocks);
     }
   }
 
@@ -654,8 +653,10 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     rank0_rows = in_rank0(s_inbox);
     rank0_lse = in_rank0(inbox_lse);
   }
-  for (int item = threadIdx.x; item < group * HD / 8; item += kThreads) {
-    const int head = item / (HD / 8), dim = item % (HD / 8) * 8;
+  // Two dims per thread, so that every warp takes a share: this runs between the last keys and the
+  // kernel's end, where a longer chain per thread would be the step's to wait out.
+  for (int item = threadIdx.x; item < group * HD / 2; item += kThreads) {
+    const int head = item / (HD / 2), dim = item % (HD / 2) * 2;
     float max = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) max = fmaxf(max, s_max[w][head]);  // warp 0 saw a valid key
@@ -665,23 +666,23 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       weight[w] = exp2f(s_max[w][head] - max);  // 0 for a warp that saw no keys
       sum += weight[w] * s_sum[w][head];
     }
-    Float8 o;
+    float o[2];
 #pragma unroll
-    for (int d = 0; d < 8; ++d) {
+    for (int d = 0; d < 2; ++d) {
       float x = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) x += weight[w] * s_out[w][head][dim + d];
-      o.v[d] = x / sum;
-      if constexpr (kFp8) o.v[d] *= kv.v_scale;
+      o[d] = x / sum;
+      if constexpr (kFp8) o[d] *= kv.v_scale;
     }
     const size_t row = out_row + head;
     if (row_parts == 1) {
-      store_bf16x8(args.out + row * HD + dim, o);
+      *reinterpret_cast<__nv_bfloat162*>(args.out + row * HD + dim) = __floats2bfloat162_rn(o[0], o[1]);
     } else if (merge_in_cluster) {
-      store_f32x8(rank0_rows + (head * layout.cluster + split) * HD + dim, o);
+      *reinterpret_cast<float2*>(rank0_rows + (head * layout.cluster + split) * HD + dim) = make_float2(o[0], o[1]);
       if (dim == 0) rank0_lse[head * layout.cluster + split] = max + log2f(sum);
     } else {
-      store_f32x8(partial_out + (row * splits + split) * HD + dim, o);
+      *reinterpret_cast<float2*>(partial_out + (row * splits + split) * HD + dim) = make_float2(o[0], o[1]);
       if (dim == 0) partial_lse[row * splits + split] = max + log2f(sum);
     }
   }
