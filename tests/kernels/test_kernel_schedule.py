@@ -185,3 +185,17 @@ def test_large_grid_decode_attention_prefetches_the_next_step_only_for_an_e4m3_c
         f"expected the large-grid variants of decode attention (bf16 and e4m3, with and without RoPE), found {sorted(found)}"
     for name, (wanted, prefetches) in found.items():
         assert (prefetches > 0) == wanted, f"{name}: {prefetches} L2 prefetches"
+
+
+def test_small_grid_decode_attention_reloads_the_newest_keys_step_before_reading_q(sm90_functions):
+    """After its wait, decode attention on small grids without the fused RoPE (split_kernel<HD, true, false, ...>)
+    requests the step holding the newest key again (streaming loads, LDG.E.EF) before it loads q (LDG.E.128): q's
+    loads feed selects that wait for them, so in the other order the two round trips to L2 run one after the other."""
+    found = {name: ins for name, ins in sm90_functions.items() if re.search(r"split_kernelILi\d+ELb1ELb0E", name)}
+    assert len(found) >= 8, f"expected the small-grid variants without the fused RoPE, found {len(found)}"
+    for name, ins in found.items():
+        after_wait = ins[_waits(ins)[-1]:]
+        kv = [i for i, x in enumerate(after_wait) if re.search(r"\bLDG\S*\.EF\.(64|128)", x)]
+        q = [i for i, x in enumerate(after_wait) if re.search(r"\bLDG\.E\.128\b", x)]
+        assert kv and q, f"{name}: expected K/V and q loads after the wait"
+        assert kv[0] < q[0], f"{name}: q loaded at {q[0]} before the newest key's step at {kv[0]} (after the wait)"
