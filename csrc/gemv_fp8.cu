@@ -113,8 +113,8 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
   constexpr bool kScalesWithWeights = !kWideM && kResidentWarps == kWarpsPerSm;
   auto block_scales = [&](int step, float& s_lo, float& s_hi) {
     const int block = min(step * kStep, K - 1) / kFp8ScaleCols;  // steps past the split: clamped
-    s_lo = __ldg(scale_lo + block);
-    s_hi = __ldg(scale_hi + block);
+    s_lo = load_scale(scale_lo + block);
+    s_hi = load_scale(scale_hi + block);
   };
   uint4 w[kUnroll][2];
   float s[kUnroll][2];
@@ -159,8 +159,13 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (step0 + u < end) {
-          float s_lo = s[u][0], s_hi = s[u][1];
-          if constexpr (!kScalesWithWeights) block_scales(step0 + u, s_lo, s_hi);
+          float s_lo, s_hi;
+          if constexpr (kScalesWithWeights) {
+            s_lo = s[u][0];
+            s_hi = s[u][1];
+          } else {
+            block_scales(step0 + u, s_lo, s_hi);
+          }
           if constexpr (!kXAhead) load_x_step(step0 + u);
           uint4 xs[kTiles][2];
 #pragma unroll

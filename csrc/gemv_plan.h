@@ -77,11 +77,12 @@ inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
 }
 
 // The bf16 GEMV (gemv.cu: 8 rows and 32 columns a warp step, `unroll` steps in flight) on M rows
-// of x: gemv_grid, but at M <= 8 a grid of one wave whose splits hold more than one load batch
-// (choose_splits stopped at the wave: Qwen3-0.6B's gated gate_up, 768 groups of 32 steps in 2
-// splits) would wait a whole DRAM round trip for its second batch after the PDL wait; if twice
-// the splits hold one batch each and fit one wave at 3 CTAs per SM, it takes them: the whole
-// weight is then in flight before the wait.
+// of x: gemv_grid, but at M <= 8 (gemv, gemv_silu_mul and gemv_argmax alike) a grid of one wave
+// whose splits hold more than one load batch (choose_splits stopped at the wave: Qwen3-0.6B's
+// gated gate_up on 132 SMs, 768 groups of 32 steps in 2 splits; its qkv on 108 or 114) would wait
+// a whole DRAM round trip for its second batch after the PDL wait; if twice the splits hold one
+// batch each and fit one wave at 3 CTAs per SM, it takes them: the whole weight is then in flight
+// before the wait.
 inline GemvGrid gemv_bf16_grid(int row_groups, int steps, int unroll, int M, int sm_count) {
   const GemvGrid g = gemv_grid(row_groups, steps, unroll, sm_count);
   if (M > 8 || !gemv_reloads_by_halves(g, sm_count) || g.steps_per_split <= unroll ||
@@ -95,9 +96,10 @@ inline GemvGrid gemv_bf16_grid(int row_groups, int steps, int unroll, int M, int
 
 // The FP8 GEMV (gemv_fp8.cu: 16 rows and 64 columns a warp step, `unroll` steps in flight) on M
 // rows of x: gemv_grid, then at M <= 8:
-// - A grid of one wave has its whole weight in flight before the PDL wait, so what the wait leaves
-//   is each warp's chain of widening and MMAs over its steps: the splits go on doubling down to
-//   half a load batch per warp while the grid stays one wave (Qwen3-0.6B's qkv and o).
+// - A grid of one wave whose splits hold one load batch has its whole weight in flight before the
+//   PDL wait, so what the wait leaves is each warp's chain of widening and MMAs over its steps: the
+//   splits go on doubling down to half a batch per warp while the grid stays one wave (Qwen3-0.6B's
+//   qkv and o).
 // - A grid of more than one wave runs at 3 CTAs per SM: the longer wait between a warp's
 //   instructions is hidden by more warps, and Qwen3-8B's qkv (384 CTAs) then fits one wave. A
 //   grid of several waves even so (Qwen3-8B's gate_up: 1,536 CTAs of 8 splits) takes the fewest
@@ -107,6 +109,7 @@ inline GemvGrid gemv_fp8_grid(int row_groups, int steps, int unroll, int M, int 
   GemvGrid g = gemv_grid(row_groups, steps, unroll, sm_count);
   if (M > 8) return g;
   if (gemv_reloads_by_halves(g, sm_count)) {
+    if (g.steps_per_split > unroll) return g;
     const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
     while (g.splits < kMaxSplits && 2LL * row_groups * g.splits <= wave &&
            g.steps_per_split > unroll / 2) {

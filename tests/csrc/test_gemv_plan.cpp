@@ -145,7 +145,7 @@ TEST(GemvPlan, Fp8OneWaveGridsSplitDownToHalfABatch) {
   // The FP8 kernel's layout (16 rows, 64 columns, 4 steps in flight) on 132 SMs at M <= 8:
   // Qwen3-0.6B's qkv (256 row groups of 16 steps) in 8 splits of 2 steps, 2,048 warps; o (64 of 32)
   // in 16 of 2, one 16-warp CTA per row group; down (64 of 48) keeps gemv_grid's 16 splits;
-  // gate_up (384 gated groups of 16) keeps 4 (8 would be 6,144 warps).
+  // gate_up (384 gated groups of 16) keeps 4 (8 would be 3,072 warps).
   auto fp8 = [](int row_groups, int steps, int M) {
     return gemv_fp8_grid(row_groups, steps, 4, M, 132);
   };
@@ -191,9 +191,14 @@ TEST(GemvPlan, Bf16OneWaveGridsOfTwoBatchesTakeThreeCtasPerSm) {
   EXPECT_EQ(g.ctas, 384);
   EXPECT_EQ(g.resident_warps, kThreeCtaWarpsPerSm);
   EXPECT_TRUE(gemv_reloads_by_halves(g, 132));
-  // Not above 8 rows of x, and not where twice the splits would not fit the wider wave (66 SMs).
+  // Not above 8 rows of x; not where the grid streams anyway (66 SMs: 1,536 warps of 2 batches
+  // against a wave of 1,056); not where twice the splits would not fit the wider wave (1,000 groups
+  // of 32 steps: 2,000 warps of 2 batches, 4,000 against 3,168).
   EXPECT_EQ(bf16(768, 32, 9).resident_warps, kWarpsPerSm);
   EXPECT_EQ(gemv_bf16_grid(768, 32, 8, 1, 66).resident_warps, kWarpsPerSm);
+  g = bf16(1000, 32, 1);
+  EXPECT_EQ(g.splits, 2);
+  EXPECT_EQ(g.resident_warps, kWarpsPerSm);
   // Its other projections hold one batch per split already; Qwen3-8B's and the lm_heads stream.
   for (Shape s : std::vector<Shape>{{4096, 1024}, {1024, 2048}, {1024, 3072}, {151936, 1024},
                                     {6144, 4096}, {4096, 4096}, {4096, 12288}, {151936, 4096}}) {
