@@ -130,10 +130,8 @@ __global__ void argmax_keys_kernel(unsigned long long* keys, int M, int32_t* out
 // kHalves (8 rows only): each half of the next load batch is requested as soon as the steps
 // holding its registers are summed (gemv_reloads_by_halves says when); otherwise the whole next
 // batch is requested at once, before its first step.
-// kResidentWarps: the warps per SM of the launch bounds (GemvGrid::resident_warps).
-template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax, bool kHalves,
-          int kResidentWarps = kWarpsPerSm>
-__global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
+template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax, bool kHalves>
+__global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
                 int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
@@ -298,8 +296,7 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
-  const int sms = device_props().sm_count;
-  const GemvGrid g = gemv_bf16_grid(row_groups, steps, kUnroll, M, sms);
+  const GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
   auto pick = [&](auto warps, auto halves) {
     constexpr int kWarps = decltype(warps)::value;
     constexpr bool kHalves = decltype(halves)::value;
@@ -310,14 +307,12 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   // 16 and 32 rows of x keep whole batches: their fragments fill the 128 registers, and the
   // halves loop spilled there.
   auto pick_halves = [&](auto warps) {
-    return M <= 8 && gemv_reloads_by_halves(g, sms)
+    return M <= 8 && gemv_reloads_by_halves(g, device_props().sm_count)
                ? pick(warps, std::true_type{})
                : pick(warps, std::false_type{});
   };
-  auto kernel = g.resident_warps == kThreeCtaWarpsPerSm
-                    ? gemv_kernel<8, kWarpsPerCta, kSiluMul, kArgmax, true, kThreeCtaWarpsPerSm>
-                : g.warps == kWarpsPerCta ? pick_halves(std::integral_constant<int, kWarpsPerCta>{})
-                                          : pick_halves(std::integral_constant<int, kMaxSplits>{});
+  auto kernel = g.warps == kWarpsPerCta ? pick_halves(std::integral_constant<int, kWarpsPerCta>{})
+                                        : pick_halves(std::integral_constant<int, kMaxSplits>{});
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x, weight, bias, out, M, N, K,
              g.splits, g.steps_per_split, argmax_keys);
 }

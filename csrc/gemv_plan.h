@@ -39,7 +39,7 @@ inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
 }
 
 // Warps per SM of the launch bounds that grids of more than one 16-warp wave may take instead:
-// 3 CTAs of 8 at 80 registers (gemv_fp8_grid, gemv_bf16_grid say which).
+// 3 CTAs of 8 at 80 registers (gemv_fp8_grid says which).
 constexpr int kThreeCtaWarpsPerSm = 24;
 
 // A GEMV launch: `splits` warps per row group, CTAs of `warps` warps (kWarpsPerCta, or one row
@@ -74,24 +74,6 @@ inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
 // the lm_heads).
 inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
   return g.total_warps() <= static_cast<int64_t>(sm_count) * g.resident_warps;
-}
-
-// The bf16 GEMV (gemv.cu: 8 rows and 32 columns a warp step, `unroll` steps in flight) on M rows
-// of x: gemv_grid, but at M <= 8 (gemv, gemv_silu_mul and gemv_argmax alike) a grid of one wave
-// whose splits hold more than one load batch (choose_splits stopped at the wave: Qwen3-0.6B's
-// gated gate_up on 132 SMs, 768 groups of 32 steps in 2 splits; its qkv on 108 or 114) would wait
-// a whole DRAM round trip for its second batch after the PDL wait; if twice the splits hold one
-// batch each and fit one wave at 3 CTAs per SM, it takes them: the whole weight is then in flight
-// before the wait.
-inline GemvGrid gemv_bf16_grid(int row_groups, int steps, int unroll, int M, int sm_count) {
-  const GemvGrid g = gemv_grid(row_groups, steps, unroll, sm_count);
-  if (M > 8 || !gemv_reloads_by_halves(g, sm_count) || g.steps_per_split <= unroll ||
-      2 * g.splits > kWarpsPerCta) {
-    return g;
-  }
-  GemvGrid wider = gemv_grid_of(row_groups, steps, 2 * g.splits);
-  wider.resident_warps = kThreeCtaWarpsPerSm;
-  return wider.steps_per_split <= unroll && gemv_reloads_by_halves(wider, sm_count) ? wider : g;
 }
 
 // The FP8 GEMV (gemv_fp8.cu: 16 rows and 64 columns a warp step, `unroll` steps in flight) on M

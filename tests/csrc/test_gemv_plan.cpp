@@ -90,35 +90,6 @@ TEST(GemvPlan, TheSmCountSetsTheSplits) {
   }
 }
 
-TEST(GemvPlan, Bf16GridsCoverTheMatrixAndStayInOneWideWave) {
-  for (int sms : kSmCounts) {
-    for (const Shape& shape : kShapes) {
-      for (int gated : {0, 1}) {
-        for (int M : {1, 8, 9, 32}) {
-          const int row_groups = ceil_div(shape.N, gated ? 4 : 8);
-          const int steps = ceil_div(shape.K, 32);
-          SCOPED_TRACE(testing::Message() << sms << " SMs, N=" << shape.N << " K=" << shape.K
-                                          << " gated " << gated << " M=" << M);
-          const GemvGrid g = gemv_bf16_grid(row_groups, steps, 8, M, sms);
-          EXPECT_GE(static_cast<int64_t>(g.ctas) * (g.warps / g.splits), row_groups);
-          EXPECT_GE(static_cast<int64_t>(g.steps_per_split) * g.splits, steps);
-          if (g.resident_warps == kThreeCtaWarpsPerSm) {
-            EXPECT_LE(M, 8);
-            EXPECT_EQ(g.warps, kWarpsPerCta);
-            EXPECT_LE(g.steps_per_split, 8);
-            EXPECT_LE(g.total_warps(), static_cast<int64_t>(sms) * kThreeCtaWarpsPerSm);
-            EXPECT_GT(g.total_warps(), static_cast<int64_t>(sms) * kWarpsPerSm);
-          } else {
-            const GemvGrid plain = gemv_grid(row_groups, steps, 8, sms);
-            EXPECT_EQ(g.splits, plain.splits);
-            EXPECT_EQ(g.ctas, plain.ctas);
-          }
-        }
-      }
-    }
-  }
-}
-
 TEST(GemvPlan, BatchesAreRequestedByHalvesInOneWave) {
   // The bf16 kernel on 132 SMs (a wave of 2,112 warps): (N, K) -> by halves.
   auto halves = [](int N, int K) {
@@ -175,38 +146,6 @@ TEST(GemvPlan, Fp8OneWaveGridsSplitDownToHalfABatch) {
   EXPECT_EQ(fp8(1536, 64, 9).resident_warps, kWarpsPerSm);
   // Qwen3-0.6B's grids stay at 2 CTAs per SM.
   EXPECT_EQ(fp8(256, 16, 1).resident_warps, kWarpsPerSm);
-}
-
-TEST(GemvPlan, Bf16OneWaveGridsOfTwoBatchesTakeThreeCtasPerSm) {
-  // The bf16 kernel's layout (8 rows, 32 columns, 8 steps in flight) on 132 SMs. Qwen3-0.6B's
-  // gated gate_up (768 groups of 32 steps): 2 splits of 2 batches in one 16-warp wave, so 4 splits
-  // of one batch at 3 CTAs per SM (3,072 warps of 3,168), read by halves.
-  auto bf16 = [](int row_groups, int steps, int M) {
-    return gemv_bf16_grid(row_groups, steps, 8, M, 132);
-  };
-  EXPECT_EQ(gemv_grid(768, 32, 8, 132).splits, 2);
-  GemvGrid g = bf16(768, 32, 1);
-  EXPECT_EQ(g.splits, 4);
-  EXPECT_EQ(g.steps_per_split, 8);
-  EXPECT_EQ(g.ctas, 384);
-  EXPECT_EQ(g.resident_warps, kThreeCtaWarpsPerSm);
-  EXPECT_TRUE(gemv_reloads_by_halves(g, 132));
-  // Not above 8 rows of x; not where the grid streams anyway (66 SMs: 1,536 warps of 2 batches
-  // against a wave of 1,056); not where twice the splits would not fit the wider wave (1,000 groups
-  // of 32 steps: 2,000 warps of 2 batches, 4,000 against 3,168).
-  EXPECT_EQ(bf16(768, 32, 9).resident_warps, kWarpsPerSm);
-  EXPECT_EQ(gemv_bf16_grid(768, 32, 8, 1, 66).resident_warps, kWarpsPerSm);
-  g = bf16(1000, 32, 1);
-  EXPECT_EQ(g.splits, 2);
-  EXPECT_EQ(g.resident_warps, kWarpsPerSm);
-  // Its other projections hold one batch per split already; Qwen3-8B's and the lm_heads stream.
-  for (Shape s : std::vector<Shape>{{4096, 1024}, {1024, 2048}, {1024, 3072}, {151936, 1024},
-                                    {6144, 4096}, {4096, 4096}, {4096, 12288}, {151936, 4096}}) {
-    const GemvGrid plain = gemv_grid(ceil_div(s.N, 8), ceil_div(s.K, 32), 8, 132);
-    const GemvGrid grid = bf16(ceil_div(s.N, 8), ceil_div(s.K, 32), 1);
-    EXPECT_EQ(grid.splits, plain.splits) << s.N << " x " << s.K;
-    EXPECT_EQ(grid.resident_warps, kWarpsPerSm) << s.N << " x " << s.K;
-  }
 }
 
 TEST(GemvPlan, Fp8GridsCoverTheMatrixAndKeepOneWaveGridsInOne) {
