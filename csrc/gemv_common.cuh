@@ -52,6 +52,14 @@ __device__ __forceinline__ uint4 load_x(const bf16* ptr) {
   return v;
 }
 
+// A float from global memory that no kernel writes (the FP8 weights' block scales). asm volatile:
+// it stays where it is written relative to the PDL wait (launch.h), which is asm volatile too.
+__device__ __forceinline__ float load_scale(const float* ptr) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(ptr));
+  return v;
+}
+
 // d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                             uint32_t a3, uint32_t b0, uint32_t b1) {

@@ -29,7 +29,7 @@
 // Launch: as gemv.cu (one row group and one K split per warp, splits summed in shared memory in
 // a fixed order; choose_splits), with kUnroll steps of two 16-byte weight loads per lane in
 // flight, the next batch's halves issued as soon as their registers are free. A grid of more than
-// one wave at 2 CTAs per SM runs at 3 (launch_gemv_fp8 says why).
+// one wave at 2 CTAs per SM runs at 3, and one-wave grids split further (gemv_fp8_grid, gemv_plan.h).
 #include "gemv.h"
 
 #include "e4m3.cuh"
@@ -51,7 +51,6 @@ constexpr int kRows = 16;  // weight rows per group: the m of one mma.m16n8k16
 constexpr int kStep = 64;  // K per warp step: 4 lanes x 16 e4m3
 constexpr int kUnroll = 4;  // warp steps whose weight loads are in flight together
 constexpr int kHalf = kUnroll / 2;
-constexpr int kFp8WarpsPerSm = 24;  // 3 CTAs of 8: the launch bounds of large grids (launch_gemv_fp8)
 
 // 16 e4m3 values as 8 bf16x2: out[j] holds elements 2j (low half) and 2j + 1.
 __device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8]) {
@@ -107,8 +106,19 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
   const float* scale_lo = scale + static_cast<int64_t>(row_lo / kFp8ScaleRows) * scale_cols;
   const float* scale_hi = scale + static_cast<int64_t>(row_hi / kFp8ScaleRows) * scale_cols;
 
+  // The block scales of a step's rows. They were last read a whole decode step ago, so they come
+  // from DRAM: at 16 resident warps (x at most 8 rows) they are loaded with the weights, and the
+  // first batch's before the wait; at 24, or with 16 x rows, those registers would spill, and each
+  // step loads its own.
+  constexpr bool kScalesWithWeights = !kWideM && kResidentWarps == kWarpsPerSm;
+  auto block_scales = [&](int step, float& s_lo, float& s_hi) {
+    const int block = min(step * kStep, K - 1) / kFp8ScaleCols;  // steps past the split: clamped
+    s_lo = load_scale(scale_lo + block);
+    s_hi = load_scale(scale_hi + block);
+  };
   uint4 w[kUnroll][2];
-  // Steps step0 + u for u in [first, last) into w[u].
+  float s[kUnroll][2];
+  // Steps step0 + u for u in [first, last) into w[u] (and s[u]).
   auto load_weights = [&](int step0, int first, int last) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -117,6 +127,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
       const bool pred = step0 + u < end && k + 16 * c < K;
       w[u][0] = load_weight(w_lo + k, pred);
       w[u][1] = load_weight(w_hi + k, pred);
+      if constexpr (kScalesWithWeights) block_scales(step0 + u, s[u][0], s[u][1]);
     }
   };
   // The weight does not come from the previous kernel: its first batch is in flight before the
@@ -148,9 +159,13 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (step0 + u < end) {
-          const int k = (step0 + u) * kStep;
-          const float s_lo = __ldg(scale_lo + k / kFp8ScaleCols);
-          const float s_hi = __ldg(scale_hi + k / kFp8ScaleCols);
+          float s_lo, s_hi;
+          if constexpr (kScalesWithWeights) {
+            s_lo = s[u][0];
+            s_hi = s[u][1];
+          } else {
+            block_scales(step0 + u, s_lo, s_hi);
+          }
           if constexpr (!kXAhead) load_x_step(step0 + u);
           uint4 xs[kTiles][2];
 #pragma unroll
@@ -242,27 +257,10 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
-  GemvGrid g = gemv_grid(row_groups, steps, kUnroll, device_props().sm_count);
-  // A grid of more than one wave at 2 CTAs per SM runs at 3 (80 registers, x not loaded ahead):
-  // the longer wait between a warp's instructions is hidden by more warps, and Qwen3-8B's qkv
-  // (384 CTAs) then fits one wave. Grids of one wave keep 2 CTAs and the registers. M > 8 (two
-  // sets of MMAs) would spill at 80 registers.
   const int sms = device_props().sm_count;
-  const int one_wave = kFp8WarpsPerSm / kWarpsPerCta * sms;  // CTAs at 3 per SM
-  if (M <= 8 && g.warps == kWarpsPerCta && g.ctas > one_wave) {
-    // A grid of several waves even at 3 CTAs per SM (Qwen3-8B's gate_up: 1,536 CTAs of 8 splits)
-    // takes the fewest splits that fill one such wave, if any do: longer splits and no partial
-    // last wave.
-    for (int splits = 1; splits < g.splits; splits *= 2) {
-      const GemvGrid fewer = gemv_grid_of(row_groups, steps, splits);
-      if (fewer.ctas > 2 * sms && fewer.ctas <= one_wave) {
-        g = fewer;
-        break;
-      }
-    }
-  }
-  const bool three_per_sm = M <= 8 && g.warps == kWarpsPerCta && g.ctas > 2 * sms;
-  auto kernel = three_per_sm       ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kFp8WarpsPerSm>
+  const GemvGrid g = gemv_fp8_grid(row_groups, steps, kUnroll, M, sms);
+  auto kernel = g.resident_warps == kThreeCtaWarpsPerSm
+                    ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kThreeCtaWarpsPerSm>
                 : g.warps == kWarpsPerCta
                     ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, kWarpsPerSm>
                              : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kWarpsPerSm>)

@@ -38,13 +38,21 @@ inline int choose_splits(int row_groups, int steps, int unroll, int sm_count) {
   return splits;
 }
 
+// Warps per SM of the launch bounds that grids of more than one 16-warp wave may take instead:
+// 3 CTAs of 8 at 80 registers (gemv_fp8_grid says which).
+constexpr int kThreeCtaWarpsPerSm = 24;
+
 // A GEMV launch: `splits` warps per row group, CTAs of `warps` warps (kWarpsPerCta, or one row
-// group's 16 splits), `ctas` of them, and the warp steps of each split.
+// group's 16 splits), `ctas` of them, the warp steps of each split, and the resident warps per
+// SM of the kernel's launch bounds.
 struct GemvGrid {
   int splits;
   int warps;
   int ctas;
   int steps_per_split;
+  int resident_warps = kWarpsPerSm;
+
+  int64_t total_warps() const { return static_cast<int64_t>(ctas) * warps; }
 };
 
 // The launch of `splits` splits per row group.
@@ -60,11 +68,50 @@ inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
 // Whether the bf16 GEMV's warps of up to 8 x rows request each half of their next load batch as
 // soon as the steps holding its registers are summed, or the whole batch at once before its first
 // step (one burst of `unroll` x 64 contiguous bytes of each of the warp's rows). Halves where the
-// grid is one wave (Qwen3-0.6B's projections): a warp's gap between batches is then nobody's
-// work, and a split of one batch runs the halves loop, whose code has no reload ahead of its MMAs.
-// Whole bursts where other waves' warps fill the gap (Qwen3-8B's projections, the lm_heads).
+// grid is one wave at its resident warps (Qwen3-0.6B's projections): a warp's gap between batches
+// is then nobody's work, and a split of one batch runs the halves loop, whose code has no reload
+// ahead of its MMAs. Whole bursts where other waves' warps fill the gap (Qwen3-8B's projections,
+// the lm_heads).
 inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
-  return static_cast<int64_t>(g.ctas) * g.warps <= static_cast<int64_t>(sm_count) * kWarpsPerSm;
+  return g.total_warps() <= static_cast<int64_t>(sm_count) * g.resident_warps;
+}
+
+// The FP8 GEMV (gemv_fp8.cu: 16 rows and 64 columns a warp step, `unroll` steps in flight) on M
+// rows of x: gemv_grid, then at M <= 8:
+// - A grid of one wave whose splits hold one load batch has its whole weight in flight before the
+//   PDL wait, so what the wait leaves is each warp's chain of widening and MMAs over its steps: the
+//   splits go on doubling down to half a batch per warp while the grid stays one wave (Qwen3-0.6B's
+//   qkv and o).
+// - A grid of more than one wave runs at 3 CTAs per SM: the longer wait between a warp's
+//   instructions is hidden by more warps, and Qwen3-8B's qkv (384 CTAs) then fits one wave. A
+//   grid of several waves even so (Qwen3-8B's gate_up: 1,536 CTAs of 8 splits) takes the fewest
+//   splits that fill one such wave, if any do: longer splits and no partial last wave.
+// (Above 8 rows of x, two sets of MMAs would spill at 80 registers.)
+inline GemvGrid gemv_fp8_grid(int row_groups, int steps, int unroll, int M, int sm_count) {
+  GemvGrid g = gemv_grid(row_groups, steps, unroll, sm_count);
+  if (M > 8) return g;
+  if (gemv_reloads_by_halves(g, sm_count)) {
+    if (g.steps_per_split > unroll) return g;
+    const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
+    while (g.splits < kMaxSplits && 2LL * row_groups * g.splits <= wave &&
+           g.steps_per_split > unroll / 2) {
+      g = gemv_grid_of(row_groups, steps, 2 * g.splits);
+    }
+    return g;
+  }
+  if (g.warps != kWarpsPerCta) return g;
+  const int one_wave = kThreeCtaWarpsPerSm / kWarpsPerCta * sm_count;  // CTAs at 3 per SM
+  if (g.ctas > one_wave) {
+    for (int splits = 1; splits < g.splits; splits *= 2) {
+      const GemvGrid fewer = gemv_grid_of(row_groups, steps, splits);
+      if (fewer.ctas > 2 * sm_count && fewer.ctas <= one_wave) {
+        g = fewer;
+        break;
+      }
+    }
+  }
+  g.resident_warps = kThreeCtaWarpsPerSm;
+  return g;
 }
 
 }  // namespace nanograph::gemv_detail

@@ -112,5 +112,72 @@ TEST(GemvPlan, BatchesAreRequestedByHalvesInOneWave) {
   EXPECT_FALSE(gemv_reloads_by_halves(GemvGrid{4, 8, 265, 8}, 132));
 }
 
+TEST(GemvPlan, Fp8OneWaveGridsSplitDownToHalfABatch) {
+  // The FP8 kernel's layout (16 rows, 64 columns, 4 steps in flight) on 132 SMs at M <= 8:
+  // Qwen3-0.6B's qkv (256 row groups of 16 steps) in 8 splits of 2 steps, 2,048 warps; o (64 of 32)
+  // in 16 of 2, one 16-warp CTA per row group; down (64 of 48) keeps gemv_grid's 16 splits;
+  // gate_up (384 gated groups of 16) keeps 4 (8 would be 3,072 warps).
+  auto fp8 = [](int row_groups, int steps, int M) {
+    return gemv_fp8_grid(row_groups, steps, 4, M, 132);
+  };
+  GemvGrid g = fp8(256, 16, 1);
+  EXPECT_EQ(g.splits, 8);
+  EXPECT_EQ(g.steps_per_split, 2);
+  EXPECT_EQ(g.ctas, 256);
+  g = fp8(64, 32, 8);
+  EXPECT_EQ(g.splits, 16);
+  EXPECT_EQ(g.warps, 16);
+  EXPECT_EQ(g.ctas, 64);
+  EXPECT_EQ(fp8(64, 48, 1).splits, 16);
+  EXPECT_EQ(fp8(384, 16, 1).splits, 4);
+  // Above 8 rows of x the kernel keeps gemv_grid's plan.
+  EXPECT_EQ(fp8(256, 16, 9).splits, gemv_grid(256, 16, 4, 132).splits);
+  // Qwen3-8B's o (256 of 64) is one wave at 8 splits already; its qkv (384 of 64) streams in 8
+  // splits of 384 CTAs, one wave at 3 CTAs per SM; its gate_up (1,536 gated groups of 64) takes 2
+  // splits in 384 CTAs at 3 per SM instead of 8 in 1,536.
+  EXPECT_EQ(fp8(256, 64, 1).splits, 8);
+  g = fp8(384, 64, 1);
+  EXPECT_EQ(g.splits, 8);
+  EXPECT_EQ(g.resident_warps, kThreeCtaWarpsPerSm);
+  g = fp8(1536, 64, 1);
+  EXPECT_EQ(g.splits, 2);
+  EXPECT_EQ(g.ctas, 384);
+  EXPECT_EQ(g.resident_warps, kThreeCtaWarpsPerSm);
+  EXPECT_EQ(fp8(1536, 64, 9).resident_warps, kWarpsPerSm);
+  // Qwen3-0.6B's grids stay at 2 CTAs per SM.
+  EXPECT_EQ(fp8(256, 16, 1).resident_warps, kWarpsPerSm);
+}
+
+TEST(GemvPlan, Fp8GridsCoverTheMatrixAndKeepOneWaveGridsInOne) {
+  for (int sms : kSmCounts) {
+    const int64_t wave = static_cast<int64_t>(sms) * kWarpsPerSm;
+    for (const Shape& shape : kShapes) {
+      for (int M : {1, 8, 9, 16}) {
+        const int row_groups = ceil_div(shape.N, 16);
+        const int steps = ceil_div(shape.K, 64);
+        SCOPED_TRACE(testing::Message() << sms << " SMs, N=" << shape.N << " K=" << shape.K
+                                        << " M=" << M);
+        const GemvGrid base = gemv_grid(row_groups, steps, 4, sms);
+        const GemvGrid g = gemv_fp8_grid(row_groups, steps, 4, M, sms);
+        ASSERT_GE(g.splits, 1);
+        ASSERT_LE(g.splits, kMaxSplits);
+        EXPECT_EQ(g.warps, std::max(g.splits, kWarpsPerCta));
+        EXPECT_GE(static_cast<int64_t>(g.ctas) * (g.warps / g.splits), row_groups);
+        EXPECT_GE(static_cast<int64_t>(g.steps_per_split) * g.splits, steps);
+        if (gemv_reloads_by_halves(base, sms)) {
+          EXPECT_LE(static_cast<int64_t>(g.ctas) * g.warps, wave);
+          EXPECT_GE(g.splits, base.splits);
+        }
+        if (M > 8) EXPECT_EQ(g.splits, base.splits);
+        if (g.resident_warps == kThreeCtaWarpsPerSm) {
+          EXPECT_LE(M, 8);
+          EXPECT_EQ(g.warps, kWarpsPerCta);
+          EXPECT_GT(g.total_warps(), wave);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace nanograph::gemv_detail

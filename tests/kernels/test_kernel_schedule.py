@@ -119,6 +119,20 @@ def test_gemv_weight_loads_come_before_the_pdl_wait(sm90_functions):
             f"batch of {WEIGHT_BATCH}")
 
 
+def test_fp8_gemv_block_scales_of_the_first_batch_come_before_the_pdl_wait(sm90_functions):
+    """The FP8 GEMV at 16 resident warps and up to 8 rows of x (gemv_fp8_kernel<false, 8 or 16, *, 16>) loads the
+    block scales of its first load batch (two rows x 4 steps, 32-bit loads) with the weights, before the wait:
+    they come from DRAM, and after the wait they would hold up the batch's first MMAs."""
+    early_scales = {name: ins for name, ins in sm90_functions.items()
+                    if re.search(r"gemv_fp8_kernelILb0ELi(8|16)ELb[01]ELi16E", name)}
+    assert len(early_scales) == 4, f"expected 4 variants, found {sorted(early_scales)}"
+    for name, ins in early_scales.items():
+        wait = _waits(ins)[0]
+        scale_loads = [i for i, x in enumerate(ins) if x.split()[0].startswith("LDG") and ".128" not in x]
+        early = sum(1 for i in scale_loads if i < wait)
+        assert early >= 8, f"{name}: {early} 32-bit loads before the PDL wait (instruction {wait}), expected 8 scales"
+
+
 @pytest.mark.parametrize("kernel, what", [("rmsnorm_kernel", "the norm weight"),
                                           ("qk_norm_rope_kv_store_kernel", "position, slot, cos/sin, norm weight")])
 def test_small_kernels_load_before_the_pdl_wait(sm90_functions, kernel, what):
