@@ -653,8 +653,8 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     rank0_rows = in_rank0(s_inbox);
     rank0_lse = in_rank0(inbox_lse);
   }
-  // Two dims per thread, so that every warp takes a share: this runs between the last keys and the
-  // kernel's end, where a longer chain per thread would be the step's to wait out.
+  // Two dims per thread, over all four warps: the step waits for this merge, so each thread's
+  // chain is kept short.
   for (int item = threadIdx.x; item < group * HD / 2; item += kThreads) {
     const int head = item / (HD / 2), dim = item % (HD / 2) * 2;
     float max = -INFINITY;
@@ -677,12 +677,15 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     }
     const size_t row = out_row + head;
     if (row_parts == 1) {
-      *reinterpret_cast<__nv_bfloat162*>(args.out + row * HD + dim) = __floats2bfloat162_rn(o[0], o[1]);
+      *reinterpret_cast<__nv_bfloat162*>(args.out + row * HD + dim) =
+          __floats2bfloat162_rn(o[0], o[1]);
     } else if (merge_in_cluster) {
-      *reinterpret_cast<float2*>(rank0_rows + (head * layout.cluster + split) * HD + dim) = make_float2(o[0], o[1]);
+      *reinterpret_cast<float2*>(rank0_rows + (head * layout.cluster + split) * HD + dim) =
+          make_float2(o[0], o[1]);
       if (dim == 0) rank0_lse[head * layout.cluster + split] = max + log2f(sum);
     } else {
-      *reinterpret_cast<float2*>(partial_out + (row * splits + split) * HD + dim) = make_float2(o[0], o[1]);
+      *reinterpret_cast<float2*>(partial_out + (row * splits + split) * HD + dim) =
+          make_float2(o[0], o[1]);
       if (dim == 0) partial_lse[row * splits + split] = max + log2f(sum);
     }
   }
