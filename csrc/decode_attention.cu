@@ -653,7 +653,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     rank0_rows = in_rank0(s_inbox);
     rank0_lse = in_rank0(inbox_lse);
   }
-  // Two dims per thread, over all four warps: the step waits for this merge, so each thread's
+  // Two dims per thread, spread over the CTA's warps: the step waits for this merge, so each thread's
   // chain is kept short.
   for (int item = threadIdx.x; item < group * HD / 2; item += kThreads) {
     const int head = item / (HD / 2), dim = item % (HD / 2) * 2;

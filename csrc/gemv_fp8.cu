@@ -27,7 +27,7 @@
 // g + 8 the up rows of column n0 + g, so one lane holds both halves of the gated product.
 //
 // Launch: as gemv.cu (one row group and one K split per warp, splits summed in shared memory in
-// a fixed order; choose_splits), with kUnroll steps of two 16-byte weight loads per lane in
+// a fixed order; the grid from gemv_fp8_grid), with kUnroll steps of two 16-byte weight loads per lane in
 // flight, the next batch's halves issued as soon as their registers are free. A grid of more than
 // one wave at 2 CTAs per SM runs at 3, and one-wave grids split further (gemv_fp8_grid, gemv_plan.h).
 #include "gemv.h"
