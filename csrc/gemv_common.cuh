@@ -60,6 +60,21 @@ __device__ __forceinline__ float load_scale(const float* ptr) {
   return v;
 }
 
+// The same, or 0 where !pred.
+__device__ __forceinline__ float load_scale(const float* ptr, bool pred) {
+  float v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %2, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  @p ld.global.nc.f32 %0, [%1];\n"
+      "}\n"
+      : "=f"(v)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
 // d += a (16x16, row-major) . b (16x8, column-major); bf16 operands, fp32 accumulator.
 __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                             uint32_t a3, uint32_t b0, uint32_t b1) {

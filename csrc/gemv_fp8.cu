@@ -27,9 +27,10 @@
 // g + 8 the up rows of column n0 + g, so one lane holds both halves of the gated product.
 //
 // Launch: as gemv.cu (one row group and one K split per warp, splits summed in shared memory in
-// a fixed order; the grid from gemv_fp8_grid), with kUnroll steps of two 16-byte weight loads per lane in
-// flight, the next batch's halves issued as soon as their registers are free. A grid of more than
-// one wave at 2 CTAs per SM runs at 3, and one-wave grids split further (gemv_fp8_grid, gemv_plan.h).
+// a fixed order; the grid from gemv_fp8_grid), with kUnroll steps of two 16-byte weight loads per
+// lane in flight, the next batch's halves issued as soon as their registers are free. A grid of
+// more than one wave at 2 CTAs per SM runs at 3, and one-wave grids split further (gemv_fp8_grid,
+// gemv_plan.h); where every split is one load batch, it is widened before the PDL wait.
 #include "gemv.h"
 
 #include "e4m3.cuh"
@@ -62,6 +63,34 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8
   }
 }
 
+// fp8x16_to_bf16 in asm volatile, so that it stays ahead of the PDL wait (asm volatile too) where a
+// kernel widens its weights before it: the same conversions, e4m3 -> fp16 -> fp32 -> bf16, exact.
+__device__ __forceinline__ void fp8x16_to_bf16_before_wait(const uint4& v, uint32_t (&out)[8]) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm volatile(
+        "{\n"
+        ".reg .b16 b0, b1, h0, h1, h2, h3;\n"
+        ".reg .b32 p0, p1;\n"
+        ".reg .f32 f0, f1, f2, f3;\n"
+        "mov.b32 {b0, b1}, %2;\n"
+        "cvt.rn.f16x2.e4m3x2 p0, b0;\n"
+        "cvt.rn.f16x2.e4m3x2 p1, b1;\n"
+        "mov.b32 {h0, h1}, p0;\n"
+        "mov.b32 {h2, h3}, p1;\n"
+        "cvt.f32.f16 f0, h0;\n"
+        "cvt.f32.f16 f1, h1;\n"
+        "cvt.f32.f16 f2, h2;\n"
+        "cvt.f32.f16 f3, h3;\n"
+        "cvt.rn.bf16x2.f32 %0, f1, f0;\n"
+        "cvt.rn.bf16x2.f32 %1, f3, f2;\n"
+        "}\n"
+        : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
+        : "r"(words[i]));
+  }
+}
+
 // One step's partial sums of weight rows g (d[0], d[1]) and g + 8 (d[2], d[3]) against the x
 // row whose 16 values are xa (elements 0-7) and xb (8-15).
 __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
@@ -74,7 +103,10 @@ __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
 
 // kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
 // gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
-template <bool kWideM, int kWarps, bool kSiluMul, int kResidentWarps>
+// kWidenEarly: every split is at most one load batch (steps_per_split <= kUnroll), x at most 8
+// rows, 16 resident warps; the batch is widened to bf16 before the PDL wait, so that what the wait
+// leaves is loading x and the MMAs, as in the bf16 GEMV.
+template <bool kWideM, int kWarps, bool kSiluMul, int kResidentWarps, bool kWidenEarly>
 __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
     gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
                     const float* __restrict__ scale, const bf16* __restrict__ bias,
@@ -111,10 +143,18 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
   // first batch's before the wait; at 24, or with 16 x rows, those registers would spill, and each
   // step loads its own.
   constexpr bool kScalesWithWeights = !kWideM && kResidentWarps == kWarpsPerSm;
+  // Steps past the split: where the split is one batch (kWidenEarly), nothing is loaded (0);
+  // elsewhere the block is clamped into the row (a predicate on every load made Qwen3-8B's
+  // multi-batch splits slower than these few wasted loads).
   auto block_scales = [&](int step, float& s_lo, float& s_hi) {
-    const int block = min(step * kStep, K - 1) / kFp8ScaleCols;  // steps past the split: clamped
-    s_lo = load_scale(scale_lo + block);
-    s_hi = load_scale(scale_hi + block);
+    const int block = min(step * kStep, K - 1) / kFp8ScaleCols;
+    if constexpr (kWidenEarly) {
+      s_lo = load_scale(scale_lo + block, step < end);
+      s_hi = load_scale(scale_hi + block, step < end);
+    } else {
+      s_lo = load_scale(scale_lo + block);
+      s_hi = load_scale(scale_hi + block);
+    }
   };
   uint4 w[kUnroll][2];
   float s[kUnroll][2];
@@ -133,11 +173,43 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
   // The weight does not come from the previous kernel: its first batch is in flight before the
   // wait for x (PDL, launch.h).
   load_weights(begin, 0, kUnroll);
+  static_assert(!kWidenEarly || (!kWideM && kScalesWithWeights), "kWidenEarly: M <= 8, 16 warps");
+  uint32_t wide[kWidenEarly ? kUnroll : 1][2][8];
+  const bf16* x_at[kWidenEarly ? kUnroll : 1];  // where each step's x columns start
+  if constexpr (kWidenEarly) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      fp8x16_to_bf16_before_wait(w[u][0], wide[u][0]);
+      fp8x16_to_bf16_before_wait(w[u][1], wide[u][1]);
+    }
+    const bf16* x_row = x + static_cast<int64_t>(min(g, M - 1)) * K;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) x_at[u] = x_row + min((begin + u) * kStep + 16 * c, K - 16);
+  }
   wait_for_producers_after_loads();
   allow_dependents();
 
   float acc[kTiles][4] = {};
-  if (n0 < N) {
+  if (kWidenEarly && n0 < N) {
+    // x of all the split's steps at once, then one MMA chain per step.
+    uint4 xs[kUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      xs[u][0] = load_x(x_at[u], begin + u < end);
+      xs[u][1] = load_x(x_at[u] + 8, begin + u < end);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (begin + u < end) {
+        float part[4] = {};
+        step_mma(part, wide[u][0], wide[u][1], xs[u][0], xs[u][1]);
+        acc[0][0] += s[u][0] * part[0];
+        acc[0][1] += s[u][0] * part[1];
+        acc[0][2] += s[u][1] * part[2];
+        acc[0][3] += s[u][1] * part[3];
+      }
+    }
+  } else if (!kWidenEarly && n0 < N) {
     const bf16* x_rows[kTiles];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;
@@ -259,13 +331,17 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   const int steps = ceil_div(K, kStep);
   const int sms = device_props().sm_count;
   const GemvGrid g = gemv_fp8_grid(row_groups, steps, kUnroll, M, sms);
-  auto kernel = g.resident_warps == kThreeCtaWarpsPerSm
-                    ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kThreeCtaWarpsPerSm>
-                : g.warps == kWarpsPerCta
-                    ? (M > 8 ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, kWarpsPerSm>
-                             : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, kWarpsPerSm>)
-                    : (M > 8 ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul, kWarpsPerSm>
-                             : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, kWarpsPerSm>);
+  const bool widen_early = gemv_fp8_widens_early(g, kUnroll, M);
+  constexpr int k16 = kWarpsPerSm, k24 = kThreeCtaWarpsPerSm;
+  auto kernel =
+      g.resident_warps == k24 ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, k24, false>
+      : g.warps == kWarpsPerCta
+          ? (M > 8         ? gemv_fp8_kernel<true, kWarpsPerCta, kSiluMul, k16, false>
+             : widen_early ? gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, k16, true>
+                           : gemv_fp8_kernel<false, kWarpsPerCta, kSiluMul, k16, false>)
+          : (M > 8         ? gemv_fp8_kernel<true, kMaxSplits, kSiluMul, k16, false>
+             : widen_early ? gemv_fp8_kernel<false, kMaxSplits, kSiluMul, k16, true>
+                           : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, k16, false>);
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x,
              static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, g.splits,
              g.steps_per_split);

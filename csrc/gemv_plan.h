@@ -65,6 +65,11 @@ inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
   return gemv_grid_of(row_groups, steps, choose_splits(row_groups, steps, unroll, sm_count));
 }
 
+// Whether all of the grid's warps are resident at once (one wave at its resident warps per SM).
+inline bool gemv_is_one_wave(const GemvGrid& g, int sm_count) {
+  return g.total_warps() <= static_cast<int64_t>(sm_count) * g.resident_warps;
+}
+
 // Whether the bf16 GEMV's warps of up to 8 x rows request each half of their next load batch as
 // soon as the steps holding its registers are summed, or the whole batch at once before its first
 // step (one burst of `unroll` x 64 contiguous bytes of each of the warp's rows). Halves where the
@@ -73,7 +78,7 @@ inline GemvGrid gemv_grid(int row_groups, int steps, int unroll, int sm_count) {
 // ahead of its MMAs. Whole bursts where other waves' warps fill the gap (Qwen3-8B's projections,
 // the lm_heads).
 inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
-  return g.total_warps() <= static_cast<int64_t>(sm_count) * g.resident_warps;
+  return gemv_is_one_wave(g, sm_count);
 }
 
 // The FP8 GEMV (gemv_fp8.cu: 16 rows and 64 columns a warp step, `unroll` steps in flight) on M
@@ -90,7 +95,7 @@ inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
 inline GemvGrid gemv_fp8_grid(int row_groups, int steps, int unroll, int M, int sm_count) {
   GemvGrid g = gemv_grid(row_groups, steps, unroll, sm_count);
   if (M > 8) return g;
-  if (gemv_reloads_by_halves(g, sm_count)) {
+  if (gemv_is_one_wave(g, sm_count)) {
     if (g.steps_per_split > unroll) return g;
     const int64_t wave = static_cast<int64_t>(sm_count) * kWarpsPerSm;
     while (g.splits < kMaxSplits && 2LL * row_groups * g.splits <= wave &&
@@ -112,6 +117,14 @@ inline GemvGrid gemv_fp8_grid(int row_groups, int steps, int unroll, int M, int 
   }
   g.resident_warps = kThreeCtaWarpsPerSm;
   return g;
+}
+
+// Whether the FP8 GEMV widens its weight to bf16 before the PDL wait (gemv_fp8.cu, kWidenEarly):
+// where each split is at most one load batch, at 16 resident warps and up to 8 rows of x, the whole
+// split is in registers before the wait, and widening it there leaves the wait only x's loads and
+// the MMAs (Qwen3-0.6B's projections).
+inline bool gemv_fp8_widens_early(const GemvGrid& g, int unroll, int M) {
+  return M <= 8 && g.resident_warps == kWarpsPerSm && g.steps_per_split <= unroll;
 }
 
 }  // namespace nanograph::gemv_detail

@@ -148,6 +148,29 @@ TEST(GemvPlan, Fp8OneWaveGridsSplitDownToHalfABatch) {
   EXPECT_EQ(fp8(256, 16, 1).resident_warps, kWarpsPerSm);
 }
 
+TEST(GemvPlan, Fp8WidensEarlyWhereEverySplitIsOneLoadBatch) {
+  // Qwen3-0.6B's four projections (qkv, o, down; gate_up gated) at M <= 8: every split at most 4
+  // steps, 16 resident warps. Not above 8 rows of x, nor Qwen3-8B's (several batches per split, or
+  // 3 CTAs per SM).
+  auto early = [](int row_groups, int steps, int M) {
+    return gemv_fp8_widens_early(gemv_fp8_grid(row_groups, steps, 4, M, 132), 4, M);
+  };
+  for (int M : {1, 2, 8}) {
+    EXPECT_TRUE(early(256, 16, M));
+    EXPECT_TRUE(early(64, 32, M));
+    EXPECT_TRUE(early(384, 16, M));
+    EXPECT_TRUE(early(64, 48, M));
+    EXPECT_FALSE(early(384, 64, M));
+    EXPECT_FALSE(early(256, 64, M));
+    EXPECT_FALSE(early(1536, 64, M));
+    EXPECT_FALSE(early(256, 192, M));
+  }
+  EXPECT_FALSE(early(256, 16, 9));
+  EXPECT_FALSE(gemv_fp8_widens_early(GemvGrid{4, 8, 264, 4, kThreeCtaWarpsPerSm}, 4, 1));
+  EXPECT_TRUE(gemv_fp8_widens_early(GemvGrid{4, 8, 264, 4}, 4, 1));
+  EXPECT_FALSE(gemv_fp8_widens_early(GemvGrid{4, 8, 264, 5}, 4, 1));
+}
+
 TEST(GemvPlan, Fp8GridsCoverTheMatrixAndKeepOneWaveGridsInOne) {
   for (int sms : kSmCounts) {
     const int64_t wave = static_cast<int64_t>(sms) * kWarpsPerSm;

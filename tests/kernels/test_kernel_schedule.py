@@ -88,6 +88,11 @@ def test_functions_parser():
     assert functions(text) == {"_Z3fooPi": ["LDC R1, c[0x0][0x28]", "ACQBULK"], "_Z3barv": ["EXIT"]}
 
 
+def _opcode(instruction):
+    """The opcode of an instruction, without its predicate (`@!P2 LDG.E ...` -> `LDG.E`)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+
+
 def _waits(ins):
     return [i for i, x in enumerate(ins) if x.split()[0] == "ACQBULK" or " ACQBULK" in x]
 
@@ -124,13 +129,30 @@ def test_fp8_gemv_block_scales_of_the_first_batch_come_before_the_pdl_wait(sm90_
     block scales of its first load batch (two rows x 4 steps, 32-bit loads) with the weights, before the wait:
     they come from DRAM, and after the wait they would hold up the batch's first MMAs."""
     early_scales = {name: ins for name, ins in sm90_functions.items()
-                    if re.search(r"gemv_fp8_kernelILb0ELi(8|16)ELb[01]ELi16E", name)}
-    assert len(early_scales) == 4, f"expected 4 variants, found {sorted(early_scales)}"
+                    if re.search(r"gemv_fp8_kernelILb0ELi(8|16)ELb[01]ELi16ELb[01]E", name)}
+    assert len(early_scales) == 8, f"expected 8 variants, found {sorted(early_scales)}"
     for name, ins in early_scales.items():
         wait = _waits(ins)[0]
-        scale_loads = [i for i, x in enumerate(ins) if x.split()[0].startswith("LDG") and ".128" not in x]
+        scale_loads = [i for i, x in enumerate(ins) if _opcode(x).startswith("LDG") and ".128" not in x]
         early = sum(1 for i in scale_loads if i < wait)
         assert early >= 8, f"{name}: {early} 32-bit loads before the PDL wait (instruction {wait}), expected 8 scales"
+
+
+def test_fp8_gemv_of_one_batch_splits_widens_its_weights_before_the_pdl_wait(sm90_functions):
+    """Where every split of an FP8 GEMV is one load batch (gemv_fp8_kernel<false, 8 or 16, *, 16, true>: Qwen3-0.6B's
+    projections), the whole split is in registers before the wait; all its e4m3 -> bf16 widening (64 e4m3 -> fp16
+    conversions, and their bf16 packs but a few) come before the wait too, which leaves the wait only x's loads and the MMAs."""
+    widen_early = {name: ins for name, ins in sm90_functions.items()
+                   if re.search(r"gemv_fp8_kernelILb0ELi(8|16)ELb[01]ELi16ELb1E", name)}
+    assert len(widen_early) == 4, f"expected 4 variants, found {sorted(widen_early)}"
+    for name, ins in widen_early.items():
+        wait = _waits(ins)[0]
+        unpacks = [i for i, x in enumerate(ins) if "E4M3" in _opcode(x)]
+        packs = [i for i, x in enumerate(ins) if _opcode(x).startswith("F2FP.BF16")]
+        assert len(unpacks) == 64 and max(unpacks) < wait, (
+            f"{name}: e4m3 conversions at {unpacks}, the wait at {wait}; expected all 64 before it")
+        # ptxas may leave a pack or two just past the wait.
+        assert sum(i < wait for i in packs) >= 60, f"{name}: fewer than 60 of 64 bf16 packs before the wait {wait}"
 
 
 @pytest.mark.parametrize("kernel, what", [("rmsnorm_kernel", "the norm weight"),
@@ -208,8 +230,12 @@ def test_small_grid_decode_attention_reloads_the_newest_keys_step_before_reading
     found = {name: ins for name, ins in sm90_functions.items() if re.search(r"split_kernelILi\d+ELb1ELb0E", name)}
     assert len(found) >= 8, f"expected the small-grid variants without the fused RoPE, found {len(found)}"
     for name, ins in found.items():
-        after_wait = ins[_waits(ins)[-1]:]
-        kv = [i for i, x in enumerate(after_wait) if re.search(r"\bLDG\S*\.EF\.(64|128)", x)]
-        q = [i for i, x in enumerate(after_wait) if re.search(r"\bLDG\.E\.128\b", x)]
-        assert kv and q, f"{name}: expected K/V and q loads after the wait"
-        assert kv[0] < q[0], f"{name}: q loaded at {q[0]} before the newest key's step at {kv[0]} (after the wait)"
+        wait = _waits(ins)[-1]
+        kv = [i for i, x in enumerate(ins) if re.search(r"\bLDG\S*\.EF\.(64|128)", x)]
+        q = [i for i, x in enumerate(ins) if i > wait and re.search(r"\bLDG\.E\.128\b", x)]
+        early = sum(i < wait for i in kv)  # the first step, loaded before the wait
+        assert early >= 16 and q, f"{name}: expected a step of K/V loads before the wait and q loads after it"
+        # The whole step is requested again ahead of q, not just its first loads.
+        reloaded = sum(wait < i < q[0] for i in kv)
+        assert reloaded == early, (
+            f"{name}: {reloaded} of the step's {early} K/V loads come between the wait ({wait}) and q ({q[0]})")
