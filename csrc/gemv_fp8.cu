@@ -65,7 +65,11 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& v, uint32_t (&out)[8
 
 // fp8x16_to_bf16 in asm volatile, so that it stays ahead of the PDL wait (asm volatile too) where a
 // kernel widens its weights before it: the same conversions, e4m3 -> fp16 -> fp32 -> bf16, exact.
+// Before sm_89 (no e4m3 conversion instruction, and no PDL wait) it is fp8x16_to_bf16.
 __device__ __forceinline__ void fp8x16_to_bf16_before_wait(const uint4& v, uint32_t (&out)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  fp8x16_to_bf16(v, out);
+#else
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -89,6 +93,7 @@ __device__ __forceinline__ void fp8x16_to_bf16_before_wait(const uint4& v, uint3
         : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
         : "r"(words[i]));
   }
+#endif
 }
 
 // One step's partial sums of weight rows g (d[0], d[1]) and g + 8 (d[2], d[3]) against the x
