@@ -21,7 +21,7 @@
 // row's block scale and added to the accumulator. Lane (g, c) ends with
 // out[m = 2c, 2c + 1][n = row g and row g + 8 of the group]; for M > 8 a second set of MMAs takes
 // x rows 8 + g (m + 8). x rows past M read row M - 1 (their sums are not stored); columns past K
-// load a zero weight against x clamped into the row, so no x load needs a predicate (a non-finite
+// load a zero weight against x clamped into the row, so no x load needs a bound (a non-finite
 // x in the row's last 16 columns then also reaches the lanes past K: NaN where the sum is +-Inf).
 // SiLU layout: a row group covers 8 output columns n0 .. n0 + 7, rows g the gate rows and rows
 // g + 8 the up rows of column n0 + g, so one lane holds both halves of the gated product.
@@ -30,7 +30,8 @@
 // a fixed order; the grid from gemv_fp8_grid), with kUnroll steps of two 16-byte weight loads per
 // lane in flight, the next batch's halves issued as soon as their registers are free. A grid of
 // more than one wave at 2 CTAs per SM runs at 3, and one-wave grids split further (gemv_fp8_grid,
-// gemv_plan.h); where every split is one load batch, it is widened before the PDL wait.
+// gemv_plan.h); at M <= 8, where every split is at most one load batch, it is widened before the
+// PDL wait (kWidenEarly).
 #include "gemv.h"
 
 #include "e4m3.cuh"
@@ -195,26 +196,28 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
   allow_dependents();
 
   float acc[kTiles][4] = {};
-  if (kWidenEarly && n0 < N) {
-    // x of all the split's steps at once, then one MMA chain per step.
-    uint4 xs[kUnroll][2];
+  if constexpr (kWidenEarly) {
+    if (n0 < N) {
+      // x of all the split's steps at once, then one MMA chain per step.
+      uint4 xs[kUnroll][2];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      xs[u][0] = load_x(x_at[u], begin + u < end);
-      xs[u][1] = load_x(x_at[u] + 8, begin + u < end);
-    }
+      for (int u = 0; u < kUnroll; ++u) {
+        xs[u][0] = load_x(x_at[u], begin + u < end);
+        xs[u][1] = load_x(x_at[u] + 8, begin + u < end);
+      }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (begin + u < end) {
-        float part[4] = {};
-        step_mma(part, wide[u][0], wide[u][1], xs[u][0], xs[u][1]);
-        acc[0][0] += s[u][0] * part[0];
-        acc[0][1] += s[u][0] * part[1];
-        acc[0][2] += s[u][1] * part[2];
-        acc[0][3] += s[u][1] * part[3];
+      for (int u = 0; u < kUnroll; ++u) {
+        if (begin + u < end) {
+          float part[4] = {};
+          step_mma(part, wide[u][0], wide[u][1], xs[u][0], xs[u][1]);
+          acc[0][0] += s[u][0] * part[0];
+          acc[0][1] += s[u][0] * part[1];
+          acc[0][2] += s[u][1] * part[2];
+          acc[0][3] += s[u][1] * part[3];
+        }
       }
     }
-  } else if (!kWidenEarly && n0 < N) {
+  } else if (n0 < N) {
     const bf16* x_rows[kTiles];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) x_rows[t] = x + static_cast<int64_t>(min(8 * t + g, M - 1)) * K;

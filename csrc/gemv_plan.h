@@ -84,9 +84,9 @@ inline bool gemv_reloads_by_halves(const GemvGrid& g, int sm_count) {
 // The FP8 GEMV (gemv_fp8.cu: 16 rows and 64 columns a warp step, `unroll` steps in flight) on M
 // rows of x: gemv_grid, then at M <= 8:
 // - A grid of one wave whose splits hold one load batch has its whole weight in flight before the
-//   PDL wait, so what the wait leaves is each warp's chain of widening and MMAs over its steps: the
-//   splits go on doubling down to half a batch per warp while the grid stays one wave (Qwen3-0.6B's
-//   qkv and o).
+//   PDL wait, and widened there (gemv_fp8_widens_early), so what the wait leaves is each warp's x
+//   loads and its chain of MMAs over its steps: the splits go on doubling down to half a batch per
+//   warp while the grid stays one wave (Qwen3-0.6B's qkv and o).
 // - A grid of more than one wave runs at 3 CTAs per SM: the longer wait between a warp's
 //   instructions is hidden by more warps, and Qwen3-8B's qkv (384 CTAs) then fits one wave. A
 //   grid of several waves even so (Qwen3-8B's gate_up: 1,536 CTAs of 8 splits) takes the fewest

@@ -105,7 +105,7 @@ def test_the_decode_streaming_kernels_never_spill(sm90_functions):
                if "split_kernel" in name or "gemv_kernel" in name or "gemv_fp8_kernel" in name}
     assert sum("split_kernel" in name for name in kernels) >= 16 and len(kernels) >= 32, \
         f"expected decode attention's and the GEMVs' variants, found {sorted(kernels)}"
-    spilling = {name: sum(x.split()[0].startswith(("STL", "LDL")) for x in ins) for name, ins in kernels.items()}
+    spilling = {name: sum(_opcode(x).startswith(("STL", "LDL")) for x in ins) for name, ins in kernels.items()}
     assert not any(spilling.values()), {name: n for name, n in spilling.items() if n}
 
 
@@ -141,7 +141,8 @@ def test_fp8_gemv_block_scales_of_the_first_batch_come_before_the_pdl_wait(sm90_
 def test_fp8_gemv_of_one_batch_splits_widens_its_weights_before_the_pdl_wait(sm90_functions):
     """Where every split of an FP8 GEMV is one load batch (gemv_fp8_kernel<false, 8 or 16, *, 16, true>: Qwen3-0.6B's
     projections), the whole split is in registers before the wait; all its e4m3 -> bf16 widening (64 e4m3 -> fp16
-    conversions, and their bf16 packs but a few) come before the wait too, which leaves the wait only x's loads and the MMAs."""
+    conversions, and their bf16 packs but a few) come before the wait too, which leaves the wait only x's loads and
+    the MMAs."""
     widen_early = {name: ins for name, ins in sm90_functions.items()
                    if re.search(r"gemv_fp8_kernelILb0ELi(8|16)ELb[01]ELi16ELb1E", name)}
     assert len(widen_early) == 4, f"expected 4 variants, found {sorted(widen_early)}"
