@@ -26,18 +26,13 @@ __device__ __forceinline__ Float8 load_bf16x8(const bf16* src) {
   return bf16x8_to_float8(*reinterpret_cast<const uint4*>(src));
 }
 
-// Rounds to nearest-even, like torch's cast to bfloat16.
-__device__ __forceinline__ uint4 pack_bf16x8(const Float8& x) {
+// Rounds to nearest-even, like torch's cast to bfloat16. dst must be 16-byte aligned.
+__device__ __forceinline__ void store_bf16x8(bf16* dst, const Float8& x) {
   uint4 raw;
   __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(x.v[2 * i], x.v[2 * i + 1]);
-  return raw;
-}
-
-// pack_bf16x8 into dst, which must be 16-byte aligned.
-__device__ __forceinline__ void store_bf16x8(bf16* dst, const Float8& x) {
-  *reinterpret_cast<uint4*>(dst) = pack_bf16x8(x);
+  *reinterpret_cast<uint4*>(dst) = raw;
 }
 
 // Rounds every element to bf16 and back, to reproduce an intermediate bf16 tensor.

@@ -45,7 +45,6 @@
 
 #include "gemv.h"
 #include "launch.h"
-#include "norm.h"
 
 namespace nanograph {
 
@@ -96,15 +95,12 @@ Gemm::Gemm(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   cublasLtHandle_t handle = nullptr;
   CUBLAS_CHECK(cublasLtCreate(&handle));
   handle_ = handle;
-  cudaError_t err = cudaSuccess;
-  if (workspace_bytes_ > 0) err = cudaMalloc(&workspace_, workspace_bytes_);
-  if (err == cudaSuccess) err = cudaMalloc(&arrivals_, sizeof(unsigned int));
-  if (err == cudaSuccess) err = cudaMemset(arrivals_, 0, sizeof(unsigned int));
-  if (err != cudaSuccess) {
-    if (workspace_) cudaFree(workspace_);
-    if (arrivals_) cudaFree(arrivals_);
-    cublasLtDestroy(handle);
-    cuda_check(err, "cudaMalloc(gemm workspace)", __FILE__, __LINE__);
+  if (workspace_bytes_ > 0) {
+    cudaError_t err = cudaMalloc(&workspace_, workspace_bytes_);
+    if (err != cudaSuccess) {
+      cublasLtDestroy(handle);
+      cuda_check(err, "cudaMalloc(gemm workspace)", __FILE__, __LINE__);
+    }
   }
 }
 
@@ -114,7 +110,6 @@ Gemm::~Gemm() {
   if (fp8_activations_) cudaFree(fp8_activations_);
   if (fp8_activation_scales_) cudaFree(fp8_activation_scales_);
   if (workspace_) cudaFree(workspace_);
-  if (arrivals_) cudaFree(arrivals_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
@@ -297,35 +292,11 @@ void Gemm::linear_fp8_dynamic(const bf16* x, const LinearWeight& w, const bf16* 
                        stream);
 }
 
-namespace {
-
-// Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth
-// (bf16: where gemv_preferred says it beats cuBLASLt's floor).
-bool takes_gemv(const LinearWeight& w, int M, int N, int K) {
-  return w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_preferred(M, N, K);
-}
-
-}  // namespace
-
-void Gemm::linear_add_rmsnorm(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out,
-                              bf16* residual, const bf16* norm_weight, int M, int N, int K,
-                              float eps, cudaStream_t stream) {
-  if (rmsnorm_epilogue_supported(N) && takes_gemv(w, M, N, K)) {
-    const RmsnormEpilogue norm{residual, norm_weight, eps, arrivals_};
-    if (w.fp8()) {
-      gemv_fp8_add_rmsnorm(x, w.data, w.scale, bias, out, M, N, K, norm, stream);
-    } else {
-      gemv_add_rmsnorm(x, w.bf16_data(), bias, out, M, N, K, norm, stream);
-    }
-    return;
-  }
-  linear(x, w, bias, out, M, N, K, stream);
-  add_rmsnorm(out, residual, norm_weight, M, N, eps, stream);
-}
-
 void Gemm::linear(const bf16* x, const LinearWeight& w, const bf16* bias, bf16* out, int M, int N,
                   int K, cudaStream_t stream) {
-  if (takes_gemv(w, M, N, K)) {
+  // Decode-sized M: cuBLASLt's tiles leave most SMs idle there; the GEMV streams W at bandwidth
+  // (bf16: where gemv_preferred says it beats cuBLASLt's floor).
+  if (w.fp8() ? gemv_fp8_supported(M, N, K) : gemv_preferred(M, N, K)) {
     if (w.fp8()) {
       gemv_fp8(x, w.data, w.scale, bias, out, M, N, K, stream);
     } else {

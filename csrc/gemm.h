@@ -31,14 +31,6 @@ class Gemm {
   void linear(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out, int M, int N,
               int K, cudaStream_t stream);
 
-  // linear(x, weight, bias, out), then add_rmsnorm(out, residual, norm_weight, M, N, eps)
-  // (norm.h): in the GEMV's last CTA where linear() takes the GEMV and the epilogue takes N
-  // (gemv_add_rmsnorm), else as the two calls. Calls on one Gemm share its arrivals counter: keep
-  // them on one stream.
-  void linear_add_rmsnorm(const bf16* x, const LinearWeight& weight, const bf16* bias, bf16* out,
-                          bf16* residual, const bf16* norm_weight, int M, int N, int K, float eps,
-                          cudaStream_t stream);
-
   // Room for the largest FP8 weight (elements) that linear() dequantises; allocate it before any
   // capture. Grows only.
   void reserve_dequantized(size_t elements);
@@ -78,7 +70,6 @@ class Gemm {
 
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
-  unsigned int* arrivals_ = nullptr;  // linear_add_rmsnorm's counter (gemv.h), zero between calls
   size_t workspace_bytes_;
   // cuBLASLt 12.9+ on compute capability 9.0, with a workspace (gemm.cpp): decided at construction,
   // before any FP8 plan sets the block scale modes that older libraries reject.

@@ -39,10 +39,6 @@
 // torch.argmax's (argmax_key in argmax_order.cuh), in shared memory and sends one max reduction
 // per row to a global key; a one-warp kernel launched behind it (PDL) decodes and clears the keys.
 // The separate argmax kernel would re-read the 300 KB of logits after the GEMV has completed.
-// gemv_add_rmsnorm (o_proj and down at decode) ends in the decoder layer's residual add and
-// RMSNorm: each CTA stores its columns, makes them visible and counts itself in a counter; the CTA
-// that counts last normalises the M rows (norm.cuh, the arithmetic of add_rmsnorm's kernel). The
-// next kernel's PDL wait then covers the norm, and the norm's own kernel boundary is gone.
 #include "gemv.h"
 
 #include "argmax_order.cuh"
@@ -138,8 +134,7 @@ template <int kMaxRows, int kWarps, bool kSiluMul, bool kArgmax, bool kHalves>
 __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     gemv_kernel(const bf16* __restrict__ x, const bf16* __restrict__ weight,
                 const bf16* __restrict__ bias, bf16* __restrict__ out, int M, int N, int K,
-                int splits, int steps_per_split, unsigned long long* __restrict__ keys,
-                RmsnormEpilogue norm) {
+                int splits, int steps_per_split, unsigned long long* __restrict__ keys) {
   static_assert(!(kSiluMul && kArgmax), "the argmax epilogue is lm_head's, which has no SiLU");
   static_assert(kMaxRows == 8 || kMaxRows == 16 || kMaxRows == 32, "8, 16 or 32 rows of x");
   static_assert(kMaxRows <= kGemvMaxM, "the argmax keys hold kGemvMaxM rows");
@@ -229,8 +224,7 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
     }
     __syncthreads();
     if constexpr (!kArgmax) {
-      // The epilogue's counting is done by every thread.
-      if (split != 0 && norm.arrivals == nullptr) return;
+      if (split != 0) return;
     }
     // The group's splits are warps warp .. warp + splits - 1; summed in that order.
     for (int s = 1; split == 0 && s < splits; ++s) {
@@ -267,13 +261,12 @@ __global__ void __launch_bounds__(kWarps * 32, kWarpsPerSm / kWarps)
       for (int i = 0; i < 4; ++i) {
         const int m = 16 * t + g + (i >= 2 ? 8 : 0);
         const int n = n0 + 2 * c + (i & 1);
-        if (split == 0 && m < M && n < N) {
+        if (m < M && n < N) {
           const float value = bias ? sum[t][i] + __bfloat162float(bias[n]) : sum[t][i];
           out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(value);
         }
       }
     }
-    rmsnorm_by_last_cta(out, M, N, norm);
   }
 }
 
@@ -293,15 +286,13 @@ namespace {
 
 // N: out's width (gemv's N, or gemv_silu_mul's inter).
 // kArgmax: gemv_argmax's epilogue into argmax_keys.
-// norm: gemv_add_rmsnorm's epilogue, or none.
 template <bool kSiluMul, bool kArgmax = false>
 void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
                  int K, cudaStream_t stream, const char* op,
-                 unsigned long long* argmax_keys = nullptr, const RmsnormEpilogue& norm = {}) {
+                 unsigned long long* argmax_keys = nullptr) {
   require_gemv_shape(gemv_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 8, kGemvMaxM);
   require_aligned(op, "x", x);
   require_aligned(op, "weight", weight);
-  if (norm.arrivals != nullptr) require_rmsnorm_epilogue(op, out, N, norm);
 
   const int row_groups = ceil_div(N, kSiluMul ? kRowsPerGroup / 2 : kRowsPerGroup);
   const int steps = ceil_div(K, kStepK);
@@ -323,7 +314,7 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
   auto kernel = g.warps == kWarpsPerCta ? pick_halves(std::integral_constant<int, kWarpsPerCta>{})
                                         : pick_halves(std::integral_constant<int, kMaxSplits>{});
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x, weight, bias, out, M, N, K,
-             g.splits, g.steps_per_split, argmax_keys, norm);
+             g.splits, g.steps_per_split, argmax_keys);
 }
 
 }  // namespace
@@ -331,16 +322,6 @@ void launch_gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out,
 void gemv(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N, int K,
           cudaStream_t stream) {
   launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv");
-}
-
-bool rmsnorm_epilogue_supported(int N) {
-  return N >= 8 && N <= norm_detail::kMaxDim && N % 8 == 0;
-}
-
-void gemv_add_rmsnorm(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                      int K, const RmsnormEpilogue& norm, cudaStream_t stream) {
-  require(norm.arrivals != nullptr, "gemv_add_rmsnorm: the arrivals counter is required");
-  launch_gemv<false>(x, weight, bias, out, M, N, K, stream, "gemv_add_rmsnorm", nullptr, norm);
 }
 
 void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, int inter, int K,

@@ -52,27 +52,6 @@ void gemv_silu_mul(const bf16* x, const bf16* gate_up_weight, bf16* out, int M, 
 void gemv_argmax(const bf16* x, const bf16* weight, const bf16* bias, bf16* logits, int M, int N,
                  int K, uint64_t* keys, int32_t* out, int32_t* host_out, cudaStream_t stream);
 
-// The residual add and RMSNorm that follow a projection into the hidden state (o_proj and down in
-// a decoder layer), done by the GEMV's last CTA: add_rmsnorm(out, residual, weight, M, N, eps)
-// (norm.h) once every CTA has stored its columns of out. residual [M, N] and weight [N] bf16,
-// 16-byte aligned; N a multiple of 8 of at most 8,192 (add_rmsnorm's rows). arrivals: one
-// zeroed unsigned int of device workspace, left zeroed; one call at a time may use it.
-struct RmsnormEpilogue {
-  bf16* residual = nullptr;
-  const bf16* weight = nullptr;
-  float eps = 0.f;
-  unsigned int* arrivals = nullptr;
-};
-
-// True when the epilogue takes rows of N elements.
-bool rmsnorm_epilogue_supported(int N);
-
-// gemv, then add_rmsnorm of out in the same kernel: out ends as the normalised rows, residual as
-// bf16(gemv + residual), bit-equal to gemv followed by add_rmsnorm, one kernel boundary fewer.
-// Same limits and launch as gemv, and rmsnorm_epilogue_supported(N).
-void gemv_add_rmsnorm(const bf16* x, const bf16* weight, const bf16* bias, bf16* out, int M, int N,
-                      int K, const RmsnormEpilogue& norm, cudaStream_t stream);
-
 // FP8 weights (fp8.h: e4m3 with block scales), in gemv_fp8.cu: each e4m3 value widened exactly to
 // bf16, each 64-column step's sum scaled by its rows' block scale in fp32; the same PDL launch as
 // gemv. True when gemv_fp8 takes the shape: 1 <= M <= kGemvFp8MaxM, N >= 1 and K a positive
@@ -81,11 +60,6 @@ bool gemv_fp8_supported(int M, int N, int K);
 
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
               int M, int N, int K, cudaStream_t stream);
-
-// gemv_fp8, then add_rmsnorm of out in the same kernel, as gemv_add_rmsnorm.
-void gemv_fp8_add_rmsnorm(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                          bf16* out, int M, int N, int K, const RmsnormEpilogue& norm,
-                          cudaStream_t stream);
 
 // gemv_silu_mul over an FP8 gate_up weight; inter must be a multiple of 8 (kFp8ScaleRows).
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,

@@ -6,7 +6,6 @@
 #include "common.h"
 #include "gemv.h"
 #include "gemv_plan.h"
-#include "norm.cuh"
 
 #include <string>
 
@@ -85,26 +84,6 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], uint32_t a0, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// gemv_add_rmsnorm's epilogue (gemv.h), called by every thread of every CTA once the CTA's
-// stores to out are issued: each CTA makes its stores visible and counts itself in
-// norm.arrivals; the CTA that counts last resets the counter and normalises all M rows. A plain
-// GEMV (no arrivals) returns at once.
-__device__ __forceinline__ void rmsnorm_by_last_cta(bf16* out, int M, int N,
-                                                    const RmsnormEpilogue& norm) {
-  if (norm.arrivals == nullptr) return;
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(norm.arrivals, 1u) == gridDim.x - 1;
-    if (last) *norm.arrivals = 0;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  norm_detail::cta_add_rmsnorm(out, norm.residual, norm.weight, M, N, norm.eps);
-}
-
 inline std::string shape_str(int M, int N, int K) {
   return "M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K);
 }
@@ -117,20 +96,6 @@ inline void require_gemv_shape(bool supported, const char* op, int M, int N, int
                          "; it takes 1 <= M <= " + std::to_string(max_m) +
                          ", N >= 1 and K a positive multiple of " + std::to_string(k_multiple) +
                          " (use Gemm::linear for other shapes)");
-}
-
-// Throws unless the add_rmsnorm epilogue takes rows of N elements and these arguments.
-inline void require_rmsnorm_epilogue(const char* op, const bf16* out, int N,
-                                     const RmsnormEpilogue& norm) {
-  require(rmsnorm_epilogue_supported(N),
-          std::string(op) + ": N=" + std::to_string(N) + " is unsupported; add_rmsnorm takes rows " +
-              "of a multiple of 8 elements between 8 and " + std::to_string(norm_detail::kMaxDim) +
-              " (use gemv and add_rmsnorm)");
-  require(norm.residual != nullptr && norm.weight != nullptr && norm.arrivals != nullptr,
-          std::string(op) + ": the residual, the norm weight and the arrivals counter are required");
-  require_aligned(op, "out", out);
-  require_aligned(op, "residual", norm.residual);
-  require_aligned(op, "norm weight", norm.weight);
 }
 
 }  // namespace nanograph::gemv_detail

@@ -2,8 +2,7 @@
 // 1 <= M <= 16, x and out bf16, the weight e4m3 with a float32 scale per 8 rows x 128 columns
 // (fp8.h); fp32 accumulation, (sum + bias) rounded once to bf16. gemv_silu_mul_fp8 is
 // gemv_silu_mul (gemv.cu) over such a weight. dequantize_fp8 writes the weight as bf16, for
-// cuBLASLt above 16 rows. gemv_fp8_add_rmsnorm ends in the layer's residual add and RMSNorm, done
-// by the last CTA as in gemv_add_rmsnorm (gemv.cu).
+// cuBLASLt above 16 rows.
 //
 // Layouts: x [M, K], weight [N, K] (torch Linear), out [M, N], all row-major; bias [N].
 //
@@ -118,7 +117,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
     gemv_fp8_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ weight,
                     const float* __restrict__ scale, const bf16* __restrict__ bias,
                     bf16* __restrict__ out, int M, int N, int K, int splits,
-                    int steps_per_split, RmsnormEpilogue norm) {
+                    int steps_per_split) {
   constexpr int kTiles = kWideM ? 2 : 1;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, c = lane % 4;
@@ -283,10 +282,9 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
       for (int i = 0; i < 4; ++i) partial[warp][4 * t + i][lane] = acc[t][i];
     }
     __syncthreads();
-    // The epilogue's counting is done by every thread.
-    if (split != 0 && norm.arrivals == nullptr) return;
+    if (split != 0) return;
     // The group's splits are warps warp .. warp + splits - 1; summed in that order.
-    for (int s = 1; split == 0 && s < splits; ++s) {
+    for (int s = 1; s < splits; ++s) {
 #pragma unroll
       for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
@@ -300,7 +298,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int m = 8 * t + 2 * c + j;
-      if (split != 0 || m >= M) continue;
+      if (m >= M) continue;
       bf16* out_row = out + static_cast<int64_t>(m) * N;
       if constexpr (kSiluMul) {
         // Gate and up rounded to bf16, as the unfused gemv_fp8 stores them, then silu_mul's formula.
@@ -322,15 +320,12 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
       }
     }
   }
-  if constexpr (!kSiluMul) rmsnorm_by_last_cta(out, M, N, norm);
 }
 
 // N: out's width (gemv_fp8's N, or gemv_silu_mul_fp8's inter).
-// norm: gemv_fp8_add_rmsnorm's epilogue, or none.
 template <bool kSiluMul>
 void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op,
-                     const RmsnormEpilogue& norm = {}) {
+                     bf16* out, int M, int N, int K, cudaStream_t stream, const char* op) {
   require_gemv_shape(gemv_fp8_supported(M, kSiluMul ? 2 * N : N, K), op, M, N, K, 16,
                      kGemvFp8MaxM);
   require_aligned(op, "x", x);
@@ -339,7 +334,6 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
   require(!kSiluMul || N % kFp8ScaleRows == 0,
           std::string(op) + ": inter must be a multiple of " + std::to_string(kFp8ScaleRows) +
               ", got " + std::to_string(N));
-  if (norm.arrivals != nullptr) require_rmsnorm_epilogue(op, out, N, norm);
 
   const int row_groups = ceil_div(N, kSiluMul ? kRows / 2 : kRows);
   const int steps = ceil_div(K, kStep);
@@ -358,7 +352,7 @@ void launch_gemv_fp8(const bf16* x, const void* weight, const float* scale, cons
                            : gemv_fp8_kernel<false, kMaxSplits, kSiluMul, k16, false>);
   launch_pdl(kernel, dim3(g.ctas), dim3(g.warps * 32), 0, stream, x,
              static_cast<const uint8_t*>(weight), scale, bias, out, M, N, K, g.splits,
-             g.steps_per_split, norm);
+             g.steps_per_split);
 }
 
 // 16 elements per thread: one 16-byte load of e4m3, two 16-byte stores of bf16.
@@ -396,14 +390,6 @@ bool gemv_fp8_supported(int M, int N, int K) {
 void gemv_fp8(const bf16* x, const void* weight, const float* scale, const bf16* bias, bf16* out,
               int M, int N, int K, cudaStream_t stream) {
   launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8");
-}
-
-void gemv_fp8_add_rmsnorm(const bf16* x, const void* weight, const float* scale, const bf16* bias,
-                          bf16* out, int M, int N, int K, const RmsnormEpilogue& norm,
-                          cudaStream_t stream) {
-  require(norm.arrivals != nullptr, "gemv_fp8_add_rmsnorm: the arrivals counter is required");
-  launch_gemv_fp8<false>(x, weight, scale, bias, out, M, N, K, stream, "gemv_fp8_add_rmsnorm",
-                         norm);
 }
 
 void gemv_silu_mul_fp8(const bf16* x, const void* gate_up_weight, const float* scale, bf16* out,

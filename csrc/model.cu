@@ -9,9 +9,7 @@
 //   act    = silu(gate) * up of hidden . Wgate_up^T   (where gemv_preferred: one kernel)
 //   hidden = act . Wdown^T
 // then the final norm and lm_head on each sequence's last token only (a greedy step at small
-// batch takes the argmax in lm_head's GEMV). Where o_proj and down take the GEMV, the
-// add_rmsnorm after them (the next layer's input norm, or the final norm at decode) runs in the
-// GEMV's last CTA (Gemm::linear_add_rmsnorm).
+// batch takes the argmax in lm_head's GEMV).
 // All per-step values are read from device buffers at fixed addresses, so a captured decode graph
 // replays for any batch contents.
 #include "model.h"
@@ -390,6 +388,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
                     device_meta_ + layout.input_src, sampled_tokens_);
   for (int l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = weights_.layers[l];
+    if (l > 0) add_rmsnorm(hidden_, residual_, w.input_norm, T, H, c.rms_norm_eps, st);
     gemm_.linear(hidden_, w.qkv, w.qkv_bias, qkv_, T, qkv_width_, H, st);
 
     char* k_cache = static_cast<char*>(kv_cache_) + 2 * l * kv_layer_bytes;
@@ -413,8 +412,8 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
                                 c.num_q_heads, scale};
       paged_prefill_attention(args, st);
     }
-    gemm_.linear_add_rmsnorm(attn_, w.o_proj, nullptr, hidden_, residual_, w.post_norm, T, H,
-                             q_width, c.rms_norm_eps, st);
+    gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);
+    add_rmsnorm(hidden_, residual_, w.post_norm, T, H, c.rms_norm_eps, st);
     if (w.gate_up.fp8() && gemv_fp8_supported(T, 2 * I, H)) {
       gemv_silu_mul_fp8(hidden_, w.gate_up.data, w.gate_up.scale, act_, T, I, H, st);
     } else if (!w.gate_up.fp8() && gemv_preferred(T, 2 * I, H)) {
@@ -423,16 +422,7 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
       gemm_.linear(hidden_, w.gate_up, nullptr, gate_up_, T, 2 * I, H, st);
       silu_mul(gate_up_, act_, T, I, st);
     }
-    // The norm after down: the next layer's input norm; after the last layer the final norm,
-    // which a prefill step takes on the sequences' last tokens only (below).
-    const bool last_layer = l + 1 == c.num_layers;
-    if (last_layer && !is_decode) {
-      gemm_.linear(act_, w.down, nullptr, hidden_, T, H, I, st);
-    } else {
-      const bf16* norm = last_layer ? weights_.final_norm : weights_.layers[l + 1].input_norm;
-      gemm_.linear_add_rmsnorm(act_, w.down, nullptr, hidden_, residual_, norm, T, H, I,
-                               c.rms_norm_eps, st);
-    }
+    gemm_.linear(act_, w.down, nullptr, hidden_, T, H, I, st);
   }
 
   bf16* last_hidden = hidden_;
@@ -443,8 +433,8 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
     gather_last_tokens_kernel<<<S, 128, 0, st>>>(hidden_, residual_, cu_seqlens_q, last_hidden,
                                                  last_residual, H);
     CUDA_CHECK_LAUNCH();
-    add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
   }
+  add_rmsnorm(last_hidden, last_residual, weights_.final_norm, S, H, c.rms_norm_eps, st);
   if (argmax_host_out != nullptr && gemv_preferred(S, c.vocab_size, H)) {
     gemv_argmax(last_hidden, weights_.lm_head, nullptr, logits_, S, c.vocab_size, H, argmax_keys_,
                 sampled_tokens_, argmax_host_out, st);

@@ -8,9 +8,7 @@
 // Launch: each row is held in registers as VPT 16-byte vectors per thread, so it is read from
 // global memory once. Rows of up to 512 elements get one warp each (four rows per CTA, shuffle
 // reduction only); wider rows get one CTA of at most 256 threads (shuffle + shared-memory
-// reduction); norm.cuh's row_threads says which thread holds which vectors, and holds the sums
-// and the final rounding that the GEMVs ending in add_rmsnorm share. VPT = ceil(vectors /
-// threads) is a template parameter so the row stays in registers.
+// reduction). VPT = ceil(vectors / threads) is a template parameter so the row stays in registers.
 // embedding_rmsnorm, the first layer's input, takes each row from the embedding table (the id
 // resolved as embedding() resolves it), stores it as the residual and normalises it: the
 // embedding kernel and rmsnorm's bits in one launch.
@@ -19,15 +17,21 @@
 #include "bf16x8.cuh"
 #include "embedding.cuh"
 #include "launch.h"
-#include "norm.cuh"
 
 namespace nanograph {
 
 namespace {
 
-using namespace norm_detail;
-
+constexpr int kMaxDim = 8192;
+constexpr int kMaxWarpRowVecs = 64;  // rows of <= 512 elements: one warp per row
 constexpr int kWarpRowsPerCta = 4;
+constexpr int kMaxCtaThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
 
 // blockDim = (threads per row, rows per CTA); blockDim.y > 1 only when blockDim.x == 32.
 // With kAddResidual, `residual` is updated in place and out may alias x. With kEmbed, x is the
@@ -91,14 +95,28 @@ __global__ void __launch_bounds__(kMaxCtaThreads)
     for (int k = 0; k < 8; ++k) sum_sq += h[i].v[k] * h[i].v[k];
   }
 
-  __shared__ float warp_sums[kMaxCtaThreads / 32];
-  const float rstd = rsqrtf(row_sum(sum_sq, blockDim.x, warp_sums) / dim + eps);
+  sum_sq = warp_sum(sum_sq);
+  if (blockDim.x > 32) {
+    __shared__ float warp_sums[kMaxCtaThreads / 32];
+    const int warps = blockDim.x / 32;
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum_sq;
+    __syncthreads();
+    sum_sq = 0.f;
+    for (int w = 0; w < warps; ++w) sum_sq += warp_sums[w];
+  }
+  const float rstd = rsqrtf(sum_sq / dim + eps);
 
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int v = threadIdx.x + i * blockDim.x;
     if (v >= vecs) break;
-    store_normalized(out + row_offset + v * 8, h[i], w_raw[i], rstd);
+    const Float8 w = bf16x8_to_float8(w_raw[i]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[i].v[k] *= rstd;
+    round_to_bf16(h[i]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) h[i].v[k] *= w.v[k];
+    store_bf16x8(out + row_offset + v * 8, h[i]);
   }
 }
 
@@ -116,14 +134,16 @@ void launch_rmsnorm(const bf16* x, bf16* residual, const bf16* weight, bf16* out
             std::string(name) + ": tensors must be 16-byte aligned (pass whole-row slices)");
   }
   if (rows == 0) return;
-  const RowThreads layout = row_threads(dim);
-  const int vpt = layout.vectors_per_thread;
+  const int vecs = dim / 8;
   dim3 block, grid;
-  if (layout.threads == 32) {
+  int vpt;
+  if (vecs <= kMaxWarpRowVecs) {
+    vpt = ceil_div(vecs, 32);
     block = dim3(32, kWarpRowsPerCta);
     grid = dim3(ceil_div(rows, kWarpRowsPerCta));
   } else {
-    block = dim3(layout.threads);
+    vpt = ceil_div(vecs, kMaxCtaThreads);
+    block = dim3(ceil_div(ceil_div(vecs, vpt), 32) * 32);
     grid = dim3(rows);
   }
   auto launch = [&](auto kernel) {

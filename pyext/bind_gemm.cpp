@@ -34,22 +34,6 @@ NANOGRAPH_BINDINGS(bind_gemm) {
           "out[M, N] = x[M, K] @ weight[N, K].T (+ bias[N]); bias may be None. Runs on torch's "
           "current stream.")
       .def(
-          "linear_add_rmsnorm",
-          [](Gemm& self, py::object x, py::object weight, py::object bias, py::object out,
-             py::object residual, py::object norm_weight, float eps) {
-            LinearArgs a = linear_args(x, weight, bias, out, "linear_add_rmsnorm");
-            const RmsnormEpilogue norm =
-                rmsnorm_epilogue_args(a, residual, norm_weight, eps, py::none());
-            self.linear_add_rmsnorm(a.x.data<bf16>(), a.weight.data<bf16>(), a.bias.data<bf16>(),
-                                    a.out.data<bf16>(), norm.residual, norm.weight, a.M, a.N,
-                                    a.K, eps, torch_current_stream());
-          },
-          py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("residual"),
-          py::arg("norm_weight"), py::arg("eps"),
-          "linear, then add_rmsnorm(out, residual, norm_weight, eps): in the GEMV's last CTA "
-          "where linear takes the GEMV (gemv_add_rmsnorm, with this Gemm's counter), else as the "
-          "two ops.")
-      .def(
           "linear_fp8",
           [](Gemm& self, py::object x, py::object weight, py::object scale, py::object bias,
              py::object out, py::object block_scale) {

@@ -26,22 +26,6 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "of 8; bias may be None. bf16, fp32 accumulation, deterministic. Runs on torch's current "
       "stream.");
   m.def(
-      "gemv_add_rmsnorm",
-      [](py::object x, py::object weight, py::object bias, py::object out, py::object residual,
-         py::object norm_weight, float eps, py::object arrivals) {
-        LinearArgs a = linear_args(x, weight, bias, out, "gemv_add_rmsnorm");
-        if (arrivals.is_none()) throw_type_error("gemv_add_rmsnorm: arrivals must be a torch.Tensor");
-        const RmsnormEpilogue norm = rmsnorm_epilogue_args(a, residual, norm_weight, eps, arrivals);
-        // gemv_add_rmsnorm() rejects unsupported sizes and misaligned pointers with the limit.
-        gemv_add_rmsnorm(a.x.data<bf16>(), a.weight.data<bf16>(), a.bias.data<bf16>(),
-                         a.out.data<bf16>(), a.M, a.N, a.K, norm, torch_current_stream());
-      },
-      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("out"), py::arg("residual"),
-      py::arg("norm_weight"), py::arg("eps"), py::arg("arrivals"),
-      "gemv into out [M, N], then add_rmsnorm(out, residual, norm_weight, eps) in the same kernel "
-      "(its last CTA): bit-equal to the two ops. N a multiple of 8 up to 8192; arrivals: int32 [1] "
-      "of zeros on the device, left zeroed (workspace; one call at a time).");
-  m.def(
       "gemv_silu_mul",
       [](py::object x, py::object gate_up_weight, py::object out) {
         SiluMulArgs a = silu_mul_args(x, gate_up_weight, py::none(), out, "gemv_silu_mul");
@@ -85,22 +69,6 @@ NANOGRAPH_BINDINGS(bind_gemv) {
       "gemv with an FP8 weight: out[M, N] = x[M, K] @ (weight * scale).T (+ bias), weight "
       "float8_e4m3fn [N, K], scale float32 [ceil(N / 8), ceil(K / 128)] (one per 8 rows x 128 "
       "columns); 1 <= M <= GEMV_FP8_MAX_M and K a multiple of 16.");
-  m.def(
-      "gemv_fp8_add_rmsnorm",
-      [](py::object x, py::object weight, py::object scale, py::object bias, py::object out,
-         py::object residual, py::object norm_weight, float eps, py::object arrivals) {
-        Tensor ts;
-        LinearArgs a = fp8_linear_args(x, weight, scale, bias, out, "gemv_fp8_add_rmsnorm", &ts);
-        if (arrivals.is_none()) {
-          throw_type_error("gemv_fp8_add_rmsnorm: arrivals must be a torch.Tensor");
-        }
-        const RmsnormEpilogue norm = rmsnorm_epilogue_args(a, residual, norm_weight, eps, arrivals);
-        gemv_fp8_add_rmsnorm(a.x.data<bf16>(), a.weight.ptr, ts.data<float>(), a.bias.data<bf16>(),
-                             a.out.data<bf16>(), a.M, a.N, a.K, norm, torch_current_stream());
-      },
-      py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias"), py::arg("out"),
-      py::arg("residual"), py::arg("norm_weight"), py::arg("eps"), py::arg("arrivals"),
-      "gemv_fp8, then add_rmsnorm of out in the same kernel, as gemv_add_rmsnorm.");
   m.def(
       "gemv_silu_mul_fp8",
       [](py::object x, py::object gate_up_weight, py::object scale, py::object out) {

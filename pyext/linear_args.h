@@ -5,7 +5,6 @@
 #include <string>
 
 #include "../csrc/fp8.h"
-#include "../csrc/gemv.h"
 #include "tensor.h"
 
 namespace nanograph::py_ext {
@@ -86,28 +85,6 @@ inline SiluMulArgs silu_mul_args(py::handle x, py::handle gate_up_weight, py::ha
   a.inter = checked_int(a.out.size(1), std::string(op) + " inter");
   a.K = checked_int(a.x.size(1), std::string(op) + " K");
   return a;
-}
-
-// The add_rmsnorm epilogue of a linear layer into a.out [M, N]: residual [M, N] and
-// norm_weight [N] bf16; arrivals int32 [1], zero (the GEMV's counter, left zeroed); all on out's
-// device. The tensors stay owned by the caller's Python objects.
-inline RmsnormEpilogue rmsnorm_epilogue_args(const LinearArgs& a, py::handle residual,
-                                             py::handle norm_weight, float eps,
-                                             py::handle arrivals) {
-  Tensor tr = cuda_tensor(residual, "residual", "bfloat16");
-  Tensor tw = cuda_tensor(norm_weight, "norm_weight", "bfloat16");
-  expect_shape(tr, {a.M, a.N});
-  expect_shape(tw, {a.N});
-  RmsnormEpilogue norm{tr.data<bf16>(), tw.data<bf16>(), eps, nullptr};
-  if (!arrivals.is_none()) {
-    Tensor tc = cuda_tensor(arrivals, "arrivals", "int32");
-    expect_shape(tc, {1});
-    same_device({&a.out, &tr, &tw, &tc});
-    norm.arrivals = reinterpret_cast<unsigned int*>(tc.data<int32_t>());
-  } else {
-    same_device({&a.out, &tr, &tw});
-  }
-  return norm;
 }
 
 }  // namespace nanograph::py_ext
