@@ -107,6 +107,19 @@ __device__ __forceinline__ void step_mma(float (&d)[4], const uint32_t (&lo)[8],
   mma_16x8x16(d, lo[6], hi[6], lo[7], hi[7], xb.z, xb.w);
 }
 
+// acc += one step's sums of rows g (times their block scale s_lo) and g + 8 (times s_hi): the
+// step is summed into a fresh fp32 partial, which is then scaled.
+__device__ __forceinline__ void add_scaled_step(float (&acc)[4], const uint32_t (&lo)[8],
+                                                const uint32_t (&hi)[8], const uint4& xa,
+                                                const uint4& xb, float s_lo, float s_hi) {
+  float part[4] = {};
+  step_mma(part, lo, hi, xa, xb);
+  acc[0] += s_lo * part[0];
+  acc[1] += s_lo * part[1];
+  acc[2] += s_hi * part[2];
+  acc[3] += s_hi * part[3];
+}
+
 // kWideM: M > 8 (a second set of MMAs for x rows 8..15). kWarps: warps per CTA. kSiluMul: the
 // gated MLP's epilogue over weight [2N, K] (gate rows, then up rows; N a multiple of 8).
 // kWidenEarly: every split is at most one load batch (steps_per_split <= kUnroll), x at most 8
@@ -208,12 +221,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (begin + u < end) {
-          float part[4] = {};
-          step_mma(part, wide[u][0], wide[u][1], xs[u][0], xs[u][1]);
-          acc[0][0] += s[u][0] * part[0];
-          acc[0][1] += s[u][0] * part[1];
-          acc[0][2] += s[u][1] * part[2];
-          acc[0][3] += s[u][1] * part[3];
+          add_scaled_step(acc[0], wide[u][0], wide[u][1], xs[u][0], xs[u][1], s[u][0], s[u][1]);
         }
       }
     }
@@ -260,12 +268,7 @@ __global__ void __launch_bounds__(kWarps * 32, kResidentWarps / kWarps)
           fp8x16_to_bf16(w[u][1], hi);
 #pragma unroll
           for (int t = 0; t < kTiles; ++t) {
-            float part[4] = {};
-            step_mma(part, lo, hi, xs[t][0], xs[t][1]);
-            acc[t][0] += s_lo * part[0];
-            acc[t][1] += s_lo * part[1];
-            acc[t][2] += s_hi * part[2];
-            acc[t][3] += s_hi * part[3];
+            add_scaled_step(acc[t], lo, hi, xs[t][0], xs[t][1], s_lo, s_hi);
           }
         }
         if (u == kHalf - 1) load_weights(step0 + kUnroll, 0, kHalf);
