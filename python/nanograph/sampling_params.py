@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from enum import Enum
 
@@ -280,7 +281,7 @@ def _check_float(name: str, value):
 
 def _token_id(name: str, token_id) -> int:
     """A token id given as an int or its decimal text (OpenAI's JSON keys)."""
-    if isinstance(token_id, str) and token_id.lstrip("-").isdigit():
+    if isinstance(token_id, str) and re.fullmatch(r"-?[0-9]+", token_id):
         return int(token_id)
     if isinstance(token_id, bool) or not isinstance(token_id, (int, np.integer)):
         raise ValueError(f"{name} keys must be token ids (ints), got {token_id!r}.")

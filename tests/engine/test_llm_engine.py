@@ -18,6 +18,8 @@ def generate(engine, prompts, params=GREEDY):
     ("", "prompt is empty"),
     ([1, VOCAB_SIZE, 2], f"prompt token id {VOCAB_SIZE} at position 1 is outside the vocabulary \\[0, {VOCAB_SIZE}\\)"),
     ([3, -1], "prompt token id -1 at position 1 is outside"),
+    ([3, 2**64], f"prompt token id {2**64} at position 1 is outside"),  # beyond int64 too
+    ([-2**70, 3], f"prompt token id {-2**70} at position 0 is outside"),
     ([1] * 65, "prompt has 65 tokens; max_model_len is 64: shorten the prompt, or raise max_model_len"),
 ])
 def test_bad_prompt_raises_and_the_engine_keeps_serving(prompt, message):

@@ -75,8 +75,10 @@ def test_logit_bias_moves_the_greedy_choice_to_the_biased_argmax(penalised):
 
 def test_logit_bias_is_clamped_and_keyed_by_token_id():
     assert SamplingParams(logit_bias={"7": 250, 3: -1e9}).logit_bias == {7: 100.0, 3: -100.0}
-    with pytest.raises(ValueError, match="logit_bias"):
-        SamplingParams(logit_bias={"seven": 1.0})
+    assert SamplingParams(logit_bias={"-0": 1.0, "12": 2.0}).logit_bias == {0: 1.0, 12: 2.0}
+    for key in ("seven", "--5", "5-", "\u00b2", "1.5", " 3", ""):  # "²" and "--5" pass str.isdigit-style checks
+        with pytest.raises(ValueError, match=r"logit_bias keys must be token ids \(ints\)"):
+            SamplingParams(logit_bias={key: 1.0})
 
 
 def test_allowed_token_ids_draw_only_those_tokens_with_their_renormalised_softmax():

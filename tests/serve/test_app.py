@@ -169,6 +169,23 @@ def test_unsupported_fields_and_a_full_prompt_are_400s(server, body, status, par
     assert message in error["message"] and error["param"] == param
 
 
+@pytest.mark.parametrize("echo", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("prompt, message", [
+    ([1, 2, 10**6], "prompt token id 1000000 at position 2 is outside the vocabulary [0, "),
+    ([1, 2, -1], "prompt token id -1 at position 2 is outside the vocabulary [0, "),
+    ([2**64], f"prompt token id {2**64} at position 0 is outside the vocabulary [0, "),
+    ([[1, 2], [-2**70, 5]], f"prompt 1: prompt token id {-2**70} at position 0 is outside the vocabulary [0, "),
+])
+def test_prompt_token_ids_outside_the_vocabulary_are_400s(server, prompt, message, echo, stream):
+    """Ids of any size, echoed or not, streamed or not: the engine's message, not an overflow or the tokenizer's
+    error; the server then serves the next request."""
+    body = {"prompt": prompt, "max_tokens": 2, "echo": echo, "stream": stream}
+    error = error_of(post(server, "/v1/completions", body), 400)
+    assert message in error["message"] and error["param"] == "prompt"
+    assert post(server, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "echo": echo}).status_code == 200
+
+
 def test_schema_errors_are_bad_requests_for_the_openai_client(client):
     """A body that does not match the schema is a 400 (vLLM's status), which the client raises as BadRequestError."""
     with pytest.raises(openai.BadRequestError, match="max_tokens: Input should be a valid integer"):

@@ -76,6 +76,21 @@ def token_id_list(token_ids) -> list[int]:
     return [int(token_id) for token_id in token_ids]
 
 
+def check_prompt_token_ids(token_ids: list[int], vocab_size: int):
+    """ValueError naming the first prompt token id outside [0, vocab_size) and its position (ids of any size)."""
+    try:
+        ids = np.asarray(token_ids, dtype=np.int64)
+    except OverflowError:  # an id beyond int64: found one by one
+        position = next(i for i, token_id in enumerate(token_ids) if not 0 <= token_id < vocab_size)
+    else:
+        outside = (ids < 0) | (ids >= vocab_size)
+        if not outside.any():
+            return
+        position = int(outside.argmax())
+    raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the vocabulary "
+                     f"[0, {vocab_size})")
+
+
 class Intake:
     def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer, eos_token_ids=()):
         self.config = config
@@ -102,12 +117,7 @@ class Intake:
         max_model_len = self.config.max_model_len
         if params.truncate_prompt_tokens is not None:
             token_ids = truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
-        ids = np.asarray(token_ids, dtype=np.int64)
-        outside = (ids < 0) | (ids >= self.vocab_size)
-        if outside.any():
-            position = int(outside.argmax())
-            raise ValueError(f"prompt token id {token_ids[position]} at position {position} is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        check_prompt_token_ids(token_ids, self.vocab_size)
         if len(token_ids) > max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}: shorten the "
                              f"prompt, or raise max_model_len (the model takes up to {self.max_context} positions)")

@@ -30,6 +30,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     prompts = kept
     served.check_room(prompts, request.max_tokens, "max_tokens", "prompt")
     params = served.sampling_params(request, request.max_tokens, request.logprobs)
+    if request.echo:
+        served.check_token_ids(prompts, request)
     echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text
               for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", served.name

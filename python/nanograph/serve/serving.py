@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from ..chat_template import ChatOptionError, chat_prompt_token_ids
-from ..engine.intake import truncated
+from ..engine.intake import check_prompt_token_ids, truncated
 from ..outputs import Logprob
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
@@ -107,6 +107,16 @@ class ServedModel:
             return [truncated(prompt, k, self.max_model_len) for prompt in prompts]
         except ValueError as exc:
             raise invalid_value(exc, request) from None
+
+    def check_token_ids(self, prompts: list[list[int]], request: SamplingRequest):
+        """The engine's check of prompts given as token ids, for a request that decodes them before the engine
+        sees them (echo): a 400 naming the prompt, not the tokenizer's error."""
+        for i, prompt in enumerate(prompts):
+            try:
+                check_prompt_token_ids(prompt, self.async_llm.info.vocab_size)
+            except ValueError as exc:
+                raise invalid_value(ValueError(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)),
+                                    request) from None
 
     def check_room(self, prompts: list[list[int]], max_tokens: int | None, field_name: str, prompt_field: str):
         """vLLM's rule: a prompt must be shorter than max_model_len (one that fills it leaves no room for output),
