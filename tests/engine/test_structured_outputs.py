@@ -97,3 +97,35 @@ def test_a_choice_of_thousands_with_regex_characters_gives_one_of_them(llm):
     for out, allowed in zip(outputs, [specials, specials, many]):
         completion = out.outputs[0]
         assert completion.text in allowed and completion.finish_reason == "stop", completion.text
+
+
+@pytest.mark.parametrize("masked", [
+    dict(structured_outputs=StructuredOutputsParams(choice=[" hello"]), bad_words=["hello"]),
+    dict(structured_outputs=StructuredOutputsParams(regex="hello"), allowed_token_ids=[2]),
+])
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_a_request_whose_every_token_is_masked_fails_alone(llm, masked, logprobs):
+    """A grammar with bad_words or allowed_token_ids can leave no token at all (intake cannot see it coming): that
+    request samples an id past the vocabulary and fails with a message naming the cause, while the request decoding
+    beside it (sampled, with its own logprobs) gives exactly its tokens of a run alone, and no block is lost."""
+    engine = llm.engine
+    free = engine.scheduler.block_manager.num_free_blocks
+    good = SamplingParams(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True, logprobs=logprobs)
+    bad = SamplingParams(temperature=1.0, max_tokens=4, logprobs=logprobs, **masked)
+    alone = llm.generate(["The city of"], good, use_tqdm=False)[0].outputs[0]
+    good_id = engine.add_request("The city of", good)
+    engine.step()  # the good request is decoding when the other one arrives
+    bad_id = engine.add_request("Say", bad)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs[good_id].error is None
+    assert outputs[good_id].outputs[0].token_ids == alone.token_ids
+    assert outputs[good_id].outputs[0].finish_reason == "length"
+    if logprobs:  # the same tokens and ranks; the values as close as a batch of two allows
+        for ours, theirs in zip(outputs[good_id].outputs[0].logprobs, alone.logprobs, strict=True):
+            assert {t: p.rank for t, p in ours.items()} == {t: p.rank for t, p in theirs.items()}
+            assert [p.logprob for p in ours.values()] == pytest.approx([p.logprob for p in theirs.values()], abs=1e-4)
+    assert outputs[bad_id].outputs[0].finish_reason == "abort"
+    assert "every token was masked" in outputs[bad_id].error
+    assert engine.scheduler.block_manager.num_free_blocks == free

@@ -112,9 +112,13 @@ class TorchRunner(Runner):
         return input_ids
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' rows of the table; an id outside the vocabulary gets a zero row, as the core's embedding gives
+        it: a row whose every token was masked samples one, and its request fails once the host reads it, while
+        the step that already read it on the device goes on for the other rows."""
         table = self.weights["embed_tokens"]
         if self.shard is None:
-            return table[input_ids]
+            inside = (input_ids >= 0) & (input_ids < len(table))
+            return torch.where(inside[:, None], table[input_ids.clamp(0, len(table) - 1)], 0)
         vocab = self.shard.vocab(self.model_config)
         local = input_ids - vocab.start
         inside = (local >= 0) & (local < len(vocab))

@@ -146,7 +146,9 @@ def with_logprobs(logits: torch.Tensor, logprobs: LogprobRows, token_ids: torch.
     device), from torch ops."""
     raw_logprobs = _rows(logits, logprob_rows).float().log_softmax(dim=-1)
     top, top_ids = raw_logprobs.topk(max(logprobs.num_top), dim=-1)
-    sampled = raw_logprobs.gather(1, _rows(token_ids, logprob_rows)[:, None])
+    # A row whose every token was masked drew the id past the vocabulary (its request fails on the host): its
+    # logprob is read at the last token instead, so that the other rows' go on.
+    sampled = raw_logprobs.gather(1, _rows(token_ids, logprob_rows).clamp(max=raw_logprobs.shape[-1] - 1)[:, None])
     ranks = (raw_logprobs > sampled).sum(dim=-1, keepdim=True)
     return CopiedSample(token_ids, logprobs, torch.cat([sampled, top], 1), torch.cat([ranks, top_ids], 1))
 
