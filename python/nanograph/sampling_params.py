@@ -166,6 +166,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:
+            raise ValueError(f"seed must be a 64-bit integer, in [-2**63, 2**64 - n] (completion i of n takes seed + "
+                             f"i), got {self.seed}.")
         _check_int("min_tokens", self.min_tokens)
         for name in ("max_tokens", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:

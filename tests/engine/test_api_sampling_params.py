@@ -35,6 +35,12 @@ from .fake_model import fake_engine, reference_completion
     ({"stop": [7]}, "stop must be a string or a list of strings, got [7]."),
     ({"seed": "42"}, "seed must be an int or None, got '42'."),
     ({"seed": True}, "seed must be an int or None, got True."),
+    ({"seed": 2**64}, f"seed must be a 64-bit integer, in [-2**63, 2**64 - n] (completion i of n takes seed + i), "
+                      f"got {2**64}."),
+    ({"seed": -2**63 - 1}, f"seed must be a 64-bit integer, in [-2**63, 2**64 - n] (completion i of n takes seed + "
+                           f"i), got {-2**63 - 1}."),
+    ({"seed": 2**64 - 2, "n": 3}, f"seed must be a 64-bit integer, in [-2**63, 2**64 - n] (completion i of n takes "
+                                  f"seed + i), got {2**64 - 2}."),
 ])
 def test_invalid_values_raise_with_vllm_messages(kwargs, message):
     with pytest.raises(ValueError) as exc:
@@ -55,6 +61,7 @@ def test_normalisation_on_construction():
     assert SamplingParams(stop="end").stop == ["end"]
     assert SamplingParams(stop_token_ids=[3, 3, 4]).stop_token_ids == [3, 4]
     assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2**63).seed == -2**63 and SamplingParams(seed=2**64 - 3, n=3).seed == 2**64 - 3
     assert SamplingParams(temperature=1e-4).temperature == 1e-2  # as vLLM: tiny temperatures overflow
     greedy = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
     assert (greedy.top_p, greedy.top_k, greedy.min_p) == (1.0, 0, 0.0)

@@ -428,3 +428,96 @@ def test_a_vocab_size_larger_than_the_embedding_fails_at_construction(tmp_path):
     folder = edited_model(tmp_path, vocab_size=300)  # the saved embedding has 256 rows
     with pytest.raises(ValueError, match=r"(?i)vocab|embed"):
         LLM(str(folder), device="cpu", max_model_len=64, num_kv_blocks=8)
+
+
+class SentencePieceLikeTokenizer:
+    """A tokenizer that raises on an id past its vocabulary, as a slow (SentencePiece) one does ("piece id is out of
+    range"), around a real one; everything else is the real tokenizer's."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self):
+        return len(self._tokenizer)
+
+    def decode(self, token_ids, **kwargs):
+        if any(token_id >= len(self._tokenizer) for token_id in token_ids):
+            raise IndexError("piece id is out of range.")
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def worded_folder(tmp_path_factory):
+    """The tiny model (256 ids) with a tokenizer of 10: a vocabulary padded far past its tokenizer's."""
+    path = tmp_path_factory.mktemp("qwen3-tied-words")
+    make_tiny_model(path, "qwen3-tied")
+    save_word_tokenizer(path, eos_token="<end>")
+    return path
+
+
+def test_ids_past_the_tokenizer_have_no_text_even_where_the_tokenizer_raises_on_them(worded_folder):
+    """Sampled ids past the tokenizer's vocabulary (most of the tiny model's) decode to no text, in the completion
+    (with and without stop strings) and in logprobs, with a tokenizer that raises on them as with one that does
+    not; the outputs are the same."""
+    words = ["w3 w4 w5", "w9 w8"]
+    params = [SamplingParams(temperature=1.0, seed=4, max_tokens=12, logprobs=3, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=12, stop=["w7"], ignore_eos=True)]
+    llm = new_llm(worded_folder)
+    fast = llm.generate(words, params, use_tqdm=False)
+    assert any(token_id >= 10 for out in fast for token_id in out.outputs[0].token_ids)
+    llm.set_tokenizer(SentencePieceLikeTokenizer(llm.get_tokenizer()))
+    raising = llm.generate(words, params, use_tqdm=False)
+    for ours, theirs in zip(raising, fast):
+        assert ours.error is None
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].text == theirs.outputs[0].text
+        assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs
+    logprobs = raising[0].outputs[0].logprobs
+    assert all(lp.decoded_token == "" for step in logprobs for token_id, lp in step.items() if token_id >= 10)
+    assert free_kv_blocks(llm)[0] == free_kv_blocks(llm)[1]
+
+
+@pytest.mark.parametrize("where", ["completion", "prompt_logprobs"])
+def test_a_request_whose_tokenizer_fails_ends_alone(worded_folder, where):
+    """Decoding one request's text starts to fail: mid-decode (its stop strings read the text at every token; it
+    streams, and asks for logprobs), or on its prompt logprobs' tokens. That request ends with the error and the
+    text it had, a stream reports the end, and the request decoding beside it gives its tokens of a run alone; no
+    block is lost."""
+    llm = new_llm(worded_folder)
+    engine = llm.engine
+    neighbour = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, stop=["w8"])
+    alone = llm.generate(["w3 w4"], neighbour, use_tqdm=False)[0].outputs[0]
+    free = free_kv_blocks(llm)[0]
+    good = engine.add_request("w3 w4", neighbour)
+    if where == "completion":
+        doomed = engine.add_request("w5 w6", SamplingParams(temperature=1.0, seed=9, max_tokens=10, ignore_eos=True,
+                                                            stop=["w9"], logprobs=2), stream=True)
+        engine.step()
+        engine.step()
+    else:
+        doomed = engine.add_request("w5 w6 w7 w3", SamplingParams(temperature=1.0, max_tokens=10, prompt_logprobs=2))
+    [seq] = engine.requests[doomed].seqs
+    real_tokenizer = seq.detokenizer.tokenizer
+
+    class FailingTokenizer(SentencePieceLikeTokenizer):
+        def decode(self, token_ids, **kwargs):
+            raise RuntimeError("tokenizer fault")
+
+    seq.detokenizer.tokenizer = FailingTokenizer(real_tokenizer)
+    outputs, deltas = {}, []
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+        deltas += engine.take_deltas()
+    assert outputs[good].error is None and outputs[good].outputs[0].token_ids == alone.token_ids
+    assert outputs[good].outputs[0].text == alone.text
+    failed = outputs[doomed]
+    assert failed.error == "RuntimeError: tokenizer fault" and failed.outputs[0].finish_reason == "abort"
+    assert real_tokenizer.decode(failed.outputs[0].token_ids).startswith(failed.outputs[0].text)
+    if where == "completion":
+        assert deltas and deltas[-1].finished and deltas[-1].error == "RuntimeError: tokenizer fault"
+    else:  # it ended on its prompt, before its first token was applied
+        assert failed.outputs[0].token_ids == [] and failed.prompt_logprobs == [None]
+    assert free_kv_blocks(llm)[0] == free

@@ -237,3 +237,30 @@ def test_a_failure_in_sampling_ends_only_the_request_it_belongs_to():
     failed = faulty[doomed]
     assert failed.outputs[0].finish_reason == "abort" and failed.outputs[0].token_ids == []
     assert failed.error == "RuntimeError: sampler fault"
+
+
+def test_a_request_finished_inside_generate_is_unfinished_until_step_returns_it():
+    """vLLM's loop, `while has_unfinished_requests(): step()`, gets every request queued with add_request, also
+    one that a generate() call in between ran to its end."""
+    engine = fake_engine()
+    queued = engine.add_request([3, 1, 4], SamplingParams(temperature=0, max_tokens=3))
+    generate(engine, [[2, 7]])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [out.request_id for out in outputs] == [queued]
+    assert outputs[0].outputs[0].token_ids == reference_completion([3, 1, 4], 3)
+
+
+def test_every_completion_of_a_seeded_request_repeats_negative_seeds_included():
+    """Completion i of n takes seed + i, also where that is -1 (which alone means no seed); -s and s are different
+    streams (a 64-bit word, as torch reads a seed)."""
+    def completions(seed, n=3):
+        engine = fake_engine(peak=1.0)
+        [out] = generate(engine, [[5, 9, 2]], SamplingParams(temperature=1.0, seed=seed, n=n, max_tokens=12))
+        return [completion.token_ids for completion in out.outputs]
+
+    assert completions(-2) == completions(-2)
+    assert completions(-2)[0] == completions(-2, n=1)[0] and completions(-2)[2] == completions(0, n=1)[0]
+    assert completions(-5, n=1) != completions(5, n=1)
+    assert completions(7, n=1) == completions(7, n=2)[:1]

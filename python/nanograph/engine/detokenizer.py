@@ -26,8 +26,7 @@ class IncrementalDetokenizer:
         # A prompt that ends inside a character leaves that character's first bytes pending (at most 3 of UTF-8's
         # 4): the completion's first tokens finish it, and its text starts with the whole character.
         last_bytes = max(self.read_offset - 3, 0)
-        while self.read_offset > last_bytes and tokenizer.decode(self.token_ids[:self.read_offset],
-                                                                 **self.decode_options).endswith("\ufffd"):
+        while self.read_offset > last_bytes and self._decode(self.token_ids[:self.read_offset]).endswith("\ufffd"):
             self.read_offset -= 1
         self._text = ""
         self.num_streamed_chars = 0
@@ -76,11 +75,31 @@ class IncrementalDetokenizer:
 
     def decode_each(self, token_ids: list[int]) -> list[str]:
         """Each token's own text, special tokens included (logprobs' decoded_token)."""
-        return [self.tokenizer.decode([token_id]) for token_id in token_ids]
+        return [self._decode([token_id], {}) for token_id in token_ids]
+
+    def discard_pending(self):
+        """Keep the text released so far and drop the tokens not decoded yet (a request that failed reading them
+        ends with the text it had)."""
+        del self.token_ids[self.read_offset:]
+        self.prefix_offset = self.read_offset
 
     def _pending_text(self) -> str:
         """The text of the tokens after read_offset, decoded within the window."""
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset], **self.decode_options)
-        text = decode(self.token_ids[self.prefix_offset:], **self.decode_options)
+        if self.read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset:])
         return text[len(prefix_text):]
+
+    def _decode(self, token_ids: list[int], options: dict | None = None) -> str:
+        """The tokens' text (with decode_options unless options are given). A model's vocabulary is often padded
+        past its tokenizer's: the ids past the tokenizer have no text, as Hugging Face's fast tokenizers give them,
+        where a slow (SentencePiece) one would raise."""
+        options = self.decode_options if options is None else options
+        try:
+            return self.tokenizer.decode(token_ids, **options)
+        except Exception:
+            known = [token_id for token_id in token_ids if token_id < len(self.tokenizer)]
+            if len(known) == len(token_ids):
+                raise
+            return self.tokenizer.decode(known, **options)

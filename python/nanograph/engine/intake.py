@@ -168,11 +168,12 @@ class Intake:
         max_num_tokens = min(len(token_ids) + params.max_tokens, max(self.config.max_model_len, len(token_ids) + 1))
         seqs = []
         for index in range(params.n):
-            seq_params = params if params.n == 1 else \
-                replace(params, n=1, best_of=None, seed=None if params.seed is None else params.seed + index)
+            seed = None if params.seed is None else params.seed + index
+            seq_params = params if params.n == 1 else replace(params, n=1, best_of=None, seed=seed)
             seq = Sequence(request_id, valid.prompt, token_ids, seq_params, index, max_num_tokens)
-            if seq_params.seed is not None:
-                seq.generator = random.Random(seq_params.seed)
+            if seed is not None:  # a sibling's seed + index may be -1, which SamplingParams reads as no seed
+                # As a 64-bit word (torch's reading), so that -s and s are different streams.
+                seq.generator = random.Random(seed % 2**64)
             if self.tokenizer is not None and seq_params.detokenize:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             seq.bad_words_token_ids = valid.bad_words_token_ids

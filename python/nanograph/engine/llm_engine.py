@@ -160,8 +160,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         with self._lock:
-            # A sequence stays running or waiting until the token that ends it has been read.
-            return self.scheduler.has_unfinished()
+            # A sequence stays running or waiting until the token that ends it has been read, and a request queued
+            # with add_request until step() has returned its output (generate() may have finished it).
+            return self.scheduler.has_unfinished() or bool(self._unclaimed)
 
     has_unfinished_requests = has_unfinished  # vLLM's name
 
@@ -289,9 +290,9 @@ class LLMEngine:
                 prompt_logprobs = self._queue_prompt_logprobs(batch, forward_batch.cu_seqlens_q)
             except Exception as exc:  # the forward of these requests failed: they end, the others go on
                 failure = exc
-        self._apply_prompt_logprobs()
+        finished = self._apply_prompt_logprobs()
         self._prompt_logprobs_in_flight = prompt_logprobs
-        finished = self._apply_sampled()
+        finished += self._apply_sampled()
         if batch.seqs:
             if failure is not None:
                 finished += self._fail({seq.request_id for seq in batch.seqs}, failure)
@@ -322,19 +323,24 @@ class LLMEngine:
             return None
         return spans, self.runner.prompt_logprobs(np.concatenate(token_rows), target_ids, num_top)
 
-    def _apply_prompt_logprobs(self):
-        """Read the prompt logprobs the last step queued and append them to their sequences, in prompt order."""
+    def _apply_prompt_logprobs(self) -> list[tuple[object, RequestOutput]]:
+        """Read the prompt logprobs the last step queued and append them to their sequences, in prompt order; the
+        requests that failed in it (their tokenizer on a token's text)."""
         if self._prompt_logprobs_in_flight is None:
-            return
+            return []
         spans, pending = self._prompt_logprobs_in_flight
         self._prompt_logprobs_in_flight = None
         logprobs = pending.result().logprobs
-        offset = 0
+        offset, failed = 0, []
         for seq, first_target, num_targets in spans:
-            for target, token_logprobs in enumerate(logprobs[offset:offset + num_targets], start=first_target):
-                if target == len(seq.prompt_logprobs) and not seq.is_finished:
-                    seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs))
+            try:
+                for target, token_logprobs in enumerate(logprobs[offset:offset + num_targets], start=first_target):
+                    if target == len(seq.prompt_logprobs) and not seq.is_finished:
+                        seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs))
+            except Exception as exc:
+                failed += self._fail({seq.request_id}, exc)
             offset += num_targets
+        return failed
 
     def _queue_sampling(self, batch: ScheduledBatch) -> list[tuple[object, RequestOutput]]:
         """Queue the sampling of the batch's rows that reach their sequence's end (prompts cut short by the token
@@ -386,7 +392,7 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is not None:
                 self._end(request, f"{type(exc).__name__}: {exc}")
-                ended.append((request.owner, request.output()))
+                ended.append((request.owner, _failed_output(request)))
         return ended
 
     def _apply_sampled(self) -> list[tuple[object, RequestOutput]]:
@@ -399,22 +405,26 @@ class LLMEngine:
         sampled = pending.result()
         self.stats.device_wait_seconds += time.perf_counter() - start
         now = time.time()
-        requests, invalid, ungrammatical = {}, set(), set()
+        requests, invalid, ungrammatical, broken = {}, set(), set(), {}
         for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.is_finished:  # aborted while its token was on its way: the token is dropped
                 continue
             if not 0 <= token_id < self.vocab_size:
                 invalid.add(seq.request_id)
                 continue
-            if seq.grammar is not None and not seq.grammar.advance(token_id):
-                ungrammatical.add(seq.request_id)
+            try:
+                if seq.grammar is not None and not seq.grammar.advance(token_id):
+                    ungrammatical.add(seq.request_id)
+                    continue
+                seq.token_ids[-1] = token_id
+                self.stats.generated_tokens += 1
+                if logprobs is not None:
+                    self._record_logprobs(seq, logprobs)
+                if self.stop_checker.check(seq):
+                    self.scheduler.finish(seq)
+            except Exception as exc:  # its grammar, or its tokenizer on its text: that request ends, the rest go on
+                broken.setdefault(seq.request_id, exc)
                 continue
-            seq.token_ids[-1] = token_id
-            self.stats.generated_tokens += 1
-            if logprobs is not None:
-                self._record_logprobs(seq, logprobs)
-            if self.stop_checker.check(seq):
-                self.scheduler.finish(seq)
             requests[seq.request_id] = self.requests[seq.request_id]
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
@@ -426,8 +436,10 @@ class LLMEngine:
         if ungrammatical:
             finished += self._fail(ungrammatical - invalid, RuntimeError(
                 "a token its structured_outputs grammar does not allow was sampled"))
+        for request_id, exc in broken.items():
+            finished += self._fail({request_id} - invalid - ungrammatical, exc)
         for request in requests.values():
-            if request.request_id in invalid or request.request_id in ungrammatical:
+            if request.request_id in invalid or request.request_id in ungrammatical or request.request_id in broken:
                 continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
             for sibling in request.held_siblings():  # the prompt's blocks are cached now
@@ -513,6 +525,18 @@ def _check_streamable(params):
     if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs is not reported by streams (stream(), add_request(stream=True)); "
                          "use generate(), or step()'s outputs of add_request(stream=False)")
+
+
+def _failed_output(request: Request) -> RequestOutput:
+    """A failed request's output; where its tokenizer cannot decode its newest tokens (what failed, often), with
+    the text decoded before them."""
+    try:
+        return request.output()
+    except Exception:
+        for seq in request.seqs:
+            if seq.detokenizer is not None:
+                seq.detokenizer.discard_pending()
+        return request.output()
 
 
 def _restore(seqs, states):
