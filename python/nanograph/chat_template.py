@@ -41,10 +41,11 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
                                          **kwargs)
 
 
-def chat_prompt_token_ids(tokenizer, conversation: list[dict], **options) -> list[int]:
+def chat_prompt_token_ids(tokenizer, conversation: list[dict], add_special_tokens: bool = False, **options
+                          ) -> list[int]:
     """One conversation rendered by render_chat (options: its keyword arguments), as token ids (the template writes
-    the special tokens, so the tokenizer adds none)."""
-    return tokenizer.encode(render_chat(tokenizer, conversation, **options), add_special_tokens=False)
+    the special tokens, so the tokenizer adds none unless add_special_tokens)."""
+    return tokenizer.encode(render_chat(tokenizer, conversation, **options), add_special_tokens=add_special_tokens)
 
 
 def _text_message(message: dict) -> dict:
@@ -57,6 +58,11 @@ def _text_message(message: dict) -> dict:
     return message if isinstance(content, str) else {**message, "content": text_content(content)}
 
 
+# The content parts that are text, and the key that holds it: OpenAI's text part, the Responses API's input and
+# output text, and an assistant's refusal (as vLLM reads them).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def text_content(content) -> str:
     """A message's content as the chat template sees it: a string as it is, null as "", text parts joined by
     newlines (vLLM's rule)."""
@@ -64,9 +70,11 @@ def text_content(content) -> str:
         return ""
     if not isinstance(content, list):
         return content
-    if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-        raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...})")
-    return "\n".join(part["text"] for part in content)
+    if not all(isinstance(part, dict) and isinstance(part.get(TEXT_PARTS.get(part.get("type"))), str)
+               for part in content):
+        raise ValueError("chat() takes text content parts only ({'type': 'text', 'text': ...}; also input_text, "
+                         "output_text and refusal)")
+    return "\n".join(part[TEXT_PARTS[part["type"]]] for part in content)
 
 
 def _parsed_arguments(call):

@@ -67,7 +67,7 @@ class FakeRunner(Runner):
 class FakeTokenizer:
     """Token t reads " t", so that, as with a real tokenizer, the text of a sequence is the text of its tokens."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # it has no special tokens to add
         return [ord(c) % (VOCAB_SIZE - 1) + 1 for c in text]
 
     def decode(self, token_ids, skip_special_tokens=False, spaces_between_special_tokens=True) -> str:

@@ -154,11 +154,11 @@ class HoldingTokenizer(FakeTokenizer):
         self.release = threading.Event()
         self.threads = []
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.threads.append(threading.current_thread().name)
         if text == "hold" and not self.release.wait(20):
             raise TimeoutError("never released")
-        return super().encode(text)
+        return super().encode(text, add_special_tokens)
 
 
 async def until_encoding(tokenizer: HoldingTokenizer):

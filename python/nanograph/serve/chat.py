@@ -16,6 +16,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
+from .completions import token_label
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 from .tool_calls import NO_PARAMETERS, ToolCall, ToolCallStream, extract_tool_calls, named_function
@@ -25,7 +26,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     request = await parse_body(raw_request, ChatCompletionRequest)
     served.check_model(request.model)
     include_usage = wants_usage_chunk(request)
-    if request.top_logprobs is not None and not request.logprobs:
+    if request.top_logprobs and not request.logprobs:  # 0 asks for nothing, and is taken (as vLLM takes it)
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     if not request.messages:
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
@@ -69,7 +70,8 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
                                            role, echoed, wants_continuous_usage(request), parse_calls,
-                                           function["name"] if function is not None else None), stream.close)
+                                           function["name"] if function is not None else None,
+                                           request.return_tokens_as_token_ids), stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
         """A choice's message, and whether it called tools."""
@@ -93,7 +95,8 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
             # vLLM's: "tool_calls" when the parser found calls (a named function's reply ends as it ended).
             finish_reason = "tool_calls" if called and parse_calls else c.finish_reason
             choices.append(ChatChoice(index=i, message=reply, finish_reason=finish_reason, stop_reason=c.stop_reason,
-                                      logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top)
+                                      logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top,
+                                                             request.return_tokens_as_token_ids)
                                       if request.logprobs else None))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
                                       usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
@@ -101,28 +104,31 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     return await unless_disconnected(raw_request, complete())
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int) -> ChatLogprobs:
-    """Per token: its text, logprob and UTF-8 bytes, and the num_top most likely tokens, by rank."""
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
+                  as_token_ids: bool = False) -> ChatLogprobs:
+    """Per token: its text (or "token_id:{id}"), logprob and its text's UTF-8 bytes, and the num_top most likely
+    tokens, by rank."""
     content = []
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
-        best = sorted((entry for entry in top.values() if entry.rank <= num_top), key=lambda entry: entry.rank)
-        content.append(TokenLogprob(token=sampled.decoded_token, logprob=sampled.logprob,
+        best = sorted((item for item in top.items() if item[1].rank <= num_top), key=lambda item: item[1].rank)
+        content.append(TokenLogprob(token=token_label(token_id, sampled, as_token_ids), logprob=sampled.logprob,
                                     bytes=list(sampled.decoded_token.encode()),
-                                    top_logprobs=[TopLogprob(token=entry.decoded_token, logprob=entry.logprob,
+                                    top_logprobs=[TopLogprob(token=token_label(top_id, entry, as_token_ids),
+                                                             logprob=entry.logprob,
                                                              bytes=list(entry.decoded_token.encode()))
-                                                  for entry in best]))
+                                                  for top_id, entry in best]))
     return ChatLogprobs(content=content)
 
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
                   num_top: int, include_usage: bool, role: str, echoed: str,
                   continuous_usage: bool = False, parse_calls: bool = False,
-                  named: str | None = None) -> AsyncIterator[str]:
+                  named: str | None = None, as_token_ids: bool = False) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
     far. parse_calls: the text goes through a ToolCallStream, each call whole in one chunk; named: the reply is
-    the arguments of a call of that function, streamed as they come."""
+    the arguments of a call of that function, streamed as they come; as_token_ids: logprobs name tokens by id."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -160,7 +166,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                         chunks[-1].tool_calls.append(call)
                     else:
                         chunks.append(ChatDelta(tool_calls=[call]))
-        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
+        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top, as_token_ids)
         finish_reason = None
         if delta.finished:
             called = named_calls is None and parsers[index].num_calls > 0
@@ -183,7 +189,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
             return tool_chunk(delta)
         if delta.logprobs is None and not delta.finished and not continuous_usage:
             return text_events[delta.index](delta.text)
-        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top)
+        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top, as_token_ids)
         return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
                                       finish_reason=delta.finish_reason if delta.finished else None,
                                       stop_reason=delta.stop_reason if delta.finished else None)])

@@ -13,7 +13,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
-from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
+from .streaming import DONE, EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
 async def create_completion(served: ServedModel, raw_request: Request) -> Response | CompletionResponse:
@@ -24,21 +24,30 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
         raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
                             "drop echo or logprobs", "echo", "invalid_value")
     served.check_supported(request)
-    prompts, texts = await _prompts(served, request.prompt)
+    prompts, texts = await _prompts(served, request.prompt, request.add_special_tokens)
     kept = served.truncate(prompts, request)
     texts = [text if len(cut) == len(whole) else None for text, cut, whole in zip(texts, kept, prompts)]
     prompts = kept
     served.check_room(prompts, request.max_tokens, "max_tokens", "prompt")
-    params = served.sampling_params(request, request.max_tokens, request.logprobs)
+    echo_only = request.echo and request.max_tokens == 0  # vLLM's: the prompts come back, and nothing is generated
+    params = served.sampling_params(request, 1 if echo_only else request.max_tokens, request.logprobs)
     if request.echo:
         served.check_token_ids(prompts, request)
     echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text
               for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", served.name
+    if echo_only:
+        choices = [CompletionChoice(index=i, text=echoed[i // params.n], finish_reason="length")
+                   for i in range(len(prompts) * params.n)]
+        if request.stream:
+            return EventStreamResponse(_echo_events(response_id, model, prompts, choices, include_usage,
+                                                    wants_continuous_usage(request)), lambda: None)
+        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(prompts, 0))
     if request.stream:
         stream = await served.generate(request, prompts, params)
         return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage,
-                                           wants_continuous_usage(request)), stream.close)
+                                           wants_continuous_usage(request), request.return_tokens_as_token_ids),
+                                   stream.close)
 
     async def complete() -> CompletionResponse:
         stream = await served.generate(request, prompts, params)
@@ -46,7 +55,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
         choices = [CompletionChoice(index=i, text=echoed[i // params.n] + c.text, finish_reason=c.finish_reason,
                                     stop_reason=c.stop_reason,
                                     logprobs=None if request.logprobs is None else
-                                    completion_logprobs(c.token_ids, c.logprobs, 0)[0])
+                                    completion_logprobs(c.token_ids, c.logprobs, 0,
+                                                        request.return_tokens_as_token_ids)[0])
                    for i, c in enumerate(completions)]
         return CompletionResponse(id=response_id, model=model, choices=choices,
                                   usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
@@ -54,8 +64,9 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     return await unless_disconnected(raw_request, complete())
 
 
-async def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[str | None]]:
-    """The prompts as token ids, and as text (None for one given as token ids)."""
+async def _prompts(served: ServedModel, prompt, add_special_tokens: bool) -> tuple[list[list[int]], list[str | None]]:
+    """The prompts as token ids (text encoded with the tokenizer's special tokens, a BOS, if add_special_tokens),
+    and as text (None for one given as token ids)."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
@@ -64,27 +75,48 @@ async def _prompts(served: ServedModel, prompt) -> tuple[list[list[int]], list[s
     elif isinstance(prompt[0], int):
         prompt = [prompt]
     if isinstance(prompt[0], str):
-        return await served.tokenized(lambda: [served.encode(text) for text in prompt]), prompt
+        return await served.tokenized(lambda: [served.encode(text, add_special_tokens) for text in prompt]), prompt
     return prompt, [None] * len(prompt)
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int
-                        ) -> tuple[CompletionLogprobs, int]:
+def token_label(token_id: int, logprob: Logprob, as_token_id: bool) -> str:
+    """A token as logprobs name it: its text, or "token_id:{id}" (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_token_id else logprob.decoded_token
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
+                        as_token_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """The legacy logprobs object of these tokens (each token's top alternatives include it), and the text
-    offset after them."""
+    offset after them (the offsets count the text, also where the tokens are named by id)."""
     result = CompletionLogprobs()
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
-        result.tokens.append(sampled.decoded_token)
+        result.tokens.append(token_label(token_id, sampled, as_token_ids))
         result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({entry.decoded_token: entry.logprob for entry in top.values()})
+        result.top_logprobs.append({token_label(top_id, entry, as_token_ids): entry.logprob
+                                    for top_id, entry in top.items()})
         result.text_offset.append(text_offset)
         text_offset += len(sampled.decoded_token)
     return result, text_offset
 
 
+async def _echo_events(response_id: str, model: str, prompts: list[list[int]], choices: list[CompletionChoice],
+                       include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+    """The stream of an echo of the prompts alone: one chunk per choice, then the usage chunk when asked."""
+    created = int(time.time())
+    n = len(choices) // len(prompts)
+    for choice in choices:
+        yield event(CompletionResponse(id=response_id, created=created, model=model, choices=[choice],
+                                       usage=usage([prompts[choice.index // n]], 0) if continuous_usage else None))
+    if include_usage:
+        yield event(CompletionResponse(id=response_id, created=created, model=model, choices=[],
+                                       usage=usage(prompts, 0)))
+    yield DONE
+
+
 def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
-            n: int, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+            n: int, include_usage: bool, continuous_usage: bool = False, as_token_ids: bool = False
+            ) -> AsyncIterator[str]:
     """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
     last; with continuous_usage, each chunk carries its choice's usage so far (its own prompt's tokens)."""
     created = int(time.time())
@@ -107,7 +139,8 @@ def _events(stream: RequestStream, response_id: str, model: str, prompts: list[l
             return plain(text)
         logprobs = None
         if delta.logprobs is not None:
-            logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0))
+            logprobs, offsets[index] = completion_logprobs(delta.token_ids, delta.logprobs, offsets.get(index, 0),
+                                                           as_token_ids)
         choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                   finish_reason=delta.finish_reason if delta.finished else None,
                                   stop_reason=delta.stop_reason if delta.finished else None)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
-from ..chat_template import text_content
+from ..chat_template import TEXT_PARTS, text_content
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 
 # The request fields that SamplingParams takes under the same name.
@@ -104,6 +104,7 @@ class SamplingRequest(Request):
     spaces_between_special_tokens: bool | None = None
     best_of: int | None = None  # None or n: more is a 400 (SamplingParams' message)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:{id}", not by its text
     # vLLM's fields that this server does not implement: a 400 rather than silently ignored.
     use_beam_search: bool = False
     prompt_logprobs: int | None = None
@@ -162,6 +163,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None  # OpenAI's; not supported (a 400, as vLLM)
+    add_special_tokens: bool = True  # vLLM's: a text prompt takes the tokenizer's special tokens (a BOS)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix is not None:
@@ -170,8 +172,11 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(Request):
-    type: Literal["text"]
-    text: str
+    """A text content part (chat_template.TEXT_PARTS): its text under "text", or a refusal's under "refusal"
+    (ChatMessage checks that it has it)."""
+    type: Literal["text", "input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(Request):
@@ -188,9 +193,12 @@ class ChatMessage(Request):
         if isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
+                if kind not in TEXT_PARTS:
                     raise ValueError(f"content part {i} has type {kind!r}; this server takes text parts only "
-                                     "({\"type\": \"text\", \"text\": ...}) or a string")
+                                     "({\"type\": \"text\", \"text\": ...}; also input_text, output_text and "
+                                     "refusal) or a string")
+                if not isinstance(part.get(TEXT_PARTS[kind]), str):
+                    raise ValueError(f"content part {i} of type {kind!r} needs its {TEXT_PARTS[kind]!r} string")
         return content
 
     def text(self) -> str:
@@ -211,6 +219,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None  # given to the chat template (tool_calls.py: what comes back)
     tool_choice: str | dict | None = None  # "none", "auto" (a tool-call parser) or a named function
     echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 
     def reply_role(self, response_role: str) -> str:
         """vLLM's rule: the server's response role, unless add_generation_prompt is off, then the last message's

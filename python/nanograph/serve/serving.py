@@ -62,9 +62,10 @@ class ServedModel:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread,
                                                                 functools.partial(function, *args, **kwargs))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids as the engine's intake makes them from text."""
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids as the engine's intake makes them from text (without the tokenizer's special tokens if not
+        add_special_tokens)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def render_chat(self, messages: list[ChatMessage], request) -> list[int]:
         """render_chat_now, on the tokenizer's thread."""
@@ -85,7 +86,10 @@ class ServedModel:
                                          chat_template=request.chat_template if request.chat_template is not None
                                          else self.chat_template,
                                          add_generation_prompt=request.add_generation_prompt,
-                                         continue_final_message=request.continue_final_message, tools=request.tools)
+                                         continue_final_message=request.continue_final_message, tools=request.tools,
+                                         # vLLM's chats: the template writes the special tokens, unless asked
+                                         add_special_tokens="add_special_tokens" in request.model_fields_set
+                                         and request.add_special_tokens)
         except ChatOptionError as exc:
             raise APIError(400, str(exc), exc.field, "invalid_value") from None
         except Exception as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
@@ -185,12 +189,17 @@ class ServedModel:
 
 
 def wants_usage_chunk(request: SamplingRequest) -> bool:
-    """stream_options.include_usage; stream_options without stream is a 400."""
-    if request.stream_options is None:
+    """stream_options.include_usage; stream_options with a field but without stream is a 400 (an empty one is
+    taken, as vLLM takes it)."""
+    options = request.stream_options
+    if options is None:
         return False
     if not request.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
-    return request.stream_options.include_usage
+        if options.model_fields_set or options.model_extra:
+            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options",
+                           "invalid_value")
+        return False
+    return options.include_usage
 
 
 def engine_failure(error: str) -> APIError:
