@@ -480,21 +480,22 @@ def test_ids_past_the_tokenizer_have_no_text_even_where_the_tokenizer_raises_on_
     assert free_kv_blocks(llm)[0] == free_kv_blocks(llm)[1]
 
 
-@pytest.mark.parametrize("where", ["completion", "prompt_logprobs"])
+@pytest.mark.parametrize("where", ["completion", "streamed_text", "prompt_logprobs"])
 def test_a_request_whose_tokenizer_fails_ends_alone(worded_folder, where):
     """Decoding one request's text starts to fail: mid-decode (its stop strings read the text at every token; it
-    streams, and asks for logprobs), or on its prompt logprobs' tokens. That request ends with the error and the
-    text it had, a stream reports the end, and the request decoding beside it gives its tokens of a run alone; no
-    block is lost."""
+    streams, and asks for logprobs), where its stream reads the text (no stop strings: only take_deltas decodes
+    it), or on its prompt logprobs' tokens. That request ends with the error and the text it had, a stream reports
+    the end, and the request decoding beside it gives its tokens of a run alone; no block is lost."""
     llm = new_llm(worded_folder)
     engine = llm.engine
     neighbour = SamplingParams(temperature=1.0, seed=3, max_tokens=10, ignore_eos=True, stop=["w8"])
     alone = llm.generate(["w3 w4"], neighbour, use_tqdm=False)[0].outputs[0]
     free = free_kv_blocks(llm)[0]
     good = engine.add_request("w3 w4", neighbour)
-    if where == "completion":
+    if where != "prompt_logprobs":
+        reading = dict(stop=["w9"], logprobs=2) if where == "completion" else {}
         doomed = engine.add_request("w5 w6", SamplingParams(temperature=1.0, seed=9, max_tokens=10, ignore_eos=True,
-                                                            stop=["w9"], logprobs=2), stream=True)
+                                                            **reading), stream=True)
         engine.step()
         engine.step()
     else:
@@ -516,8 +517,9 @@ def test_a_request_whose_tokenizer_fails_ends_alone(worded_folder, where):
     failed = outputs[doomed]
     assert failed.error == "RuntimeError: tokenizer fault" and failed.outputs[0].finish_reason == "abort"
     assert real_tokenizer.decode(failed.outputs[0].token_ids).startswith(failed.outputs[0].text)
-    if where == "completion":
+    if where != "prompt_logprobs":
         assert deltas and deltas[-1].finished and deltas[-1].error == "RuntimeError: tokenizer fault"
+        assert "".join(delta.text for delta in deltas) == failed.outputs[0].text
     else:  # it ended on its prompt, before its first token was applied
         assert failed.outputs[0].token_ids == [] and failed.prompt_logprobs == [None]
     assert free_kv_blocks(llm)[0] == free

@@ -82,7 +82,7 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     ({"prompt": "hi", "n": 2, "temperature": 0}, 400, "n", "n must be 1 when using greedy sampling"),
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs=50 is more than max_logprobs=20"),
     ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
-    ({"prompt": "hi", "seed": 2**64}, 400, "seed", "seed must be a 64-bit integer"),
+    ({"prompt": "hi", "seed": 2**63}, 400, "seed", "seed: Input should be less than or equal to 9223372036854775807"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean"),
     ({"max_tokens": 2}, 400, "prompt", "prompt: Field required"),
     ({"prompt": [1] * 600}, 400, "prompt", f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, "

@@ -59,7 +59,7 @@ def post(server, path, body):
     return httpx.post(server.base_url + path, json=body, timeout=60)
 
 
-def test_add_special_tokens_is_on_for_completions_and_off_for_chats(client, model, bos_tokenizer_folder):
+def test_add_special_tokens_is_on_for_completions_and_off_for_chats(server, client, model, bos_tokenizer_folder):
     tokenizer = AutoTokenizer.from_pretrained(bos_tokenizer_folder)
     plain = tokenizer.encode(PROMPT, add_special_tokens=False)
     assert tokenizer.encode(PROMPT) == [tokenizer.convert_tokens_to_ids("<|im_start|>")] + plain
@@ -79,6 +79,10 @@ def test_add_special_tokens_is_on_for_completions_and_off_for_chats(client, mode
 
     assert chat_tokens() == len(template_tokens)
     assert chat_tokens(extra_body={"add_special_tokens": True}) == len(template_tokens) + 1
+    # /tokenize: a chat's default, though a prompt's is on.
+    assert post(server, "/tokenize", {"messages": CHAT}).json()["tokens"] == template_tokens
+    assert post(server, "/tokenize", {"messages": CHAT, "add_special_tokens": True}).json()["tokens"] == \
+        [tokenizer.convert_tokens_to_ids("<|im_start|>")] + template_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -97,6 +101,9 @@ def test_echo_with_max_tokens_0_returns_the_prompts_alone(server, stream):
     assert [(c["index"], c["text"], c["finish_reason"]) for c in choices] == [
         (0, PROMPT, "length"), (1, PROMPT, "length"), (2, "Water boils at", "length"), (3, "Water boils at", "length")]
     assert used["completion_tokens"] == 0 and used["prompt_tokens"] == used["total_tokens"] > 6
+    # The engine checks the request as any other.
+    response = post(server, "/v1/completions", {**body, "allowed_token_ids": [10**6]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
 
 
 def test_return_tokens_as_token_ids_names_each_token_by_id(client, model):

@@ -99,7 +99,8 @@ class IncrementalDetokenizer:
         try:
             return self.tokenizer.decode(token_ids, **options)
         except Exception:
-            known = [token_id for token_id in token_ids if token_id < len(self.tokenizer)]
+            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            known = token_ids if size is None else [token_id for token_id in token_ids if token_id < size]
             if len(known) == len(token_ids):
                 raise
             return self.tokenizer.decode(known, **options)

@@ -198,7 +198,11 @@ class LLMEngine:
             deltas = []
             for request_id in self._touched:
                 request = self._streamed[request_id]
-                deltas += request.take_deltas()
+                try:
+                    deltas += request.take_deltas()
+                except Exception as exc:  # its text (read here, without stop strings) failed to decode: it ends
+                    self._unclaimed += [output for owner, output in self._fail({request_id}, exc) if owner is None]
+                    deltas += request.take_deltas()
                 if request.finished:
                     del self._streamed[request_id]
             self._touched.clear()
@@ -507,7 +511,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED
             else:
                 self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
+            seq.finish_reason, seq.stop_reason = "abort", None
         request.error = error
         request.metrics.finished_time = time.time()
 

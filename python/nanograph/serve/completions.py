@@ -37,6 +37,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
               for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
     response_id, model = f"cmpl-{uuid.uuid4().hex}", served.name
     if echo_only:
+        # The engine checks it as any request (a 400 where it would refuse one); nothing is generated.
+        (await served.generate(request, prompts, params)).close()
         choices = [CompletionChoice(index=i, text=echoed[i // params.n], finish_reason="length")
                    for i in range(len(prompts) * params.n)]
         if request.stream:

@@ -82,7 +82,7 @@ class SamplingRequest(Request):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # vLLM's bounds: an int64
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
