@@ -172,6 +172,12 @@ def test_the_cli_defaults_are_greedy_with_256_tokens():
      "nanograph generate: error: argument --max-tokens: invalid int value: 'many'"),
     (["chat", "hi", "--device", "tpu"], "nanograph: error: unknown device 'tpu'; use auto, cuda, cpu, or "
      "torch:<torch device>"),
+    (["bench", "throughput", "--num-seqs", "0"], "nanograph bench: error: argument --num-seqs: '0' is not a positive "
+     "integer"),
+    (["bench", "latency", "--prompt-len", "-5"], "argument --prompt-len: '-5' is not a positive integer"),
+    (["bench", "latency", "--output-len", "0"], "argument --output-len: '0' is not a positive integer"),
+    (["bench", "throughput", "--max-input-len", "x"], "argument --max-input-len: 'x' is not a positive integer"),
+    (["bench", "serve", "--num-prompts", "-1"], "argument --num-prompts: '-1' is not a positive integer"),
 ])
 def test_a_bad_value_is_one_error_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

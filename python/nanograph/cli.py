@@ -53,14 +53,14 @@ def add_bench_arguments(bench: argparse.ArgumentParser):
                              "max_model_len": "latency: prompt + output + 16; throughput: max input + output; sweep: "
                                               "the longest context",
                              "seed": "0; serve: the seed of the prompts and their arrivals"})
-    bench.add_argument("--prompt-len", type=int, help="latency, serve: prompt tokens (default 128; serve: 1024, "
+    bench.add_argument("--prompt-len", type=_positive_int, help="latency, serve: prompt tokens (default 128; serve: 1024, "
                        "random ids)")
-    bench.add_argument("--output-len", type=int, help="latency, serve: output tokens (default 256; serve: 128, EOS "
+    bench.add_argument("--output-len", type=_positive_int, help="latency, serve: output tokens (default 256; serve: 128, EOS "
                        "ignored)")
     bench.add_argument("--no-hf", action="store_true", help="latency: skip the HF transformers comparison")
-    bench.add_argument("--num-seqs", type=int, default=256, help="throughput: requests")
-    bench.add_argument("--max-input-len", type=int, default=1024, help="throughput: longest prompt")
-    bench.add_argument("--max-output-len", type=int, default=1024, help="throughput: longest output")
+    bench.add_argument("--num-seqs", type=_positive_int, default=256, help="throughput: requests")
+    bench.add_argument("--max-input-len", type=_positive_int, default=1024, help="throughput: longest prompt")
+    bench.add_argument("--max-output-len", type=_positive_int, default=1024, help="throughput: longest output")
     bench.add_argument("--compare", choices=["hf"], help="throughput: also run HF transformers batched generate "
                        "on the first 16 requests and print the ratio")
     bench.add_argument("--batch-sizes", type=_size_list, default=DEFAULT_BATCH_SIZES, metavar="B,B,...",
@@ -73,14 +73,25 @@ def add_bench_arguments(bench: argparse.ArgumentParser):
                        "the JSON's name with .png)")
     bench.add_argument("--plot", metavar="PNG", help="sweep: also draw the result here (needs matplotlib)")
     bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="serve: the server")
-    bench.add_argument("--num-prompts", type=int, default=1000, help="serve: requests")
+    bench.add_argument("--num-prompts", type=_positive_int, default=1000, help="serve: requests")
     bench.add_argument("--request-rate", type=float, default=float("inf"), help="serve: requests per second, "
                        "Poisson arrivals (inf: all at once)")
-    bench.add_argument("--max-concurrency", type=int, help="serve: requests in flight at most")
+    bench.add_argument("--max-concurrency", type=_positive_int, help="serve: requests in flight at most")
     bench.add_argument("--goodput", nargs="*", metavar="NAME:MS", help="serve: SLOs (ttft, tpot, e2el in ms) "
                        "for the goodput, e.g. ttft:500 tpot:50")
     bench.add_argument("--api-key", help="serve: the server's API key")
     bench.add_argument("--result-file", help="serve: write the results as JSON here")
+
+
+def _positive_int(text: str) -> int:
+    """A count of at least 1; argparse names the option in front of the error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def _size_list(text: str) -> list[int]:
