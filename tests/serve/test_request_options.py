@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -41,18 +40,8 @@ def bos_tokenizer_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, bos_tokenizer_folder):
+    """This module's server (conftest's client and model fixtures then serve it)."""
     yield from module_server(tmp_path_factory, "--tokenizer", str(bos_tokenizer_folder))
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def post(server, path, body):
