@@ -442,8 +442,9 @@ class LLMEngine:
                 "a token its structured_outputs grammar does not allow was sampled"))
         for request_id, exc in broken.items():
             finished += self._fail({request_id} - invalid - ungrammatical, exc)
+        ended = invalid | ungrammatical | broken.keys()
         for request in requests.values():
-            if request.request_id in invalid or request.request_id in ungrammatical or request.request_id in broken:
+            if request.request_id in ended:
                 continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
             for sibling in request.held_siblings():  # the prompt's blocks are cached now
