@@ -22,7 +22,7 @@ import torch
 
 from nanograph import SamplingParams, StructuredOutputsParams
 from nanograph.engine.sequence import Sequence
-from nanograph.sampling import Sampler
+from nanograph.sampling import Sampler, seeded_generator
 from nanograph.sampling.grammar import GrammarCompiler
 from nanograph.sampling.kernel_path import KernelPath
 
@@ -50,7 +50,7 @@ def sequences(params: list[SamplingParams], rows: int, vocab: int, sampler: Samp
         seq = Sequence(str(i), None, token_ids[:PROMPT_LEN], row_params)
         seq.token_ids = token_ids
         if row_params.seed is not None:
-            seq.generator = sampler.new_generator(row_params.seed + i)
+            seq.generator = seeded_generator(row_params.seed + i)
         seqs.append(seq)
     return seqs
 

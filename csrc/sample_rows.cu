@@ -359,7 +359,7 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
       }
     });
     best = block_best(best, sh);
-    const int token = best.index == INT_MAX ? 0 : best.index;
+    const int token = best.index == INT_MAX ? a.vocab : best.index;
     if (threadIdx.x == 0) {
       a.out[r] = token;
       if (a.thresholds) a.thresholds[r] = best.value;
@@ -451,7 +451,7 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     if (best.value > before) atomicMax(const_cast<uint32_t*>(race_bound), ordered_key(best.value));
   });
   best = block_best(best, sh);
-  const int token = best.index == INT_MAX ? 0 : best.index;
+  const int token = best.index == INT_MAX ? a.vocab : best.index;
   if (threadIdx.x == 0) {
     a.out[r] = token;
     if (a.thresholds) a.thresholds[r] = threshold / temperature;
@@ -466,7 +466,7 @@ template <typename T>
 __device__ void row_logprobs(const T* logits, int r, int token, int n, const SampleRowsArgs& a,
                              Shared& sh) {
   Row<T> row{logits, a.vocab, 1.f};
-  const float sampled = to_float(logits[token]);
+  const float sampled = to_float(logits[min(token, a.vocab - 1)]);  // a.vocab: nothing to draw
   float max = -INFINITY, sum = 0.f;  // this thread's running log-sum-exp
   uint32_t above = 0;
   row.for_each([&](int, const float (&x)[4], int count) {

@@ -20,7 +20,8 @@ void argmax(const bf16* logits, int rows, int vocab, int stride, int32_t* out, c
 //   3. the row keeps every token whose x reaches the threshold (the nucleus' smallest x, else the
 //      floor; ties included) and draws one with probability proportional to exp(x).
 // The draw is a function of the row's logits, parameters and key alone (not of the batch). It
-// treats NaN logits as absent (a row of NaN and -inf gives token 0).
+// treats NaN logits as absent. A row with nothing to draw (every x -inf, or NaN in a sampled row)
+// gives the id `vocab`, past the vocabulary, on which the engine fails that request alone.
 struct SampleRowsArgs {
   const void* logits;  // [rows, vocab] bf16 (logits_bf16) or float32, row stride logits_stride
   bool logits_bf16;

@@ -523,3 +523,28 @@ def test_a_request_whose_tokenizer_fails_ends_alone(worded_folder, where):
     else:  # it ended on its prompt, before its first token was applied
         assert failed.outputs[0].token_ids == [] and failed.prompt_logprobs == [None]
     assert free_kv_blocks(llm)[0] == free
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=5),
+                                    dict(temperature=1.0, seed=5, top_k=2, top_p=0.9)], ids=["greedy", "full", "top"])
+def test_a_request_that_bad_words_leave_no_token_fails_alone(tiny_chat_folder, params):
+    """allowed_token_ids [" the", " cat"] with the four two-word bad_words of them: intake sees a token to draw,
+    but after the first either one masks both. That request fails naming the cause (not token 0 emitted in silence,
+    nor the batch failed), the request beside it gives its tokens of a run alone, and no block is lost."""
+    llm = LLM(str(tiny_chat_folder), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=16)
+    engine, the, cat = llm.engine, 260, 2644
+    assert [llm.get_tokenizer().encode(word, add_special_tokens=False) for word in (" the", " cat")] == [[the], [cat]]
+    free = engine.scheduler.block_manager.num_free_blocks
+    good = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True, logprobs=1)
+    bad = SamplingParams(max_tokens=6, allowed_token_ids=[the, cat], logprobs=1,
+                         bad_words=["the the", "the cat", "cat the", "cat cat"], **params)
+    alone = llm.generate([[5, 6, 7]], good, use_tqdm=False)[0].outputs[0]
+    good_id, bad_id = engine.add_request([5, 6, 7], good), engine.add_request([8, 9], bad)
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs[good_id].error is None and outputs[good_id].outputs[0].token_ids == alone.token_ids
+    failed = outputs[bad_id]
+    assert failed.outputs[0].token_ids in ([the], [cat]) and failed.outputs[0].finish_reason == "abort"
+    assert "every token was masked" in failed.error
+    assert engine.scheduler.block_manager.num_free_blocks == free

@@ -165,6 +165,32 @@ def test_the_grammar_bitmask_masks_its_rows_in_place_and_leaves_the_others():
     assert [out.token_ids[r] for r in free] == alone
 
 
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=5),
+                                    dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.1),
+                                    dict(temperature=1.0, top_k=50, top_p=0.8, min_p=0.01),
+                                    dict(temperature=1.0, top_k=5, seed=None)],
+                         ids=["greedy", "full", "top_k", "top_p", "min_p", "all", "top_k_unseeded"])
+def test_a_row_whose_every_token_is_masked_gets_the_id_past_the_vocabulary(params):
+    """A grammar that allows nothing: that row gets the id past the vocabulary (on which the engine fails its
+    request), whatever truncates it, and with logprobs on; the other rows get exactly their tokens and logprobs of
+    the batch without the mask."""
+    rows, masked = 5, 2
+    logits = random_logits(rows, seed=12) * 2
+    nothing = packed_bits(torch.zeros(1, VOCAB, dtype=torch.bool))[0]
+
+    def run(mask: bool):
+        seqs = [seq(SamplingParams(**{"seed": r, "logprobs": 2, **params})) for r in range(rows)]
+        if mask:
+            seqs[masked].grammar = FixedGrammar(nothing)
+        return Sampler("cpu", [EOS], 0).sample(logits.clone(), seqs).result()
+
+    plain, with_mask = run(False), run(True)
+    others = [r for r in range(rows) if r != masked]
+    assert with_mask.token_ids[masked] == VOCAB
+    assert [with_mask.token_ids[r] for r in others] == [plain.token_ids[r] for r in others]
+    assert [with_mask.logprobs[r] for r in others] == [plain.logprobs[r] for r in others]
+
 CONSTRAINTS = {"logit_bias": dict(logit_bias={1: 1.0}), "allowed_token_ids": dict(allowed_token_ids=[1, 2]),
                "bad_words": {}, "grammar": {}}
 

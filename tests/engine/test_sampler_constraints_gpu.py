@@ -144,17 +144,21 @@ def test_sampled_constrained_rows_draw_only_what_their_constraints_allow(dtype):
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_row_whose_every_token_is_masked_leaves_the_others_alone(path, temperature):
-    """A grammar that allows nothing (with bad_words or allowed_token_ids, a real one can): that row draws a token
-    its request fails on (outside the vocabulary, or one the grammar refuses), and the other rows, sampled with
-    their own seeds and logprobs, get exactly what they get when the row is not masked, on either path."""
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=1.0, top_k=5),
+                                    dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.1),
+                                    dict(temperature=1.0, top_k=50, top_p=0.8, min_p=0.01)],
+                         ids=["greedy", "full", "top_k", "top_p", "min_p", "all"])
+def test_a_row_whose_every_token_is_masked_leaves_the_others_alone(path, params):
+    """A grammar that allows nothing (with bad_words or allowed_token_ids, a real one can): that row gets the id past
+    the vocabulary, on which the engine fails its request, on either path and however it is truncated; the other
+    rows, sampled with the same parameters, their own seeds and logprobs, get exactly what they get when the row is
+    not masked."""
     rows, masked = 6, 2
     logits = (torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(9)) * 4).to(DEVICE)
     nothing = packed_bits(torch.zeros(1, VOCAB, dtype=torch.bool))[0]
 
     def run(mask: bool):
-        seqs = [seq(SamplingParams(temperature=temperature, seed=r, logprobs=2), PROMPT, OUTPUT) for r in range(rows)]
+        seqs = [seq(SamplingParams(seed=r, logprobs=2, **params), PROMPT, OUTPUT) for r in range(rows)]
         if mask:
             seqs[masked].grammar = FixedGrammar(nothing)
         sampler = Sampler(DEVICE, [EOS], 0) if path == "kernel" else torch_sampler()
@@ -164,9 +168,7 @@ def test_a_row_whose_every_token_is_masked_leaves_the_others_alone(path, tempera
     others = [r for r in range(rows) if r != masked]
     assert [with_mask.token_ids[r] for r in others] == [plain.token_ids[r] for r in others]
     assert [with_mask.logprobs[r] for r in others] == [plain.logprobs[r] for r in others]
-    # Token 0 (the kernels' and argmax's pick in a row of -inf) or the id past the vocabulary (the torch path's
-    # draw): neither is the grammar's, so the engine fails that request alone.
-    assert with_mask.token_ids[masked] in (0, VOCAB)
+    assert with_mask.token_ids[masked] == VOCAB
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -9,7 +9,7 @@ import torch
 
 from nanograph import SamplingParams
 from nanograph.engine.sequence import Sequence
-from nanograph.sampling import Sampler, SamplerOutput
+from nanograph.sampling import Sampler, SamplerOutput, seeded_generator
 from nanograph.sampling.torch_plan import CANDIDATES
 from nanograph.sampling.transforms import TruncationParams, sorted_top_p_thresholds, truncation_thresholds
 
@@ -26,10 +26,10 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], seed=0) -> SamplerOutput:
     return sampler(seed).sample(logits, seqs).result()
 
 
-def seq(params: SamplingParams, prompt=(1, 2, 3), sampler_for_seed: Sampler | None = None) -> Sequence:
+def seq(params: SamplingParams, prompt=(1, 2, 3)) -> Sequence:
     s = Sequence("0", None, list(prompt), params)
     if params.seed is not None:
-        s.generator = (sampler_for_seed or sampler()).new_generator(params.seed)
+        s.generator = seeded_generator(params.seed)
     return s
 
 
@@ -158,7 +158,7 @@ def test_a_seeded_row_draws_the_same_whatever_the_batch(params):
 
     def draws(others: list[SamplingParams], sampler_seed: int) -> list[int]:
         s = sampler(sampler_seed)
-        seeded = seq(params, sampler_for_seed=s)
+        seeded = seq(params)
         seqs = [seq(p) for p in others] + [seeded]
         return [s.sample(torch.cat([logits[1:len(others) + 1], target]), seqs).result().token_ids[-1] for _ in range(6)]
 
@@ -183,7 +183,7 @@ def test_a_seeded_row_draws_the_same_beside_a_large_top_k(params):
 
     def draws(neighbour: SamplingParams | None) -> list[int]:
         s = sampler(1)
-        seqs = [seq(params, sampler_for_seed=s)] + ([seq(neighbour)] if neighbour else [])
+        seqs = [seq(params)] + ([seq(neighbour)] if neighbour else [])
         logits = row.repeat(len(seqs), 1)
         return [s.sample(logits, seqs).result().token_ids[0] for _ in range(8)]
 

@@ -70,7 +70,12 @@ def sample(logits, params: RowParams, overrides=None, override_rows=None, want_t
     thresholds = torch.full((rows,), math.nan, device=DEVICE) if want_thresholds else None
     ops.sample_rows(logits, *(t.to(DEVICE) for t in params), out, thresholds, overrides, override_rows)
     tokens = out.cpu()
-    unwritten = ((tokens < 0) | (tokens >= vocab)).nonzero().flatten()
+    read = logits.float()
+    if override_rows is not None:
+        overridden = override_rows.long().to(DEVICE)
+        read = torch.where((overridden >= 0)[:, None], overrides[overridden.clamp(min=0), :vocab].float(), read)
+    nothing = ~(read > -math.inf).any(dim=-1).cpu()  # every logit -inf or NaN: the id vocab may come back
+    unwritten = ((tokens < 0) | (tokens > vocab) | ((tokens == vocab) & ~nothing)).nonzero().flatten()
     assert len(unwritten) == 0, f"rows {unwritten[:10].tolist()} have tokens {tokens[unwritten[:10]].tolist()}"
     if not want_thresholds:
         return tokens, None
@@ -187,7 +192,7 @@ def argmax_order_rows(vocab, generator) -> tuple[torch.Tensor, list[int]]:
     rows[1, 0] = math.inf
     rows[1, vocab - 1] = math.nan  # a NaN at the last index beats +inf at the first
     rows[2, [d, b, c, a]] = math.nan  # several NaNs: the lowest index
-    rows[3] = -math.inf  # all -inf: index 0
+    rows[3] = -math.inf  # all -inf: index 0 (the sampler's greedy rows: vocab, below)
     for r, signs in ((4, [-0.0, 0.0]), (5, [0.0, -0.0])):  # negative but for a zero of each sign: the lower index
         rows[r] = -rows[r].abs() - 1
         rows[r, [a, b]] = torch.tensor(signs, dtype=BF16)
@@ -221,12 +226,16 @@ def all_greedy_tokens(rows) -> tuple[torch.Tensor, torch.Tensor]:
 def test_greedy_rows_follow_torch_argmax_in_a_mixed_batch(vocab, dtype):
     """Greedy rows that only torch.argmax's order decides, interleaved with sampled rows (half of them holding NaNs
     too): each greedy row takes torch.argmax of its float32 logits, and the same token in an all-greedy batch, from
-    sample_rows, the core's argmax and gemv_argmax alike. The sampled rows treat NaN logits as absent: they draw
-    finite logits."""
+    sample_rows, the core's argmax and gemv_argmax alike, but for a row of -inf: the sampler's rows can be masked
+    whole, and it gives such a row the id past the vocabulary (nothing to draw), on which the engine fails that
+    request; an all-greedy batch has no masks. The sampled rows treat NaN logits as absent: they draw finite
+    logits."""
     generator = torch.Generator().manual_seed(vocab)
     greedy_rows, want = argmax_order_rows(vocab, generator)
     want = torch.tensor(want)
     assert torch.equal(torch.argmax(greedy_rows.float(), dim=-1), want)  # the hand-made tokens are torch's
+    sampler_want = torch.where(greedy_rows.float().amax(dim=-1) == -math.inf, vocab, want)
+    assert sampler_want.tolist().count(vocab) == 1
     num_greedy = len(want)
     sampled_rows = (torch.randn(24, vocab, generator=generator) * 4).to(BF16)
     sampled_rows[::2, torch.randint(vocab, (8,), generator=generator)] = math.nan
@@ -238,12 +247,12 @@ def test_greedy_rows_follow_torch_argmax_in_a_mixed_batch(vocab, dtype):
     order = torch.randperm(len(logits), generator=generator)
     mixed, _ = sample(logits[order].to(dtype).to(DEVICE), params.select(order), want_thresholds=False)
     mixed = mixed[order.argsort()]
-    assert torch.equal(mixed[:num_greedy], want)
+    assert torch.equal(mixed[:num_greedy], sampler_want)
     drawn = logits[num_greedy:].float().gather(1, mixed[num_greedy:, None])
     assert drawn.isfinite().all(), f"sampled rows {(~drawn.isfinite()).nonzero()[:, 0].tolist()} drew NaN or -inf"
 
     alone, _ = sample(greedy_rows.to(dtype).to(DEVICE), params.select(slice(0, num_greedy)), want_thresholds=False)
-    assert torch.equal(alone, want)
+    assert torch.equal(alone, sampler_want)
     by_argmax, by_gemv = all_greedy_tokens(greedy_rows)
     assert torch.equal(by_argmax, want)
     assert torch.equal(by_gemv, want)

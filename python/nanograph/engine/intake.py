@@ -3,13 +3,13 @@
 Every error names the field, what was given and what to do; an invalid request raises before anything is queued."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..config import Config
 from ..inputs import PromptType
+from ..sampling import seeded_generator
 from ..sampling.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -172,8 +172,7 @@ class Intake:
             seq_params = params if params.n == 1 else replace(params, n=1, best_of=None, seed=seed)
             seq = Sequence(request_id, valid.prompt, token_ids, seq_params, index, max_num_tokens)
             if seed is not None:  # a sibling's seed + index may be -1, which SamplingParams reads as no seed
-                # As a 64-bit word (torch's reading), so that -s and s are different streams.
-                seq.generator = random.Random(seed % 2**64)
+                seq.generator = seeded_generator(seed)
             if self.tokenizer is not None and seq_params.detokenize:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, seq_params)
             seq.bad_words_token_ids = valid.bad_words_token_ids

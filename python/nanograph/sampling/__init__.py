@@ -19,7 +19,14 @@ from .table import SampledSequence
 from .token_bitmask import TokenBitmask
 from .torch_path import TorchPath
 
-__all__ = ["PendingSample", "Sampler", "SamplerOutput", "TokenLogprobs"]
+__all__ = ["PendingSample", "Sampler", "SamplerOutput", "TokenLogprobs", "seeded_generator"]
+
+
+def seeded_generator(seed: int) -> random.Random:
+    """A seeded sequence's own random stream, on the host: each of its draws takes one uniform (or key) from it, so
+    its tokens do not depend on the rest of the batch. The seed is read as a 64-bit word (torch's reading), so that
+    -s and s are different streams."""
+    return random.Random(seed % 2**64)
 
 
 class Sampler:
@@ -35,11 +42,6 @@ class Sampler:
         else:
             self.path = TorchPath(device, eos_token_ids, seed)
             self.bitmask = TokenBitmask(device)
-
-    def new_generator(self, seed: int) -> random.Random:
-        """A request's own random stream, on the host: each of its draws takes one uniform (or key) from it, so a
-        seeded row's tokens do not depend on the rest of the batch."""
-        return random.Random(seed)
 
     def plain_greedy(self, seqs: list[SampledSequence], vocab_size: int) -> bool:
         """Whether sample() would take the plain argmax of every row of seqs (greedy, without penalties, biases,

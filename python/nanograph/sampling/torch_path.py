@@ -51,7 +51,7 @@ class TorchPath:
         if plan.transforms:
             token_ids = self._drawn(self._penalised_and_scaled(logits, plan, rows), plan, rows)
         else:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = _masked_whole_past_vocabulary(*_argmax(logits), logits.shape[-1])
         if not plan.batch.logprob_rows:
             return CopiedSample(token_ids)
         return with_logprobs(logits, LogprobRows(plan.batch.logprob_rows, plan.batch.num_top_logprobs), token_ids,
@@ -81,29 +81,36 @@ class TorchPath:
 
     def _drawn(self, logits: torch.Tensor, plan: TorchPlan, rows: DeviceArrays) -> torch.Tensor:
         """int64 [num_rows]: the argmax of the greedy rows, a draw from the others (full rows, then truncated ones,
-        each with a uniform in (0, 1] from its own stream or the path's generator)."""
+        each with a uniform in (0, 1] from its own stream or the path's generator); the id past the vocabulary for
+        a row whose every token is masked."""
         uniforms = 1 - torch.rand(len(plan.full_rows) + len(plan.truncated_rows), dtype=torch.float64,
                                   device=logits.device, generator=self.generator)
         if plan.has_seeded:
             uniforms.index_copy_(0, rows.seeded, rows.seeded_uniforms)
-        drawn = []
+        drawn, peaks = [], []  # per group of rows: the tokens, and each row's largest logit
         if len(plan.greedy_rows):
-            drawn.append(_rows(logits, rows.greedy_rows).argmax(dim=-1))
+            greedy_ids, greedy_peaks = _argmax(_rows(logits, rows.greedy_rows))
+            drawn.append(greedy_ids)
+            peaks.append(greedy_peaks)
         if len(plan.full_rows):
             full = _rows(logits, rows.full_rows)
-            drawn.append(_draw((full - full.amax(dim=-1, keepdim=True)).exp_(), uniforms[:len(plan.full_rows)]))
+            peaks.append(full.amax(dim=-1))
+            drawn.append(_draw((full - peaks[-1][:, None]).exp_(), uniforms[:len(plan.full_rows)]))
         if len(plan.truncated_rows):
             truncated_ids, truncation = self._drawn_truncated(logits, plan, rows, uniforms[len(plan.full_rows):])
             drawn.append(truncated_ids)
-        token_ids = drawn[0] if len(drawn) == 1 else torch.cat(drawn).index_select(0, rows.order)
+            peaks.append(truncation.candidates[:, 0])
+        token_ids, peak = (drawn[0], peaks[0]) if len(drawn) == 1 else \
+            (torch.cat(drawn).index_select(0, rows.order), torch.cat(peaks).index_select(0, rows.order))
         if len(plan.truncated_rows) and (plan.num_candidates < logits.shape[-1] or plan.has_seeded_truncated):
             self._redraw_spilled(truncation, plan, rows, uniforms[len(plan.full_rows):], token_ids,
                                  plan.num_candidates < logits.shape[-1])
-        return token_ids
+        return _masked_whole_past_vocabulary(token_ids, peak, logits.shape[-1])
 
     def _drawn_truncated(self, logits: torch.Tensor, plan: TorchPlan, rows: DeviceArrays,
                          uniforms: torch.Tensor) -> tuple[torch.Tensor, _Truncation]:
-        """int64 [truncated rows]: each drawn among its candidates, where its threshold is found too."""
+        """int64 [truncated rows]: each drawn among its candidates, where its threshold is found too (a row of
+        masked tokens alone draws a position past them, read at the last: _drawn replaces its token)."""
         truncated = _rows(logits, rows.truncated_rows)
         candidates, candidate_ids = truncated.topk(plan.num_candidates, dim=-1)
         weights = (candidates - candidates[:, :1]).exp_()
@@ -111,7 +118,7 @@ class TorchPath:
                                   rows.top_ps if plan.has_top_p else None,
                                   rows.open_top_p if plan.has_open_top_p else None)
         floors, thresholds = truncation_thresholds(truncated, candidates, weights, params, plan.has_open_min_p)
-        drawn = _draw(weights.masked_fill_(candidates < thresholds, 0), uniforms)
+        drawn = _draw(weights.masked_fill_(candidates < thresholds, 0), uniforms).clamp_(max=plan.num_candidates - 1)
         return (candidate_ids.gather(1, drawn[:, None]).squeeze(1),
                 _Truncation(truncated, candidates, floors, thresholds))
 
@@ -165,6 +172,18 @@ def _biased(logits: torch.Tensor, rows: DeviceArrays) -> torch.Tensor:
 def _rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """tensor's rows (sorted, distinct indices): the tensor itself when they are all of them."""
     return tensor if len(rows) == len(tensor) else tensor.index_select(0, rows)
+
+
+def _argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (torch's order) and its value."""
+    ids = logits.argmax(dim=-1)
+    return ids, logits.gather(1, ids[:, None]).squeeze(1)
+
+
+def _masked_whole_past_vocabulary(token_ids: torch.Tensor, peaks: torch.Tensor, vocab: int) -> torch.Tensor:
+    """token_ids, with the id past the vocabulary where the row's largest logit (peaks) is -inf: every token of that
+    row was masked, and its request fails on the host, as on the kernel path."""
+    return token_ids.masked_fill_(peaks == float("-inf"), vocab)
 
 
 def _draw(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
