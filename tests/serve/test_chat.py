@@ -148,6 +148,27 @@ def test_a_choice_a_regex_and_logit_bias_through_the_body(client, model, tokeniz
     assert biased.choices[0].message.content == " banana" * 3
 
 
+
+def test_top_logprobs_of_tokens_a_grammar_masks_are_vllms_floor(server, client, model):
+    """A grammar leaves one token at each step: the other top tokens' logprobs are -inf, which JSON cannot carry;
+    they come as -9999.0 (vLLM's floor) in the chat response, its stream and the completions response, not as a 500
+    or a null."""
+    body = dict(temperature=0, max_tokens=4, extra_body={"guided_regex": "Ok done"})
+    response = client.chat.completions.create(model=model, messages=CAPITAL, logprobs=True, top_logprobs=3, **body)
+    assert response.choices[0].message.content == "Ok done"
+    tops = [top.logprob for entry in response.choices[0].logprobs.content for top in entry.top_logprobs]
+    assert -9999.0 in tops and all(-9999.0 <= value <= 0 for value in tops)
+    chunks = stream_events(server.base_url, "/v1/chat/completions",
+                           {"model": model, "messages": CAPITAL, "stream": True, "logprobs": True,
+                            "top_logprobs": 3, "temperature": 0, "max_tokens": 4, "guided_regex": "Ok done"})
+    streamed = [top["logprob"] for chunk in chunks for choice in chunk["choices"]
+                for entry in (choice.get("logprobs") or {}).get("content") or [] for top in entry["top_logprobs"]]
+    assert streamed == tops
+    completion = client.completions.create(model=model, prompt="The capital of France is", logprobs=3, **body)
+    assert completion.choices[0].text == "Ok done"
+    values = [value for top in completion.choices[0].logprobs.top_logprobs for value in top.values()]
+    assert -9999.0 in values and all(-9999.0 <= value <= 0 for value in values)
+
 def test_two_grammars_in_one_request_are_a_400(client, model):
     with pytest.raises(openai.BadRequestError, match="give one of them"):
         client.chat.completions.create(model=model, messages=CAPITAL, max_tokens=3,

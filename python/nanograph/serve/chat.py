@@ -16,7 +16,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
-from .completions import token_label
+from .completions import api_logprob, token_label
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 from .tool_calls import NO_PARAMETERS, ToolCall, ToolCallStream, extract_tool_calls, named_function
@@ -112,10 +112,10 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
         best = sorted((item for item in top.items() if item[1].rank <= num_top), key=lambda item: item[1].rank)
-        content.append(TokenLogprob(token=token_label(token_id, sampled, as_token_ids), logprob=sampled.logprob,
+        content.append(TokenLogprob(token=token_label(token_id, sampled, as_token_ids), logprob=api_logprob(sampled.logprob),
                                     bytes=list(sampled.decoded_token.encode()),
                                     top_logprobs=[TopLogprob(token=token_label(top_id, entry, as_token_ids),
-                                                             logprob=entry.logprob,
+                                                             logprob=api_logprob(entry.logprob),
                                                              bytes=list(entry.decoded_token.encode()))
                                                   for top_id, entry in best]))
     return ChatLogprobs(content=content)

@@ -86,6 +86,12 @@ def token_label(token_id: int, logprob: Logprob, as_token_id: bool) -> str:
     return f"token_id:{token_id}" if as_token_id else logprob.decoded_token
 
 
+def api_logprob(logprob: float) -> float:
+    """A logprob as the API gives it: -inf (a token the request's constraints masked) as -9999.0, vLLM's floor, since
+    JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
                         as_token_ids: bool = False) -> tuple[CompletionLogprobs, int]:
     """The legacy logprobs object of these tokens (each token's top alternatives include it), and the text
@@ -94,8 +100,8 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
         result.tokens.append(token_label(token_id, sampled, as_token_ids))
-        result.token_logprobs.append(sampled.logprob)
-        result.top_logprobs.append({token_label(top_id, entry, as_token_ids): entry.logprob
+        result.token_logprobs.append(api_logprob(sampled.logprob))
+        result.top_logprobs.append({token_label(top_id, entry, as_token_ids): api_logprob(entry.logprob)
                                     for top_id, entry in top.items()})
         result.text_offset.append(text_offset)
         text_offset += len(sampled.decoded_token)
