@@ -146,6 +146,10 @@ def test_completion_error_bodies(server, body, status, param, message):
      'a named tool_choice is {"type": "function", "function": {"name": ...}}'),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, 400, "tools",
      "tool_choice 'auto' needs tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "f"}},
+      "tools": [{"type": "function", "function": {"name": "g"}},
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}]}, 400, "tools",
+     "tools[1].function.parameters is not a valid json schema"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2, "min_tokens": 5}, 400,
      "min_tokens", "max_completion_tokens=2"),
     ({"messages": [{"role": "assistant", "content": "hi"}], "continue_final_message": True}, 400,
@@ -249,6 +253,12 @@ def test_null_means_the_default_and_vllms_chat_fields_apply(server):
         "[get_weather]user: hi\nassistant: Oslo\ntool: 42\n"
     assert post(server, "/v1/chat/completions", {**chat, "messages": tool_turns, "chat_template": template,
                                                  "tools": tools, "tool_choice": "none"}).status_code == 200
+    # An explicit null is vLLM's "auto" only on a server that parses calls: here, a reply of text, as "none".
+    nulled = post(server, "/v1/chat/completions", {**chat, "messages": tool_turns, "tools": tools, "tool_choice": None,
+                                                   "temperature": 0})
+    assert nulled.status_code == 200 and nulled.json()["choices"][0]["message"]["content"] == \
+        post(server, "/v1/chat/completions", {**chat, "messages": tool_turns, "tools": tools, "tool_choice": "none",
+                                              "temperature": 0}).json()["choices"][0]["message"]["content"]
     long_prompt = {"prompt": [1] * (MAX_MODEL_LEN + 100), "max_tokens": 2, "truncate_prompt_tokens": 10}
     assert post(server, "/v1/completions", long_prompt).json()["usage"]["prompt_tokens"] == 10
     # A shortened prompt echoes as the text of the tokens kept; one left whole, as given.

@@ -35,6 +35,9 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     if tool_mode is not None and not request.tools:
         raise APIError(400, f"tool_choice {request.tool_choice!r} needs tools; give the request's tools, or leave "
                             "tool_choice out", "tools", "invalid_value")
+    if tool_mode == "auto" and served.tool_call_parser is None and "tool_choice" in request.model_fields_set \
+            and request.tool_choice is None:
+        tool_mode = None  # an explicit null is "auto" only where the server parses calls (as in vLLM)
     if tool_mode == "auto" and served.tool_call_parser is None:
         raise APIError(400, '"auto" tool choice requires nanograph serve --enable-auto-tool-choice and '
                             '--tool-call-parser to be set; or give tool_choice "none" (the tools still reach the '
@@ -58,6 +61,8 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
                                 "request cannot also give structured outputs (response_format, structured_outputs, "
                                 "guided_*); drop one of them", "tool_choice", "invalid_value")
         schema = function.get("parameters") or NO_PARAMETERS
+        position = next(i for i, tool in enumerate(request.tools) if tool.get("function") is function)
+        renames["structured_outputs.json"] = f"tools[{position}].function.parameters"  # the grammar's errors
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         except (ValueError, TypeError) as exc:
