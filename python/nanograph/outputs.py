@@ -41,7 +41,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # one per completion (SamplingParams.n), by index
     finished: bool
-    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache, summed over completions
+    # Prompt tokens served from the prefix cache (of n completions, the most any took: at most the prompt's length).
+    num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when a failure inside a step ended the request (its finish_reason is "abort")
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token the token and the top ones

@@ -187,6 +187,30 @@ def test_reset_prefix_cache_forgets_cached_prefixes_but_not_while_a_request_hold
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_completions_of_n_keep_their_requests_place_in_the_queue(prefix_caching):
+    """Six requests of n=2 with room for two sequences and a small KV cache: the second completion of each, held
+    until the first has computed the prompt (with a prefix cache), goes ahead of the requests that came later, so
+    every completion of a request starts before any of the request two places behind it, and each second
+    completion takes the prompt's blocks from the cache before later prompts evict them; without a cache, it queues
+    with the first at once. Their tokens are those of each request alone, and no block is lost."""
+    prompts = [[(7 * r + i) % (VOCAB_SIZE - 1) + 1 for i in range(12)] for r in range(6)]
+    params = [SamplingParams(temperature=0.8, seed=r, n=2, max_tokens=6, ignore_eos=True) for r in range(6)]
+    engine = fake_engine(num_kv_blocks=12, max_model_len=24, max_num_seqs=2, enable_prefix_caching=prefix_caching)
+    ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    seqs = [engine.requests[request_id].seqs for request_id in ids]
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    for earlier, later in zip(seqs, seqs[2:]):
+        assert max(seq.first_scheduled_time for seq in earlier) < min(seq.first_scheduled_time for seq in later)
+    assert [outputs[request_id].num_cached_tokens for request_id in ids] == [8 if prefix_caching else 0] * 6
+    for request_id, prompt, p in zip(ids, prompts, params):
+        [alone] = generate(fake_engine(enable_prefix_caching=prefix_caching), [prompt], p)
+        assert [c.token_ids for c in outputs[request_id].outputs] == [c.token_ids for c in alone.outputs]
+    assert engine.scheduler.block_manager.num_free_blocks == 12
+
 def test_chunking_preemption_and_prefix_caching_together_keep_outputs_exact():
     rng = random.Random(0)
     prefixes = [[rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randrange(4, 20))] for _ in range(3)]

@@ -447,8 +447,7 @@ class LLMEngine:
             if request.request_id in ended:
                 continue
             request.metrics.first_token_time = request.metrics.first_token_time or now
-            for sibling in request.held_siblings():  # the prompt's blocks are cached now
-                self.scheduler.add(sibling)
+            self.scheduler.add_siblings(request.held_siblings())  # the prompt's blocks are cached now
             if request.finished:
                 request.metrics.finished_time = now
                 del self.requests[request.request_id]
@@ -495,7 +494,9 @@ class LLMEngine:
                 request_id = str(next(self._request_ids))
         request = self.intake.request(request_id, valid, owner)
         self.requests[request_id] = request
-        self.scheduler.add(request.seqs[0])
+        # Without a prefix cache, no prompt blocks to wait for: the siblings queue with the first.
+        for seq in request.seqs[:1] if self.config.enable_prefix_caching else request.seqs:
+            self.scheduler.add(seq)
         return request_id
 
     def _end(self, request: Request, error: str | None = None):

@@ -15,7 +15,7 @@ class Request:
         # The call that collects the request's output (a generate or stream call); None: whoever calls step().
         self.owner = owner
         # The siblings stay HELD until seqs[0] has computed the prompt, so that they find its KV blocks in the
-        # prefix cache.
+        # prefix cache (without one, the engine releases them at once).
         for seq in seqs[1:]:
             seq.status = SequenceStatus.HELD
         self.error: str | None = None  # why the engine ended it, when a step failed on it
@@ -45,7 +45,7 @@ class Request:
                                       logprobs=seq.logprobs, finish_reason=seq.finish_reason,
                                       stop_reason=seq.stop_reason)
                      for seq in self.seqs],
-            finished=self.finished, num_cached_tokens=sum(cached) if cached else None, metrics=self.metrics,
+            finished=self.finished, num_cached_tokens=max(cached) if cached else None, metrics=self.metrics,
             error=self.error, prompt_logprobs=first.prompt_logprobs)
 
     def take_deltas(self) -> list[CompletionDelta]:

@@ -49,6 +49,19 @@ class Scheduler:
         self.waiting.append(seq)
         self.num_unfinished += 1
 
+    def add_siblings(self, seqs: list[Sequence]):
+        """A running request's other completions, released once its first has computed the prompt: they keep the
+        request's place, ahead of every request that came after it (behind the preempted sequences and the siblings
+        released before them, at the front of the queue)."""
+        position = 0
+        while position < len(self.waiting) and (self.waiting[position].first_scheduled_time is not None
+                                                or self.waiting[position].index > 0):
+            position += 1
+        for offset, seq in enumerate(seqs):
+            seq.status = SequenceStatus.WAITING
+            self.waiting.insert(position + offset, seq)
+        self.num_unfinished += len(seqs)
+
     def has_unfinished(self) -> bool:
         return self.num_unfinished > 0
 
