@@ -18,13 +18,22 @@ _OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", 
 _RESERVED = ("conversation", "messages", "tokenize", "return_dict")
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 def render_chat(tokenizer, conversation: list[dict], chat_template: str | None = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                content_format: str = "auto") -> str:
     """One conversation as prompt text: the assistant's turn opened (add_generation_prompt), or the last message
     left open for the model to continue (continue_final_message). A content is a string, a list of text parts, or
     null (an assistant message that only calls tools). chat_template_kwargs go to the template; the keys of the
-    options above win over their arguments."""
+    options above win over their arguments. content_format (vLLM's chat_template_content_format): how the template
+    sees a content, "string" (text parts joined) or "openai" (a list of {"type": "text", "text": ...} parts, a string
+    content as one part); "auto": "openai" where the template loops over a message's content, else "string"."""
+    if content_format not in CONTENT_FORMATS:
+        raise ChatOptionError("chat_template_content_format", f"chat_template_content_format must be one of "
+                              f"{', '.join(CONTENT_FORMATS)}; got {content_format!r}")
     options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "tools": tools}
     kwargs = dict(chat_template_kwargs or {})
@@ -37,8 +46,12 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
         raise ChatOptionError("continue_final_message", "Cannot set both `continue_final_message` and "
                               "`add_generation_prompt` to True: pass add_generation_prompt=False to continue the "
                               "final message")
-    return tokenizer.apply_chat_template([_text_message(m) for m in conversation], tokenize=False, **options,
-                                         **kwargs)
+    if content_format == "auto":
+        template = options["chat_template"] if options["chat_template"] is not None else \
+            getattr(tokenizer, "chat_template", None)
+        content_format = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
+    return tokenizer.apply_chat_template([_template_message(m, content_format) for m in conversation],
+                                         tokenize=False, **options, **kwargs)
 
 
 def chat_prompt_token_ids(tokenizer, conversation: list[dict], add_special_tokens: bool = False, **options
@@ -48,14 +61,39 @@ def chat_prompt_token_ids(tokenizer, conversation: list[dict], add_special_token
     return tokenizer.encode(render_chat(tokenizer, conversation, **options), add_special_tokens=add_special_tokens)
 
 
-def _text_message(message: dict) -> dict:
-    """A chat message whose content is a list of text parts, with the parts joined into one string by newlines
-    (null: ""), and whose tool calls' arguments, JSON text in OpenAI's messages, are parsed for the template, as vLLM
-    does."""
+def _template_message(message: dict, content_format: str) -> dict:
+    """A chat message as the template sees it: its content one string (text parts joined by newlines, null "") or,
+    in the "openai" format, a list of {"type": "text", "text": ...} parts (a string one part, null none); its tool
+    calls' arguments, JSON text in OpenAI's messages, parsed, as vLLM does."""
     if message.get("tool_calls"):
         message = {**message, "tool_calls": [_parsed_arguments(call) for call in message["tool_calls"]]}
     content = message.get("content")
+    if content_format == "openai":
+        texts = [] if content is None else [content] if isinstance(content, str) else \
+            [text_content([part]) for part in content]
+        return {**message, "content": [{"type": "text", "text": text} for text in texts]}
     return message if isinstance(content, str) else {**message, "content": text_content(content)}
+
+
+def loops_over_content(template: str) -> bool:
+    """Whether a Jinja chat template iterates over a message's content (`for part in message['content']`, or over
+    a variable set from it), and so takes a content as a list of parts: vLLM's "auto" content format."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node) -> bool:
+        return (isinstance(node, nodes.Getattr) and node.attr == "content") or \
+            (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+
+    from_content = {assign.target.name for assign in tree.find_all(nodes.Assign)
+                    if isinstance(assign.target, nodes.Name) and is_content(assign.node)}
+    return any(is_content(loop.iter) or (isinstance(loop.iter, nodes.Name) and loop.iter.name in from_content)
+               for loop in tree.find_all(nodes.For))
 
 
 # The content parts that are text, and the key that holds it: OpenAI's text part, the Responses API's input and

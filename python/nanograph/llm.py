@@ -77,23 +77,31 @@ class LLM:
         _check_no_lora(lora_request)
         return self.engine.stream(*self._requests(prompts, sampling_params))
 
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """For each prompt (any form generate() takes), its params.beam_width best beams, best first."""
+        """For each prompt (any form generate() takes), its params.beam_width best beams, best first (vLLM's
+        arguments, in its order)."""
+        _check_no_lora(lora_request)
         return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
+             lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them; a content is a string
-        or a list of OpenAI-style text parts ({"type": "text", "text": ...}). As in vLLM: chat_template replaces the
-        tokenizer's; add_generation_prompt opens the assistant's turn; continue_final_message (with
-        add_generation_prompt=False) leaves the last message open for the model to continue; tools and
-        chat_template_kwargs (e.g. Qwen3's enable_thinking=False) go to the template. Each output's prompt is the
-        rendered text."""
+        or a list of OpenAI-style text parts ({"type": "text", "text": ...}). vLLM's arguments, in its order:
+        chat_template replaces the tokenizer's; chat_template_content_format gives the template each content as one
+        string ("string") or as a list of text parts ("openai"), by default ("auto") as the template reads it;
+        add_generation_prompt opens the assistant's turn; continue_final_message (with add_generation_prompt=False)
+        leaves the last message open for the model to continue; tools and chat_template_kwargs (e.g. Qwen3's
+        enable_thinking=False) go to the template; mm_processor_kwargs: None only (text models). Each output's prompt
+        is the rendered text."""
         _check_no_lora(lora_request)
+        if mm_processor_kwargs is not None:
+            raise ValueError("mm_processor_kwargs: nanograph serves text models, with no multimodal processor; pass "
+                             "mm_processor_kwargs=None")
         if self.tokenizer is None:
             raise ValueError("chat() needs the model folder's tokenizer, and this folder has none: add its tokenizer "
                              "files, or call generate() with token-id prompts")
@@ -101,7 +109,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = render_chat(self.tokenizer, conversation, chat_template, add_generation_prompt,
-                               continue_final_message, tools, chat_template_kwargs)
+                               continue_final_message, tools, chat_template_kwargs, chat_template_content_format)
             prompts.append(TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False),
                                         prompt=text))
         return self.generate(prompts, sampling_params, use_tqdm)

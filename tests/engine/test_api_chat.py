@@ -86,6 +86,46 @@ def test_template_kwargs_win_over_the_options_and_tool_call_turns_render(llm):
         llm.chat(CONVERSATION, GREEDY, use_tqdm=False, chat_template_kwargs={"tokenize": True})
 
 
+
+LOOPING = "{% for m in messages %}<{{ m.role }}>{% for part in m['content'] %}{{ part.text }}|{% endfor %}{% endfor %}"
+SET_THEN_LOOPING = ("{% for m in messages %}{% set parts = m.content %}<{{ m.role }}>"
+                    "{% for part in parts %}{{ part['text'] }}|{% endfor %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template", [LOOPING, SET_THEN_LOOPING], ids=["loop", "set_then_loop"])
+def test_a_template_that_loops_over_the_content_gets_it_as_parts(llm, template):
+    """vLLM's chat_template_content_format: "auto" gives a template that iterates over a message's content the list
+    of text parts (a string content as one part, text parts as they are), where joining them into one string left
+    it nothing to print; "string" forces the joined string (over which such a template loops by character), and
+    "openai" the parts to any template. The same for vLLM's argument order, positional."""
+    conversation = [{"role": "system", "content": "Be terse."},
+                    {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "you"}]}]
+    [out] = llm.chat(conversation, GREEDY, False, None, template)
+    assert out.prompt == "<system>Be terse.|<user>hello|you|"
+    [forced] = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template,
+                        chat_template_content_format="string")
+    # Each character of the string is a "part" without text: the text is lost, as it was before "auto".
+    assert forced.prompt == "<system>" + "|" * len("Be terse.") + "<user>" + "|" * len("hello\nyou")
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    [as_string] = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=plain)
+    assert as_string.prompt == "<system>Be terse.<user>hello\nyou"
+    [as_parts] = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=plain,
+                          chat_template_content_format="openai")
+    assert as_parts.prompt == "<system>[{'type': 'text', 'text': 'Be terse.'}]<user>[{'type': 'text', 'text': " \
+        "'hello'}, {'type': 'text', 'text': 'you'}]"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, chat_template_content_format="parts")
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        llm.chat(conversation, GREEDY, use_tqdm=False, mm_processor_kwargs={})
+
+
+def test_the_default_template_takes_contents_as_strings(llm, tokenizer):
+    """SmolLM2's template prints the content: "auto" keeps it a string (a list of parts would print as a list)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+    [out] = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert out.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "Name a colour."}],
+                                                       add_generation_prompt=True, tokenize=False)
+
 def test_image_parts_are_refused(llm):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     with pytest.raises(ValueError, match=r"chat\(\) takes text content parts only"):

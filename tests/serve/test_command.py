@@ -131,3 +131,33 @@ def test_the_servers_chat_template_renders_requests_that_bring_none():
                                                 "chat_template": "{{ messages[0].content }}"})
     with pytest.raises(APIError, match="needs a server started with --trust-request-chat-template"):
         served.render_chat_now(own.messages, own)
+
+
+def test_the_content_format_flag_reaches_the_servers_rendering(capsys):
+    """--chat-template-content-format: "auto" gives a template that loops over a content its text parts; "string"
+    the joined string (a loop then meets characters); another value is argparse's error."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from nanograph.cli import build_parser
+    from nanograph.default_model import default_model_path
+    from nanograph.serve.protocol import ChatCompletionRequest
+    from nanograph.serve.serving import ServedModel
+
+    assert build_parser().parse_args(["serve"]).chat_template_content_format == "auto"
+    assert build_parser().parse_args(["serve", "--chat-template-content-format", "string"]) \
+        .chat_template_content_format == "string"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--chat-template-content-format", "parts"])
+    assert "invalid choice: 'parts'" in capsys.readouterr().err
+    info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None)
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    template = "{% for m in messages %}[{{ m.role }}]{% for part in m.content %}{{ part.text }};{% endfor %}{% endfor %}"
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    rendered = {}
+    for content_format in ("auto", "string"):
+        served = ServedModel(SimpleNamespace(info=info), "smol", tokenizer, chat_template=template,
+                             content_format=content_format)
+        rendered[content_format] = tokenizer.decode(served.render_chat_now(request.messages, request))
+    assert rendered == {"auto": "[user]hi;", "string": "[user];;"}

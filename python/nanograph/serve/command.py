@@ -12,6 +12,7 @@ import os
 from functools import partial
 from pathlib import Path
 
+from ..chat_template import CONTENT_FORMATS
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
 from .tool_calls import TOOL_CALL_PARSERS
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                         "else $VLLM_API_KEY)")
     parser.add_argument("--chat-template", help="the chat template for requests that bring none: a Jinja file, or "
                         "the template itself (default: the tokenizer's)")
+    parser.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                        help="how the chat template sees a message's content: one string, or OpenAI's list of text "
+                             "parts (default: auto, as the template reads it)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
@@ -126,7 +130,8 @@ def serve(args: argparse.Namespace):
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
-                         chat_template=chat_template, trust_remote_code=config.trust_remote_code,
+                         chat_template=chat_template, content_format=args.chat_template_content_format,
+                         trust_remote_code=config.trust_remote_code,
                          response_role=args.response_role,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     app = build_app(served, args.api_key, cors)

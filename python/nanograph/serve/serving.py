@@ -31,16 +31,18 @@ class Completion:
 class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
-                 trust_remote_code: bool = False, response_role: str = "assistant",
+                 content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
                  tool_call_parser: str | None = None):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
-        tokenizer's; response_role: a chat reply's role when add_generation_prompt is on."""
+        tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
+        chat reply's role when add_generation_prompt is on."""
         self.async_llm = async_llm
         self.response_role = response_role
         self.tool_call_parser = tool_call_parser  # tool_calls.TOOL_CALL_PARSERS; None: no "auto" tool choice
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
+        self.content_format = content_format
         self.names = [names] if isinstance(names, str) else list(names)
         self.name = self.names[0]
         self.path = async_llm.info.model
@@ -87,6 +89,7 @@ class ServedModel:
                                          else self.chat_template,
                                          add_generation_prompt=request.add_generation_prompt,
                                          continue_final_message=request.continue_final_message, tools=request.tools,
+                                         content_format=self.content_format,
                                          # vLLM's chats: the template writes the special tokens, unless asked
                                          add_special_tokens="add_special_tokens" in request.model_fields_set
                                          and request.add_special_tokens)
