@@ -1,4 +1,4 @@
-"""Benchmark cases for the memory-bound layer kernels: embedding, RMSNorm, SiLU-and-mul, argmax.
+"""Benchmark cases for the memory-bound layer kernels: embedding, RMSNorm, SiLU-and-mul, argmax, sampling.
 
 Shapes are a 256-token decode/prefill batch of a Qwen3-8B-sized model (hidden 4096, MLP 12288,
 vocabulary 151936). All kernels are memory-bound, so flops = 0 and bytes_moved counts each
@@ -40,3 +40,20 @@ def cases():
     logits = _randn(ROWS, VOCAB)
     tokens = torch.empty(ROWS, dtype=torch.int32, device="cuda")
     yield (f"argmax {ROWS}x{VOCAB}", lambda: ops.argmax(logits, tokens), ROWS * VOCAB * 2 + ROWS * 4, 0)
+
+    # The sampler's kernel over a decode step's logits (one read of the rows; the race of a sampled row reads each
+    # logit once): greedy, the throughput benchmark's temperature 0.6, and top-k 50 with top-p 0.9. Logits of
+    # scale 4 (peaked) and 1 (flat, where more tokens enter the race).
+    keys = torch.arange(ROWS, dtype=torch.int64, device="cuda") * 7919
+    ones, zeros = torch.ones(ROWS, device="cuda"), torch.zeros(ROWS, device="cuda")
+    no_top_k = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
+    drawn = torch.empty(ROWS, dtype=torch.int64, device="cuda")
+    for scale in (4.0, 1.0):
+        scaled = (torch.randn(ROWS, VOCAB, device="cuda") * scale).to(BF16)
+        for name, temperature, top_k, top_p in [("greedy", 0.0, no_top_k, ones),
+                                                ("temperature 0.6", 0.6, no_top_k, ones),
+                                                ("top_k 50 top_p 0.9", 1.0, no_top_k + 50, ones * 0.9)]:
+            temperatures = ones * temperature
+            yield (f"sample_rows {ROWS}x{VOCAB} {name}, logits x{scale:g}",
+                   lambda s=scaled, t=temperatures, k=top_k, p=top_p: ops.sample_rows(s, t, k, p, zeros, keys, drawn),
+                   ROWS * VOCAB * 2 + ROWS * 8, 0)

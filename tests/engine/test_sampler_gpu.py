@@ -100,10 +100,10 @@ def test_a_seeded_request_draws_the_same_whatever_the_batch_and_run(params):
         """Four steps of the seeded request, after num_others other rows; each step's token is appended to it, as
         the engine does. A new sampler and new sequences each time."""
         s = sampler(sampler_seed)
-        target = seq(dataclasses.replace(params, seed=seed), sampler_for_seed=s)
+        target = seq(dataclasses.replace(params, seed=seed))
         tokens = []
         for _ in range(4):
-            seqs = [seq(p, sampler_for_seed=s) for p in others[:num_others]] + [target]
+            seqs = [seq(p) for p in others[:num_others]] + [target]
             batch = on_device(torch.cat([logits[1:num_others + 1], logits[:1]]), dtype)
             tokens.append(s.sample(batch, seqs).result().token_ids[-1])
             target.token_ids.append(tokens[-1])
@@ -178,7 +178,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_first(num_top, 
     params = [SamplingParams(temperature=0.7, logprobs=3, presence_penalty=1.0), SamplingParams(),
               SamplingParams(temperature=0, logprobs=0), SamplingParams(top_p=0.9, logprobs=num_top, seed=1)]
     s = sampler()
-    out = s.sample(logits.to(DEVICE), [seq(p, output=[5], sampler_for_seed=s) for p in params]).result()
+    out = s.sample(logits.to(DEVICE), [seq(p, output=[5]) for p in params]).result()
     assert out.logprobs[1] is None
     for row in (0, 2, 3):
         raw = logits[row].float().log_softmax(-1)
@@ -221,7 +221,7 @@ def test_a_batch_mixing_every_parameter_draws_a_valid_token_per_row(dtype):
 
     def run(sampler_seed: int):
         s = sampler(sampler_seed)
-        return s.sample(logits.to(DEVICE), [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
+        return s.sample(logits.to(DEVICE), [seq(MIXED[kind], history[:64], history[64:])
                                             for kind, history in zip(kinds.tolist(), histories)]).result()
 
     out = run(0)
@@ -255,7 +255,7 @@ def test_the_packed_call_draws_exactly_what_separate_tensors_draw(dtype):
     histories = torch.randint(vocab, (rows, 80), generator=generator).tolist()
 
     def batch(s: Sampler):
-        return [seq(MIXED[kind], history[:64], history[64:], sampler_for_seed=s)
+        return [seq(MIXED[kind], history[:64], history[64:])
                 for kind, history in zip(kinds.tolist(), histories)]
 
     s = sampler(0)
@@ -310,7 +310,7 @@ def test_results_read_after_their_staging_slot_is_reused_are_their_own():
     def outputs(read_each_call: bool) -> list[SamplerOutput]:
         """Four calls of a fresh sampler on fresh sequences, each read as it is made or all at the end."""
         s = sampler(0)
-        seqs = [seq(MIXED[row % len(MIXED)], history[:64], history[64:], sampler_for_seed=s)
+        seqs = [seq(MIXED[row % len(MIXED)], history[:64], history[64:])
                 for row, history in enumerate(histories)]
         pending = []
         for step_logits in logits:
