@@ -3,6 +3,8 @@ prompt's blocks, seeds across batch compositions, logprobs, metrics, and streami
 import time
 from collections import defaultdict
 
+import pytest
+
 from nanograph import SamplingParams
 
 from .fake_model import fake_engine, reference_completion
@@ -264,3 +266,33 @@ def test_vllms_engine_loop_runs_as_written():
     assert sorted(finished) == ["a", "d"] and finished["a"].outputs[0].token_ids == reference_completion(PROMPT, 4)
     assert engine.get_tokenizer() is engine.tokenizer
     assert engine.scheduler.block_manager.num_free_blocks == 64  # the fake engine's
+
+
+
+def test_vllms_add_request_keywords_and_unfinished_count():
+    """add_request takes vLLM's keywords (arrival_time, which the request's metrics count from; lora_request=None,
+    priority=0, tokenization_kwargs=None, trace_headers=None) and refuses what it cannot honour, naming it;
+    get_num_unfinished_requests counts the requests step() has yet to return; an id is taken again only once its
+    output has been returned."""
+    engine = fake_engine()
+    arrived = time.time() - 5.0
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0, max_tokens=3), arrival_time=arrived,
+                       lora_request=None, priority=0, tokenization_kwargs=None, trace_headers=None)
+    engine.add_request("b", PROMPT, SamplingParams(temperature=0, max_tokens=2), arrived)  # vLLM's positional one
+    for kwargs, error, message in [(dict(lora_request=object()), ValueError, "lora_request"),
+                                   (dict(priority=1), ValueError, "priority=1"),
+                                   (dict(tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
+                                   (dict(prompt_adapter_request=None), TypeError, "prompt_adapter_request")]:
+        with pytest.raises(error, match=message):
+            engine.add_request("x", PROMPT, SamplingParams(max_tokens=2), **kwargs)
+    assert engine.get_num_unfinished_requests() == 2
+    engine.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=6)])  # finishes "a" and "b" on the way
+    assert engine.get_num_unfinished_requests() == 2  # their outputs wait for step()
+    with pytest.raises(ValueError, match="nor a finished one whose output step"):
+        engine.add_request("a", PROMPT, SamplingParams(max_tokens=2))
+    outputs = engine.step()
+    assert sorted(out.request_id for out in outputs) == ["a", "b"]
+    assert all(out.metrics.arrival_time == arrived for out in outputs)
+    assert engine.get_num_unfinished_requests() == 0
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=2))  # returned: the id is free again
+    assert engine.get_num_unfinished_requests() == 1

@@ -127,25 +127,40 @@ class LLMEngine:
     # Requests in and out.
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    stream: bool = False) -> str:
+                    stream: bool = False, *, arrival_time: float | None = None, lora_request=None,
+                    priority: int = 0, **vllm_kwargs) -> str:
         """Queue one request and return its id (request_id, or a new one); step() returns its output once it has
         finished. stream: take_deltas() also reports what each step adds to it. An invalid request raises
-        (ValueError, TypeError) and changes nothing. vLLM's order, add_request(request_id, prompt, params), is taken
-        too."""
+        (ValueError, TypeError) and changes nothing. vLLM's order, add_request(request_id, prompt, params,
+        arrival_time), is taken too, and its keywords: arrival_time (the request's metrics count from it),
+        lora_request=None, priority=0 (requests are served first come, first served), tokenization_kwargs=None and
+        trace_headers=None."""
         if isinstance(request_id, SamplingParams) and isinstance(prompt, str) and not isinstance(params,
                                                                                                SamplingParams):
             prompt, params, request_id = params, request_id, prompt
-            stream = stream is True  # vLLM's fourth argument is an arrival time, not ours
+            if stream is not False and stream is not True:  # vLLM's fourth argument is an arrival time
+                arrival_time, stream = stream, False
+        _check_vllm_request_kwargs(lora_request, priority, vllm_kwargs)
         with self._lock:
             if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
-                                           or request_id in self._streamed):
-                raise ValueError(f"request_id must be a string that no unfinished request has; got {request_id!r}")
+                                           or request_id in self._streamed
+                                           or any(output.request_id == request_id for output in self._unclaimed)):
+                raise ValueError(f"request_id must be a string that no unfinished request has, nor a finished one "
+                                 f"whose output step() or take_deltas() has yet to return; got {request_id!r}")
             if stream:
                 _check_streamable(params)
             request_id = self._queue(self.intake.validate(prompt, params), None, request_id)
+            if arrival_time is not None:
+                self.requests[request_id].metrics.arrival_time = float(arrival_time)
             if stream:
                 self._streamed[request_id] = self.requests[request_id]
             return request_id
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: the requests not finished yet, and those queued with add_request whose output step() has yet to
+        return."""
+        with self._lock:
+            return len(self.requests) + len(self._unclaimed)
 
     def abort_request(self, request_id: str | Iterable[str]):
         """End an unfinished request (or each of a list of them, as vLLM takes) wherever its sequences are; they
@@ -524,6 +539,20 @@ class LLMEngine:
         for request in [request for request in self.requests.values() if request.owner in self._open_streams]:
             self._end(request)
         self._open_streams.clear()
+
+
+def _check_vllm_request_kwargs(lora_request, priority, kwargs: dict):
+    """add_request's vLLM keywords that nanograph has no use for: each must be its default."""
+    if lora_request is not None:
+        raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None")
+    if priority != 0:
+        raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass priority=0")
+    unknown = [name for name in kwargs if name not in ("tokenization_kwargs", "trace_headers")]
+    if unknown:
+        raise TypeError(f"add_request() got an unexpected keyword argument {unknown[0]!r}")
+    given = [name for name, value in kwargs.items() if value is not None]
+    if given:
+        raise ValueError(f"{given[0]}: not taken by nanograph's add_request; pass {given[0]}=None")
 
 
 def _check_streamable(params):
