@@ -1,12 +1,12 @@
 """Tool calls: the hermes parser on whole and streamed replies (CPU, no server), then a server started with
 --enable-auto-tool-choice --tool-call-parser hermes, driven by the official openai client. The model is made to
 write a call with a regex grammar, which tests the parsing end to end whatever the model would write; a named
-tool_choice constrains the reply to the function's parameters schema."""
+tool_choice constrains the reply to the function's parameters schema, and "required" to a JSON array of calls."""
 import json
 
 import pytest
 
-from nanograph.serve.tool_calls import ToolCall, ToolCallStream, extract_tool_calls
+from nanograph.serve.tool_calls import RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls
 
 from .server_process import module_server
 
@@ -72,6 +72,30 @@ def test_a_call_that_does_not_parse_streams_as_the_text_the_model_wrote():
     assert stream.feed("<tool_call>{oops}</tool_call> ok") == ["<tool_call>{oops}</tool_call>", " ok"]
     assert stream.num_calls == 0
 
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_a_required_reply_streams_each_call_whole_once_its_object_closes(piece):
+    """tool_choice "required": the reply is a JSON array of {"name", "parameters"} objects; each is a call (its
+    parameters as JSON text) as soon as it closes, in any pieces, and nothing is left over."""
+    text = ' [ {"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}} ,\n' \
+           '{"name": "f", "parameters": {}}]'
+    stream, out, seen_at = RequiredCallStream(), [], []
+    for i in range(0, len(text), piece):
+        out += stream.feed(text[i:i + piece])
+        seen_at.append(len(out))
+    out += stream.finish()
+    assert [(i, c.name, json.loads(c.arguments)) for i, c in out] == [
+        (0, "get_weather", {"city": "Paris", "unit": "°C"}), (1, "f", {})]
+    assert '"°C"' in out[0][1].arguments and stream.num_calls == 2
+    closing = (text.index("}}") + 1) // piece  # the first call goes out with the piece that closes its object
+    assert seen_at[closing] >= 1 and (closing == 0 or seen_at[closing - 1] == 0)
+    # A reply cut short by max_tokens: the calls that closed, then the rest as text.
+    stream = RequiredCallStream()
+    out = stream.feed('[{"name": "f", "parameters": {}}, {"name": "g", "para') + stream.finish()
+    assert [item if isinstance(item, str) else item[1].name for item in out] == ["f", ', {"name": "g", "para']
+    stream = RequiredCallStream()
+    assert stream.feed('[{"name": "f"') == [] and stream.finish() == ['[{"name": "f"']
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -154,3 +178,35 @@ def test_two_calls_stream_with_their_own_indexes_and_one_finish_reason(client):
     assert whole.choices[0].message.content is None and whole.choices[0].finish_reason == "tool_calls"
     assert [json.loads(call.function.arguments)["city"] for call in whole.choices[0].message.tool_calls] == \
         ["Paris", "Oslo"]
+
+
+def test_tool_choice_required_gives_one_or_more_calls_of_the_tools(client):
+    """tool_choice "required": the reply is held to a JSON array of calls of the request's tools (vLLM's schema),
+    returned as tool_calls with finish_reason "tool_calls", whole and streamed alike; a tool that is not a function
+    is a 400 naming it."""
+    model = client.models.list().data[0].id
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]
+    response = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="required",
+                                              max_tokens=80, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert (call.function.name, arguments) in [("get_time", {})] or \
+            (call.function.name == "get_weather" and arguments["city"] in ("Paris", "Oslo"))
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="required",
+                                            max_tokens=80, temperature=0, stream=True)
+    calls, finishes = [], []
+    for chunk in stream:
+        for streamed in chunk.choices:
+            calls += streamed.delta.tool_calls or []
+            finishes += [streamed.finish_reason] if streamed.finish_reason else []
+    assert finishes == ["tool_calls"]
+    assert [(call.index, call.function.name, call.function.arguments) for call in calls] == \
+        [(i, call.function.name, call.function.arguments) for i, call in enumerate(choice.message.tool_calls)]
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match=r"tools\[1\] is not"):
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=[TOOLS[0], {"type": "function"}],
+                                       tool_choice="required", max_tokens=8)

@@ -19,7 +19,8 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
 from .completions import api_logprob, token_label
 from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
-from .tool_calls import NO_PARAMETERS, ToolCall, ToolCallStream, extract_tool_calls, named_function
+from .tool_calls import (NO_PARAMETERS, RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls,
+                         named_function, required_calls_schema)
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
@@ -55,20 +56,28 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
-    if function is not None:
+    if tool_mode in ("named", "required"):
         if params.structured_outputs is not None:
-            raise APIError(400, "a named tool_choice constrains the reply to its function's arguments, so the "
-                                "request cannot also give structured outputs (response_format, structured_outputs, "
-                                "guided_*); drop one of them", "tool_choice", "invalid_value")
-        schema = function.get("parameters") or NO_PARAMETERS
-        position = next(i for i, tool in enumerate(request.tools) if tool.get("function") is function)
-        renames["structured_outputs.json"] = f"tools[{position}].function.parameters"  # the grammar's errors
+            raise APIError(400, f"tool_choice {'naming a function' if function else 'required'} constrains the "
+                                "reply to tool calls, so the request cannot also give structured outputs "
+                                "(response_format, structured_outputs, guided_*); drop one of them", "tool_choice",
+                           "invalid_value")
+        if function is not None:
+            schema = function.get("parameters") or NO_PARAMETERS
+            position = next(i for i, tool in enumerate(request.tools) if tool.get("function") is function)
+            renames["structured_outputs.json"] = f"tools[{position}].function.parameters"  # the grammar's errors
+        else:
+            try:
+                schema = required_calls_schema(request.tools)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "tools", "invalid_value") from None
+            renames["structured_outputs.json"] = "the parameters of tools"
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         except (ValueError, TypeError) as exc:
-            raise APIError(400, f"the named function's parameters are not a JSON schema the server takes: {exc}",
+            raise APIError(400, f"the functions' parameters are not a JSON schema the server takes: {exc}",
                            "tools", "invalid_value") from None
-    parse_calls = tool_mode == "auto"
+    parse_calls = {"auto": ToolCallStream, "required": RequiredCallStream}.get(tool_mode)
     response_id, model = f"chatcmpl-{uuid.uuid4().hex}", served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
     if request.stream:
@@ -83,12 +92,19 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         if function is not None:
             call = ToolCall(function["name"], text)
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
-        if parse_calls:
+        if parse_calls is ToolCallStream:
             content, calls = extract_tool_calls(text)
             if calls:
                 content = echoed + content if content is not None else (echoed or None)
                 return ChatResponseMessage(role=role, content=content,
                                            tool_calls=[call.as_dict() for call in calls]), True
+        if parse_calls is RequiredCallStream:
+            parser = RequiredCallStream()
+            items = parser.feed(text) + parser.finish()
+            calls = [item[1].as_dict() for item in items if not isinstance(item, str)]
+            if calls:
+                return ChatResponseMessage(role=role, content=echoed + "".join(
+                    item for item in items if isinstance(item, str)), tool_calls=calls), True
         return ChatResponseMessage(role=role, content=echoed + text), False
 
     async def complete() -> ChatCompletionResponse:
@@ -128,12 +144,13 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
                   num_top: int, include_usage: bool, role: str, echoed: str,
-                  continuous_usage: bool = False, parse_calls: bool = False,
+                  continuous_usage: bool = False, parse_calls: type | None = None,
                   named: str | None = None, as_token_ids: bool = False) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
-    far. parse_calls: the text goes through a ToolCallStream, each call whole in one chunk; named: the reply is
-    the arguments of a call of that function, streamed as they come; as_token_ids: logprobs name tokens by id."""
+    far. parse_calls: the class (ToolCallStream, RequiredCallStream) the text goes through, each call whole in one
+    chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
+    logprobs name tokens by id."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -147,7 +164,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         id=response_id, created=created, model=model,
         choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))])) for index in range(n)]
 
-    parsers = [ToolCallStream() for _ in range(n)] if parse_calls else None
+    parsers = [parse_calls() for _ in range(n)] if parse_calls else None
     named_calls = [ToolCall(named, "") for _ in range(n)] if named is not None else None
 
     def tool_chunk(delta: CompletionDelta) -> str:

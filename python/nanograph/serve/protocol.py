@@ -241,10 +241,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         mode = self.tool_mode()
-        if mode not in (None, "auto", "named"):
+        if mode not in (None, "auto", "required", "named"):
             return "tool_choice", (f"tool_choice {self.tool_choice!r} is not supported; use 'auto' (with nanograph "
-                                   "serve --enable-auto-tool-choice --tool-call-parser hermes), a named function, or "
-                                   "'none'")
+                                   "serve --enable-auto-tool-choice --tool-call-parser hermes), 'required', a named "
+                                   "function, or 'none'")
         return super().unsupported()
 
 

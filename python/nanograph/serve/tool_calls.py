@@ -15,7 +15,9 @@ closing tag arrives (or the reply ends); a call that does not parse then goes ou
 
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
-arguments."""
+arguments. tool_choice "required" needs none either: the reply is constrained to a JSON array of one or more
+{"name": ..., "parameters": {...}} objects, each naming one of the tools and following its parameters schema (vLLM's
+schema), and each object is a call, sent whole once it closes when streamed."""
 from __future__ import annotations
 
 import json
@@ -144,3 +146,61 @@ def named_function(tool_choice, tools: list[dict] | None) -> dict | None:
         if isinstance(function, dict) and tool.get("type") == "function" and function.get("name") == name:
             return function
     raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
+
+
+def required_calls_schema(tools: list[dict]) -> dict:
+    """tool_choice "required": the JSON schema of the reply, an array of at least one call of the tools. Raises
+    ValueError naming a tool that is not a function."""
+    calls = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and tool.get("type") == "function"
+                and isinstance(function.get("name"), str)):
+            raise ValueError(f'tools[{i}] is not {{"type": "function", "function": {{"name": ..., '
+                             f'"parameters": ...}}}}')
+        calls.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                     "parameters": function.get("parameters") or NO_PARAMETERS},
+                      "required": ["name", "parameters"]})
+    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+
+
+class RequiredCallStream:
+    """One choice's reply under tool_choice "required" (a JSON array of calls, required_calls_schema) -> its calls,
+    each whole once its object closes, as (its index, the call); ToolCallStream's interface. Text that is not such
+    an array (a reply cut short by max_tokens) comes out as content at the end."""
+
+    _decoder = json.JSONDecoder()
+
+    def __init__(self):
+        self.buffer = ""  # text not yet given out: the rest of the array
+        self.opened = False  # the array's "[" has been read
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | tuple[int, ToolCall]]:
+        self.buffer += text
+        out: list[str | tuple[int, ToolCall]] = []
+        while True:
+            rest = self.buffer.lstrip()
+            if not self.opened:
+                if not rest.startswith("["):
+                    return out
+                self.opened, self.buffer = True, rest[1:]
+                continue
+            if rest.startswith(","):
+                rest = rest[1:].lstrip()
+            try:
+                call, end = self._decoder.raw_decode(rest)
+            except ValueError:  # not closed yet
+                return out
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
+                return out
+            self.buffer = rest[end:]
+            out.append((self.num_calls, ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))))
+            self.num_calls += 1
+
+    def finish(self) -> list[str | tuple[int, ToolCall]]:
+        """The end of the reply: what is left beyond the array's close is content (nothing, when it closed)."""
+        rest, self.buffer = self.buffer.strip(), ""
+        if self.opened and rest == "]":
+            return []
+        return [("[" if self.opened and not self.num_calls else "") + rest] if rest else []
