@@ -1,6 +1,7 @@
 """Chat conversations rendered into prompts by the tokenizer's chat template, with vLLM's chat() options."""
 from __future__ import annotations
 
+import functools
 import json
 
 
@@ -75,9 +76,11 @@ def _template_message(message: dict, content_format: str) -> dict:
     return message if isinstance(content, str) else {**message, "content": text_content(content)}
 
 
+@functools.lru_cache(maxsize=16)
 def loops_over_content(template: str) -> bool:
-    """Whether a Jinja chat template iterates over a message's content (`for part in message['content']`, or over
-    a variable set from it), and so takes a content as a list of parts: vLLM's "auto" content format."""
+    """Whether a Jinja chat template iterates over a message's content (`for part in message['content']`, through
+    filters, tests and slices too, or over a variable set from it), and so takes a content as a list of parts:
+    vLLM's "auto" content format. Parsed once per template."""
     import jinja2
     from jinja2 import nodes
 
@@ -87,6 +90,9 @@ def loops_over_content(template: str) -> bool:
         return False
 
     def is_content(node) -> bool:
+        while isinstance(node, (nodes.Filter, nodes.Test)) or \
+                (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+            node = node.node
         return (isinstance(node, nodes.Getattr) and node.attr == "content") or \
             (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
 

@@ -8,7 +8,7 @@ import numpy as np
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
 from .engine.intake import Prompt
-from .engine.llm_engine import LLMEngine
+from .engine.llm_engine import LLMEngine, check_no_lora
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
@@ -65,7 +65,7 @@ class LLM:
                  use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
         in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters)."""
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         return self.engine.generate(*self._requests(prompts, sampling_params), use_tqdm)
 
     def stream(self, prompts: Prompt | list[Prompt],
@@ -74,14 +74,14 @@ class LLM:
         """Like generate(), but yields each step's new text and token ids of every completion as they come; the
         texts of one completion's deltas concatenate to its final text (SamplingParams.output_kind: CUMULATIVE
         yields all so far each time, FINAL_ONLY only the finished completion)."""
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         return self.engine.stream(*self._requests(prompts, sampling_params))
 
     def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams, lora_request=None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """For each prompt (any form generate() takes), its params.beam_width best beams, best first (vLLM's
         arguments, in its order)."""
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -98,7 +98,7 @@ class LLM:
         leaves the last message open for the model to continue; tools and chat_template_kwargs (e.g. Qwen3's
         enable_thinking=False) go to the template; mm_processor_kwargs: None only (text models). Each output's prompt
         is the rendered text."""
-        _check_no_lora(lora_request)
+        check_no_lora(lora_request)
         if mm_processor_kwargs is not None:
             raise ValueError("mm_processor_kwargs: nanograph serves text models, with no multimodal processor; pass "
                              "mm_processor_kwargs=None")
@@ -117,12 +117,6 @@ class LLM:
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:
         return _requests(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params)
-
-
-def _check_no_lora(lora_request):
-    if lora_request is not None:
-        raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None (or merge the "
-                         "adapter into the model's weights)")
 
 
 def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams]

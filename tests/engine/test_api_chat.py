@@ -90,9 +90,12 @@ def test_template_kwargs_win_over_the_options_and_tool_call_turns_render(llm):
 LOOPING = "{% for m in messages %}<{{ m.role }}>{% for part in m['content'] %}{{ part.text }}|{% endfor %}{% endfor %}"
 SET_THEN_LOOPING = ("{% for m in messages %}{% set parts = m.content %}<{{ m.role }}>"
                     "{% for part in parts %}{{ part['text'] }}|{% endfor %}{% endfor %}")
+FILTERED = ("{% for m in messages %}<{{ m.role }}>"
+            "{% for part in m['content'] | selectattr('type', 'equalto', 'text') %}{{ part.text }}|{% endfor %}"
+            "{% endfor %}")
 
 
-@pytest.mark.parametrize("template", [LOOPING, SET_THEN_LOOPING], ids=["loop", "set_then_loop"])
+@pytest.mark.parametrize("template", [LOOPING, SET_THEN_LOOPING, FILTERED], ids=["loop", "set_then_loop", "filtered"])
 def test_a_template_that_loops_over_the_content_gets_it_as_parts(llm, template):
     """vLLM's chat_template_content_format: "auto" gives a template that iterates over a message's content the list
     of text parts (a string content as one part, text parts as they are), where joining them into one string left
@@ -105,7 +108,7 @@ def test_a_template_that_loops_over_the_content_gets_it_as_parts(llm, template):
     [forced] = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=template,
                         chat_template_content_format="string")
     # Each character of the string is a "part" without text: the text is lost, as it was before "auto".
-    assert forced.prompt == "<system>" + "|" * len("Be terse.") + "<user>" + "|" * len("hello\nyou")
+    assert forced.prompt.startswith("<system>") and "terse" not in forced.prompt and "hello" not in forced.prompt
     plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     [as_string] = llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=plain)
     assert as_string.prompt == "<system>Be terse.<user>hello\nyou"

@@ -296,3 +296,18 @@ def test_vllms_add_request_keywords_and_unfinished_count():
     assert engine.get_num_unfinished_requests() == 0
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=2))  # returned: the id is free again
     assert engine.get_num_unfinished_requests() == 1
+    with pytest.raises(TypeError, match="arrival_time must be a time in seconds"):
+        engine.add_request("late", PROMPT, SamplingParams(max_tokens=2), arrival_time="soon")
+    assert "late" not in engine.requests  # refused before it was queued
+
+
+def test_a_new_request_id_is_never_one_whose_output_step_has_yet_to_return():
+    engine = fake_engine()
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=2), "1")
+    engine.generate([PROMPT], [SamplingParams(temperature=0, max_tokens=6)])  # takes id "0", finishes "1"
+    new = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    assert new != "1"
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert sorted(out.request_id for out in outputs) == sorted(["1", new])

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from nanograph.serve.tool_calls import RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls
+from nanograph.serve.tool_calls import (RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls,
+                                        required_calls_schema)
 
 from .server_process import module_server
 
@@ -93,9 +94,35 @@ def test_a_required_reply_streams_each_call_whole_once_its_object_closes(piece):
     # A reply cut short by max_tokens: the calls that closed, then the rest as text.
     stream = RequiredCallStream()
     out = stream.feed('[{"name": "f", "parameters": {}}, {"name": "g", "para') + stream.finish()
-    assert [item if isinstance(item, str) else item[1].name for item in out] == ["f", ', {"name": "g", "para']
+    assert [item if isinstance(item, str) else item[1].name for item in out] == ["f", '{"name": "g", "para']
     stream = RequiredCallStream()
     assert stream.feed('[{"name": "f"') == [] and stream.finish() == ['[{"name": "f"']
+
+
+def test_the_required_schema_moves_each_tools_defs_to_its_root():
+    """Tool parameters made by pydantic hold "$defs" that their "$ref"s find from the root of the schema: under
+    "required"'s array they would point nowhere, so the definitions move to the root (the grammar engine then
+    compiles the schema); two tools that define one name differently are refused, naming the tool."""
+    pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
+    from transformers import AutoTokenizer
+
+    from nanograph import StructuredOutputsParams
+    from nanograph.default_model import default_model_path
+    from nanograph.sampling.grammar import GrammarCompiler
+
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    located = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+        "$defs": {"Place": place}}}}
+    schema = required_calls_schema([located, *TOOLS])
+    assert schema["$defs"] == {"Place": place} and "$defs" in located["function"]["parameters"]  # copied, not moved
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiler.compile(StructuredOutputsParams(json=schema))
+    other = {"type": "function", "function": {"name": "g", "parameters": {"$defs": {"Place": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match=r"tools\[1\].function.parameters defines \$defs/Place unlike"):
+        required_calls_schema([located, other])
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -206,6 +233,10 @@ def test_tool_choice_required_gives_one_or_more_calls_of_the_tools(client):
     assert finishes == ["tool_calls"]
     assert [(call.index, call.function.name, call.function.arguments) for call in calls] == \
         [(i, call.function.name, call.function.arguments) for i, call in enumerate(choice.message.tool_calls)]
+    cut = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="required",
+                                         max_tokens=4, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content.startswith("[")  # the reply as far as it came
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError, match=r"tools\[1\] is not"):
         client.chat.completions.create(model=model, messages=MESSAGES, tools=[TOOLS[0], {"type": "function"}],

@@ -141,10 +141,10 @@ class LLMEngine:
             if stream is not False and stream is not True:  # vLLM's fourth argument is an arrival time
                 arrival_time, stream = stream, False
         _check_vllm_request_kwargs(lora_request, priority, vllm_kwargs)
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
+            raise TypeError(f"arrival_time must be a time in seconds (time.time()'s), got {arrival_time!r}")
         with self._lock:
-            if request_id is not None and (not isinstance(request_id, str) or request_id in self.requests
-                                           or request_id in self._streamed
-                                           or any(output.request_id == request_id for output in self._unclaimed)):
+            if request_id is not None and (not isinstance(request_id, str) or self._id_in_use(request_id)):
                 raise ValueError(f"request_id must be a string that no unfinished request has, nor a finished one "
                                  f"whose output step() or take_deltas() has yet to return; got {request_id!r}")
             if stream:
@@ -502,10 +502,15 @@ class LLMEngine:
             raise
         return request_ids
 
+    def _id_in_use(self, request_id: str) -> bool:
+        """Whether a request of that id is unfinished, or finished with its output not yet returned."""
+        return request_id in self.requests or request_id in self._streamed or \
+            any(output.request_id == request_id for output in self._unclaimed)
+
     def _queue(self, valid, owner: object | None, request_id: str | None = None) -> str:
         if request_id is None:
             request_id = str(next(self._request_ids))
-            while request_id in self.requests or request_id in self._streamed:
+            while self._id_in_use(request_id):
                 request_id = str(next(self._request_ids))
         request = self.intake.request(request_id, valid, owner)
         self.requests[request_id] = request
@@ -541,10 +546,16 @@ class LLMEngine:
         self._open_streams.clear()
 
 
+def check_no_lora(lora_request):
+    """vLLM's lora_request: None only."""
+    if lora_request is not None:
+        raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None (or merge the "
+                         "adapter into the model's weights)")
+
+
 def _check_vllm_request_kwargs(lora_request, priority, kwargs: dict):
     """add_request's vLLM keywords that nanograph has no use for: each must be its default."""
-    if lora_request is not None:
-        raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None")
+    check_no_lora(lora_request)
     if priority != 0:
         raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass priority=0")
     unknown = [name for name in kwargs if name not in ("tokenization_kwargs", "trace_headers")]

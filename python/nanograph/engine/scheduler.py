@@ -53,6 +53,8 @@ class Scheduler:
         """A running request's other completions, released once its first has computed the prompt: they keep the
         request's place, ahead of every request that came after it (behind the preempted sequences and the siblings
         released before them, at the front of the queue)."""
+        if not seqs:
+            return
         position = 0
         while position < len(self.waiting) and (self.waiting[position].first_scheduled_time is not None
                                                 or self.waiting[position].index > 0):

@@ -71,7 +71,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
                 schema = required_calls_schema(request.tools)
             except ValueError as exc:
                 raise APIError(400, str(exc), "tools", "invalid_value") from None
-            renames["structured_outputs.json"] = "the parameters of tools"
+            renames["structured_outputs.json"] = "tools[*].function.parameters"
         try:
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         except (ValueError, TypeError) as exc:
@@ -113,8 +113,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         choices = []
         for i, c in enumerate(completions):
             reply, called = message(c.text)
-            # vLLM's: "tool_calls" when the parser found calls (a named function's reply ends as it ended).
-            finish_reason = "tool_calls" if called and parse_calls else c.finish_reason
+            finish_reason = _finish_reason(called and parse_calls is not None, parse_calls, c.finish_reason)
             choices.append(ChatChoice(index=i, message=reply, finish_reason=finish_reason, stop_reason=c.stop_reason,
                                       logprobs=chat_logprobs(c.token_ids, c.logprobs, num_top,
                                                              request.return_tokens_as_token_ids)
@@ -140,6 +139,15 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
                                                              bytes=list(entry.decoded_token.encode()))
                                                   for top_id, entry in best]))
     return ChatLogprobs(content=content)
+
+
+def _finish_reason(called: bool, parse_calls: type | None, finish_reason: str) -> str:
+    """A choice's finish_reason: "tool_calls" where the reply's calls were parsed (vLLM's for "auto"), but for
+    tool_choice "required" only where its array of calls ended ("length": a call may be missing); a named function's
+    reply ends as it ended."""
+    if not called or (parse_calls is RequiredCallStream and finish_reason != "stop"):
+        return finish_reason
+    return "tool_calls"
 
 
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
@@ -192,7 +200,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         finish_reason = None
         if delta.finished:
             called = named_calls is None and parsers[index].num_calls > 0
-            finish_reason = "tool_calls" if called else delta.finish_reason
+            finish_reason = _finish_reason(called, parse_calls, delta.finish_reason)
         if not chunks and (logprobs is not None or finish_reason is not None or continuous_usage):
             chunks.append(ChatDelta(content=""))
         events = []

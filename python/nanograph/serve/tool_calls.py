@@ -149,19 +149,28 @@ def named_function(tool_choice, tools: list[dict] | None) -> dict | None:
 
 
 def required_calls_schema(tools: list[dict]) -> dict:
-    """tool_choice "required": the JSON schema of the reply, an array of at least one call of the tools. Raises
-    ValueError naming a tool that is not a function."""
-    calls = []
+    """tool_choice "required": the JSON schema of the reply, an array of at least one call of the tools. The
+    parameters' "$defs" move to the schema's root, where their "$ref"s point (as vLLM's do). Raises ValueError
+    naming a tool that is not a function, or two tools that define one name differently."""
+    calls, defs = [], {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and tool.get("type") == "function"
                 and isinstance(function.get("name"), str)):
             raise ValueError(f'tools[{i}] is not {{"type": "function", "function": {{"name": ..., '
                              f'"parameters": ...}}}}')
+        parameters = function.get("parameters") or NO_PARAMETERS
+        if isinstance(parameters, dict) and isinstance(parameters.get("$defs"), dict):
+            parameters = dict(parameters)
+            for name, schema in parameters.pop("$defs").items():
+                if defs.setdefault(name, schema) != schema:
+                    raise ValueError(f"tools[{i}].function.parameters defines $defs/{name} unlike another tool "
+                                     "does; give the two definitions different names")
         calls.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
-                                     "parameters": function.get("parameters") or NO_PARAMETERS},
+                                     "parameters": parameters},
                       "required": ["name", "parameters"]})
-    return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    return {**schema, "$defs": defs} if defs else schema
 
 
 class RequiredCallStream:
@@ -203,4 +212,6 @@ class RequiredCallStream:
         rest, self.buffer = self.buffer.strip(), ""
         if self.opened and rest == "]":
             return []
+        if self.num_calls and rest.startswith(","):  # the separator before a call cut short
+            rest = rest[1:].lstrip()
         return [("[" if self.opened and not self.num_calls else "") + rest] if rest else []
