@@ -132,8 +132,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
         best = sorted((item for item in top.items() if item[1].rank <= num_top), key=lambda item: item[1].rank)
-        content.append(TokenLogprob(token=token_label(token_id, sampled, as_token_ids), logprob=api_logprob(sampled.logprob),
-                                    bytes=list(sampled.decoded_token.encode()),
+        content.append(TokenLogprob(token=token_label(token_id, sampled, as_token_ids),
+                                    logprob=api_logprob(sampled.logprob), bytes=list(sampled.decoded_token.encode()),
                                     top_logprobs=[TopLogprob(token=token_label(top_id, entry, as_token_ids),
                                                              logprob=api_logprob(entry.logprob),
                                                              bytes=list(entry.decoded_token.encode()))
