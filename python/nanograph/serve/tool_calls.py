@@ -46,9 +46,13 @@ class ToolCall:
 def _parsed(body: str) -> ToolCall | None:
     """A call's JSON ({"name": ..., "arguments": {...}}), or None when it is not one."""
     try:
-        call = json.loads(body)
+        return _call_of(json.loads(body))
     except ValueError:
         return None
+
+
+def _call_of(call) -> ToolCall | None:
+    """A decoded call ({"name": ..., "arguments" or "parameters": {...}}), or None when it is not one."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -198,13 +202,14 @@ class RequiredCallStream:
             if rest.startswith(","):
                 rest = rest[1:].lstrip()
             try:
-                call, end = self._decoder.raw_decode(rest)
+                decoded, end = self._decoder.raw_decode(rest)
             except ValueError:  # not closed yet
                 return out
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str) and "parameters" in call):
+            call = _call_of(decoded) if isinstance(decoded, dict) and "parameters" in decoded else None
+            if call is None:
                 return out
             self.buffer = rest[end:]
-            out.append((self.num_calls, ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False))))
+            out.append((self.num_calls, call))
             self.num_calls += 1
 
     def finish(self) -> list[str | tuple[int, ToolCall]]:
