@@ -1,5 +1,7 @@
 """Sampler benchmark: the time to sample one step of 256 rows x 151,936 vocabulary (Qwen3's), for an all-greedy
-batch (the fast path), an all-temperature-0.6 batch (the throughput benchmark's), a batch mixing every parameter:
+batch (the fast path), an all-temperature-0.6 batch (the throughput benchmark's), a batch of Qwen3's generation
+defaults (temperature 0.6, top-k 20, top-p 0.95: what a Qwen3 folder's requests sample with unless they say
+otherwise), one of top-p 0.9 alone (Llama 3's defaults, with temperature 0.6), a batch mixing every parameter:
 greedy, temperature, top-k, top-p, min_p, the three penalties (512-token prompts, 128 generated tokens), per-request
 seeds, logprobs; and that mixed batch with a quarter of its rows constrained by a JSON schema (structured outputs,
 with the default model's tokenizer; each matcher inside a string value, where most tokens are allowed), with the time
@@ -141,7 +143,9 @@ def main():
     logits = (torch.randn(args.rows, args.vocab, device=device) * args.scale).to(getattr(torch, args.dtype))
     print(f"sampler, {args.rows} rows x {args.vocab} vocabulary, {args.dtype} logits on {device}")
     for name, params in [("all greedy", [SamplingParams(temperature=0)]),
-                         ("temperature", [SamplingParams(temperature=0.6)]), ("mixed", MIXED)]:
+                         ("temperature", [SamplingParams(temperature=0.6)]),
+                         ("qwen3", [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)]),
+                         ("top-p", [SamplingParams(temperature=0.6, top_p=0.9)]), ("mixed", MIXED)]:
         seqs = sequences(params, args.rows, args.vocab, sampler)
         median, p10, p90 = time_ms(lambda: sampler.sample(logits, seqs).result())
         print(f"  {name:<12} {median:8.3f} ms  (10th-90th percentile {p10:.3f}-{p90:.3f} ms)")

@@ -5,12 +5,21 @@
 // pass, with 16-byte loads, four per thread in flight. Passes of a row, by what it asks:
 //   greedy:                        argmax, in torch.argmax's order (argmax_order.cuh) (1 pass)
 //   temperature only:              draw (1)
-//   with truncations:              max/min (1), top-k select (up to 3), top-p select (up to 3),
-//                                  draw (1)
-// No row is sorted. A select finds the threshold element by refining a histogram over the
-// elements' order-preserving 32-bit keys: 2048 bins of equal key width over the range still in
-// question, the bin where the running count (top-k) or probability mass (top-p) crosses its
-// target, then 2048 bins over that bin, until a bin is one key wide (at most three passes).
+//   top-k up to kGatherTopK:       max/min (1), gather (1); then top-k, top-p, min_p and the draw
+//                                  among the gathered candidates, in shared memory
+//   other truncations:             max/min (1), top-k select (up to 3), top-p select (up to 3),
+//                                  draw (1); a select whose target lies among at most kCandidates
+//                                  elements gathers them (1) and ends as the gathering rows do
+// Gathering: the k-th largest of the threads' maxima (the max/min pass finds them) is at most the
+// row's k-th largest logit, as k elements of the row reach it; the elements at or above it (and
+// above the min_p floor) hold every token the truncations can keep, about k of them in rows of
+// independent logits. Up to kCandidates are copied to shared memory and ranked by key, and the
+// thresholds and the race are found among them: the same as the select way finds over the row
+// (the same tokens). More candidates, and the row goes the select way.
+// A select finds the threshold element by refining a histogram over the elements'
+// order-preserving 32-bit keys: 2048 bins of equal key width over the range still in question,
+// the bin where the running count (top-k) or probability mass (top-p) crosses its target, then
+// 2048 bins over that bin, until a bin is one key wide (at most three passes).
 // Masses are whole numbers, floor(exp(x - x_max) * 2^s) with s = 52 - bit_length(vocab), summed
 // exactly in 64-bit integers: the threshold does not depend on the order of the additions.
 // The draw is an exponential race: among the kept tokens, the one with the largest
@@ -39,6 +48,12 @@ constexpr int kLoadsInFlight = 4;
 constexpr int kBins = 2048;
 constexpr int kBinsPerThread = kBins / kThreads;
 constexpr int kTopCapacity = kMaxTopLogprobs + 256;  // room for ties at the n-th logit
+// Top-k rows up to this k gather their candidates (at most kCandidates; see the file comment).
+constexpr int kGatherTopK = 256;
+constexpr int kCandidates = 1024;
+constexpr int kCandidatesPerThread = kCandidates / kThreads;
+static_assert(kGatherTopK <= kThreads && kCandidates % kThreads == 0 && kThreads <= kBins,
+              "the candidates' bound is a rank among the threads' maxima, kept in count");
 
 // Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest).
 __device__ __forceinline__ uint32_t ordered_key(float x) {
@@ -144,6 +159,10 @@ struct Shared {
   float warp_min[kWarps];
   Best top[kTopCapacity];  // the top logprobs' candidates
   int num_top;
+  Best candidates[kCandidates];  // a gathering top-k row's, in no order
+  Best ranked[kCandidates];      // the same by descending key, ties lowest index first
+  int num_candidates;
+  uint32_t gather_from;
   unsigned long long total_mass;
   int pick;  // the bin where a select's target is reached, and the count and mass above it
   uint32_t pick_count;
@@ -225,20 +244,26 @@ struct Selected {
   uint32_t key;
   uint32_t count_above;
   unsigned long long mass_above;
+  // With narrow_to: the search stopped where at most narrow_to elements, those with keys in
+  // [key, hi], hold the rest of it; total_mass is the mass its target was taken of.
+  bool narrowed;
+  unsigned long long total_mass;
 };
 
 // Finds, among the elements whose keys lie in [lo, hi], the first in descending order at which
 // the running count reaches `target_count` (mass_target <= 0) or the running mass reaches
 // mass_target * (the domain's mass, or `total_mass` when nonzero). Not found: the domain holds
-// less than the target. The masses above are summed only when by mass or `with_mass`.
+// less than the target. The masses above are summed only when by mass or `with_mass`. With
+// narrow_to > 0, stops (narrowed) once the bin where the target is reached and the bins above it
+// hold at most narrow_to elements.
 template <typename T>
 __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t target_count,
                           double mass_target, unsigned long long total_mass, bool with_mass,
-                          Shared& sh) {
+                          Shared& sh, int narrow_to = 0) {
   const bool by_mass = mass_target > 0;
   with_mass = with_mass || by_mass;
   double target = by_mass ? 0.0 : static_cast<double>(target_count);
-  Selected result = {false, 0u, 0u, 0ull};
+  Selected result = {false, 0u, 0u, 0ull, false, total_mass};
   for (bool first_level = true;; first_level = false) {
     const uint32_t range = hi - lo;
     int shift = 0;
@@ -278,6 +303,7 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
         __syncthreads();
         total = sh.total_mass;
       }
+      result.total_mass = total;
       target = mass_target * static_cast<double>(total);
     }
     if (threadIdx.x == 0) sh.pick = -1;
@@ -306,11 +332,17 @@ __device__ Selected select(const Row<T>& row, uint32_t lo, uint32_t hi, uint32_t
     if (pick < 0) return result;
     result.count_above = sh.pick_count;
     result.mass_above = sh.pick_mass;
+    const uint32_t through_pick = sh.pick_count + sh.count[pick];
     __syncthreads();  // before the scratch is reused
     const uint32_t new_hi = hi - (static_cast<uint32_t>(pick) << shift);
     const int64_t bin_lo = static_cast<int64_t>(new_hi) - (int64_t{1} << shift) + 1;
     lo = static_cast<uint32_t>(max(static_cast<int64_t>(lo), bin_lo));
     hi = new_hi;
+    if (narrow_to > 0 && shift > 0 && through_pick <= static_cast<uint32_t>(narrow_to)) {
+      result.narrowed = true;
+      result.key = lo;
+      return result;
+    }
     if (shift == 0) {
       result.found = true;
       result.key = hi;
@@ -343,6 +375,136 @@ __device__ __forceinline__ float race_skip_from(float bound, float x, float temp
   return d > 0.f ? 2.f * __expf(-d) : 2.f;
 }
 
+// The key at rank k - 1 (descending, ties by thread) among the threads' keys `mine`: at most the
+// key of the row's k-th largest element when each thread's key is that of one of its elements.
+// Kept in count (no select runs meanwhile).
+__device__ uint32_t kth_thread_key(uint32_t mine, int k, Shared& sh) {
+  __syncthreads();  // count may still be read by a select
+  sh.count[threadIdx.x] = mine;
+  __syncthreads();
+  int rank = 0;
+#pragma unroll 16
+  for (int j = 0; j < kThreads; ++j) {
+    const uint32_t other = sh.count[j];
+    rank += other > mine || (other == mine && j < static_cast<int>(threadIdx.x));
+  }
+  if (rank == k - 1) sh.gather_from = mine;
+  __syncthreads();
+  return sh.gather_from;
+}
+
+// Copies the row's elements with keys in [from, hi] to sh.ranked, by descending key (ties lowest
+// index first), and returns how many there are; -1 (nothing copied) if more than kCandidates.
+template <typename T>
+__device__ int gather_candidates(const Row<T>& row, uint32_t from, uint32_t hi, Shared& sh) {
+  if (threadIdx.x == 0) sh.num_candidates = 0;
+  __syncthreads();
+  row.for_each([&](int first, const float (&x)[4], int count) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t key = ordered_key(x[e]);
+      if (e < count && key >= from && key <= hi) {
+        const int slot = atomicAdd(&sh.num_candidates, 1);
+        if (slot < kCandidates) sh.candidates[slot] = {x[e], first + e};
+      }
+    }
+  });
+  __syncthreads();
+  const int n = sh.num_candidates;
+  if (n > kCandidates) return -1;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const Best mine = sh.candidates[i];
+    const uint32_t key = ordered_key(mine.value);
+    int rank = 0;
+    for (int j = 0; j < n; ++j) {
+      const Best other = sh.candidates[j];
+      const uint32_t other_key = ordered_key(other.value);
+      rank += other_key > key || (other_key == key && other.index < mine.index);
+    }
+    sh.ranked[rank] = mine;
+  }
+  __syncthreads();
+  return n;
+}
+
+// The threshold (a logit) of a row whose n ranked candidates hold every element of its domain
+// (keys in [lo, hi]) at or above the one where its truncations stop: the keys that select finds
+// on the whole row. With top_k > 0 they hold the domain's first k (or all of it, if fewer);
+// without, the nucleus of a domain of mass total_mass. Rank p belongs to thread
+// p / kCandidatesPerThread. `threshold` comes in as the min_p floor (or -inf).
+template <typename T>
+__device__ float ranked_threshold(const Row<T>& row, int n, int top_k, float top_p, uint32_t hi,
+                                  unsigned long long total_mass, float threshold, Shared& sh) {
+  const bool found = top_k > 0 && n >= top_k;  // the k-th of the domain
+  const uint32_t kth = found ? ordered_key(sh.ranked[top_k - 1].value) : 0u;
+  if (found) threshold = key_value(kth);
+  if (!(top_p < 1.f) || (found && kth == hi)) return threshold;
+
+  // With top-k, top-p sees the first k by rank (as on the select way): the mass above the k-th's
+  // key plus (k - the count above it) times its weight; with fewer than k, the domain's (all
+  // candidates); without top-k, total_mass.
+  const int first = threadIdx.x * kCandidatesPerThread;
+  unsigned long long weight[kCandidatesPerThread];
+  unsigned long long mass = 0;
+#pragma unroll
+  for (int j = 0; j < kCandidatesPerThread; ++j) {
+    weight[j] = first + j < n ? row.weight(sh.ranked[first + j].value) : 0ull;
+    mass += weight[j];
+  }
+  uint32_t unused = 0;
+  unsigned long long before = mass;
+  block_exclusive_scan(unused, before, sh);
+  if (threadIdx.x == kThreads - 1) sh.total_mass = before + mass;
+  if (threadIdx.x == 0) sh.pick = -1;
+  unsigned long long running = before;
+#pragma unroll
+  for (int j = 0; j < kCandidatesPerThread; ++j) {
+    const int p = first + j;
+    if (found && p < n && ordered_key(sh.ranked[p].value) == kth &&
+        (p == 0 || ordered_key(sh.ranked[p - 1].value) != kth)) {
+      sh.pick_count = p;
+      sh.pick_mass = running;
+    }
+    running += weight[j];
+  }
+  __syncthreads();
+  const int limit = found ? static_cast<int>(sh.pick_count) : n;  // the ranks above the k-th's key
+  const unsigned long long total =
+      found ? sh.pick_mass + static_cast<unsigned long long>(top_k - limit) * row.weight(key_value(kth))
+      : top_k > 0 ? sh.total_mass
+                  : total_mass;
+  const double target = static_cast<double>(top_p) * static_cast<double>(total);
+  running = before;
+#pragma unroll
+  for (int j = 0; j < kCandidatesPerThread; ++j) {
+    const int p = first + j;
+    const unsigned long long next = running + weight[j];
+    if (p < limit && static_cast<double>(next) >= target && !(static_cast<double>(running) >= target)) {
+      sh.pick = p;
+    }
+    running = next;
+  }
+  __syncthreads();
+  if (sh.pick >= 0) threshold = sh.ranked[sh.pick].value;
+  __syncthreads();  // before the scratch is reused
+  return threshold;
+}
+
+// The race of sample_row among the ranked candidates at or above `threshold`: the same winner.
+__device__ Best ranked_race(int n, float threshold, float temperature, uint64_t key, Shared& sh) {
+  const uint32_t kept_from = ordered_key(threshold);
+  Best best = {-INFINITY, INT_MAX};
+  for (int p = threadIdx.x; p < n; p += kThreads) {
+    const Best c = sh.ranked[p];
+    if (ordered_key(c.value) < kept_from) break;  // ranked: the rest are lower
+    if (!(c.value > -INFINITY)) continue;
+    const uint4 bits = philox(key, static_cast<uint32_t>(c.index) >> 2);
+    const uint32_t word[4] = {bits.x, bits.y, bits.z, bits.w};
+    keep_better(best, race_score(c.value, temperature, word[c.index & 3]), c.index);
+  }
+  return block_best(best, sh);
+}
+
 // Samples row r (its logits at `logits`); every thread returns the token.
 template <typename T>
 __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Shared& sh) {
@@ -367,6 +529,14 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     return token;
   }
 
+  auto finish_row = [&](const Best& best, float threshold) {
+    const int token = best.index == INT_MAX ? a.vocab : best.index;
+    if (threadIdx.x == 0) {
+      a.out[r] = token;
+      if (a.thresholds) a.thresholds[r] = threshold / temperature;
+    }
+    return token;
+  };
   const int top_k = a.top_ks[r];
   const float top_p = a.top_ps[r], min_p = a.min_ps[r];
   const bool has_top_k = top_k > 0 && top_k < a.vocab, has_top_p = top_p < 1.f;
@@ -389,9 +559,23 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     const float floor = has_min_p ? row.max_logit + temperature * logf(min_p) : min;
     const uint32_t lo = ordered_key(floor), hi = ordered_key(row.max_logit);
     threshold = has_min_p ? floor : -INFINITY;
+    // The candidates' way, from the n gathered (-1: too many): top_k and total_mass as for
+    // ranked_threshold.
+    auto finish_ranked = [&](int n, int k, unsigned long long total_mass) {
+      threshold = ranked_threshold(row, n, k, top_p, hi, total_mass, threshold, sh);
+      return finish_row(ranked_race(n, threshold, temperature, a.keys[r], sh), threshold);
+    };
+    if (has_top_k && top_k <= kGatherTopK) {
+      // `max` is still this thread's own: one element of the row.
+      const uint32_t bound = kth_thread_key(ordered_key(max.value), top_k, sh);
+      const int n = gather_candidates(row, bound > lo ? bound : lo, hi, sh);
+      if (n >= 0) return finish_ranked(n, top_k, 0ull);
+    }
+    // A select narrowed to at most kCandidates elements gathers them (as many as it counted).
     Selected kth = {false, 0u, 0u, 0ull};
     if (has_top_k && lo <= hi) {
-      kth = select(row, lo, hi, static_cast<uint32_t>(top_k), 0.0, 0ull, has_top_p, sh);
+      kth = select(row, lo, hi, static_cast<uint32_t>(top_k), 0.0, 0ull, has_top_p, sh, kCandidates);
+      if (kth.narrowed) return finish_ranked(gather_candidates(row, kth.key, hi, sh), top_k, 0ull);
       if (kth.found) threshold = key_value(kth.key);
     }
     // With top-k, top-p sees the first k by rank: the nucleus is searched above the k-th, with
@@ -403,7 +587,10 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
                                            row.weight(key_value(kth.key))
                     : 0ull;
       const Selected nucleus = select(row, kth.found ? kth.key + 1 : lo, hi, 0u,
-                                      static_cast<double>(top_p), total, true, sh);
+                                      static_cast<double>(top_p), total, true, sh, kCandidates);
+      if (nucleus.narrowed) {
+        return finish_ranked(gather_candidates(row, nucleus.key, hi, sh), 0, nucleus.total_mass);
+      }
       if (nucleus.found) threshold = key_value(nucleus.key);
     }
   }
@@ -450,13 +637,7 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     }
     if (best.value > before) atomicMax(const_cast<uint32_t*>(race_bound), ordered_key(best.value));
   });
-  best = block_best(best, sh);
-  const int token = best.index == INT_MAX ? a.vocab : best.index;
-  if (threadIdx.x == 0) {
-    a.out[r] = token;
-    if (a.thresholds) a.thresholds[r] = threshold / temperature;
-  }
-  return token;
+  return finish_row(block_best(best, sh), threshold);
 }
 
 // The logprobs of row r's raw logits (before overrides and temperature): the sampled token's, its

@@ -42,8 +42,9 @@ def cases():
     yield (f"argmax {ROWS}x{VOCAB}", lambda: ops.argmax(logits, tokens), ROWS * VOCAB * 2 + ROWS * 4, 0)
 
     # The sampler's kernel over a decode step's logits (one read of the rows; the race of a sampled row reads each
-    # logit once): greedy, the throughput benchmark's temperature 0.6, and top-k 50 with top-p 0.9. Logits of
-    # scale 4 (peaked) and 1 (flat, where more tokens enter the race).
+    # logit once): greedy, the throughput benchmark's temperature 0.6, top-k 50 with top-p 0.9, Qwen3's generation
+    # defaults (temperature 0.6, top-k 20, top-p 0.95) and top-p 0.9 alone (Llama 3's). Logits of scale 4 (peaked)
+    # and 1 (flat, where more tokens enter the race).
     keys = torch.arange(ROWS, dtype=torch.int64, device="cuda") * 7919
     ones, zeros = torch.ones(ROWS, device="cuda"), torch.zeros(ROWS, device="cuda")
     no_top_k = torch.zeros(ROWS, dtype=torch.int32, device="cuda")
@@ -52,7 +53,10 @@ def cases():
         scaled = (torch.randn(ROWS, VOCAB, device="cuda") * scale).to(BF16)
         for name, temperature, top_k, top_p in [("greedy", 0.0, no_top_k, ones),
                                                 ("temperature 0.6", 0.6, no_top_k, ones),
-                                                ("top_k 50 top_p 0.9", 1.0, no_top_k + 50, ones * 0.9)]:
+                                                ("top_k 50 top_p 0.9", 1.0, no_top_k + 50, ones * 0.9),
+                                                ("temperature 0.6 top_k 20 top_p 0.95", 0.6, no_top_k + 20,
+                                                 ones * 0.95),
+                                                ("temperature 0.6 top_p 0.9", 0.6, no_top_k, ones * 0.9)]:
             temperatures = ones * temperature
             yield (f"sample_rows {ROWS}x{VOCAB} {name}, logits x{scale:g}",
                    lambda s=scaled, t=temperatures, k=top_k, p=top_p: ops.sample_rows(s, t, k, p, zeros, keys, drawn),

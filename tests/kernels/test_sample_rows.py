@@ -331,13 +331,16 @@ def test_philox_reference_gives_the_published_answers():
     assert [hex(w) for w in philox_words(0, 1)[0]] == ["0x6627e8d5", "0xe169c58d", "0xbc57ac4c", "0x9b00dbd8"]
 
 
-def race_reference(row: torch.Tensor, temperature: float, key: int) -> tuple[int, float]:
-    """float64 winner of the exponential race over a row without truncation, from the kernel's own random words:
-    argmax of x - T log(E), E = -log1p(-v), v = word 2^-32 + 2^-33; and the gap to the runner-up."""
+def race_reference(row: torch.Tensor, temperature: float, key: int, kept=None) -> tuple[int, float]:
+    """float64 winner of the exponential race over a row's tokens (those of the bool mask `kept`, or all), from the
+    kernel's own random words: argmax of x - T log(E), E = -log1p(-v), v = word 2^-32 + 2^-33; and the gap to the
+    runner-up (inf if none)."""
     vocab = row.numel()
     words = philox_words(key, -(-vocab // 4)).reshape(-1)[:vocab].astype(np.float64)
     v = words * 2.0**-32 + 2.0**-33
     scores = row.double().numpy() - temperature * np.log(-np.log1p(-v))
+    if kept is not None:
+        scores[~kept.numpy()] = -np.inf
     top2 = np.argpartition(-scores, 1)[:2]
     first, second = sorted(top2, key=lambda i: -scores[i])
     return int(first), float(scores[first] - scores[second])
@@ -370,6 +373,66 @@ def test_race_winner_is_the_float64_race_argmax(vocab, scale, temperature, one_t
             clear += 1
             assert tokens[r] == winner, f"row {r}: drew {int(tokens[r])}, the race's winner is {winner}"
     assert clear >= 0.9 * rows, f"only {clear} of {rows} rows are clear"
+
+
+# ---- top-k rows that gather their candidates --------------------------------------------------------
+
+def assert_race_over_kept_tokens(logits, params: RowParams, tokens, thresholds, min_clear=0.9):
+    """Every row's token is the float64 race's winner among the tokens its threshold keeps, where it leads by more
+    than float32's rounding could change (at least min_clear of the rows)."""
+    x = scaled(logits, params.temperatures)
+    clear = 0
+    for r in range(len(tokens)):
+        temperature = float(params.temperatures[r])
+        kept = x[r] >= thresholds[r]
+        winner, lead = race_reference(logits[r].float(), temperature, int(params.keys[r]), kept)
+        if lead > 1e-3 * temperature:
+            clear += 1
+            assert tokens[r] == winner, f"row {r}: drew {int(tokens[r])}, the race's winner is {winner}"
+    assert clear >= min_clear * len(tokens), f"only {clear} of {len(tokens)} rows are clear"
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("vocab, scale, top_k, top_p, min_p", [
+    (151936, 0.5, 20, 0.95, 0.0),  # Qwen3's generation defaults, on flat rows
+    (151936, 4.0, 50, 1.0, 0.0), (151936, 1.0, 256, 0.9, 0.05), (151936, 2.0, 257, 0.9, 0.0),  # 257: select
+    (32000, 2.0, 1, 1.0, 0.0),
+    (32000, 4.0, 256, 0.9, 0.2),  # fewer than k tokens above the min_p floor
+    (1000, 1.0, 200, 1.0, 0.0),  # fewer than k threads hold tokens (bf16: 125)
+    (1001, 1.0, 100, 0.9, 0.0),  # read element by element
+    (151936, 8.0, 0, 0.9, 0.0), (151936, 8.0, 0, 0.5, 0.01),  # top-p alone: a narrowed select
+    (50257, 20.0, 600, 0.95, 0.0)])  # k past 256: a narrowed select
+def test_truncated_rows_keep_the_reference_tokens_and_draw_the_race_winner(vocab, scale, top_k, top_p, min_p, dtype):
+    """Top-k rows up to k = 256 take their candidates from the elements at or above the k-th largest of the
+    threads' maxima, and other truncated rows those of a select's first level where they are few: the thresholds
+    are the float64 reference's, and the token is the race's winner among the kept tokens, as on the select way
+    (k = 257 on flat rows)."""
+    rows = 48
+    generator = torch.Generator().manual_seed(vocab + top_k)
+    logits = (torch.randn(rows, vocab, generator=generator) * scale).to(dtype)
+    params = same_params(rows, 0.7, top_k, top_p, min_p)._replace(keys=random_keys(rows, generator))
+    tokens, thresholds = sample(logits.to(DEVICE), params)
+    assert_follows_reference(logits, params, tokens, thresholds)
+    assert_race_over_kept_tokens(logits, params, tokens, thresholds)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("ties", [1024, 1025])  # the candidates' capacity, and one more: the select way
+def test_ties_at_the_top_fill_the_candidates_or_go_the_select_way(ties, dtype):
+    """Tokens tied at the largest logit, spread over the row, reach every thread's maximum: the candidates are
+    exactly the ties. Either way every row keeps all the ties and draws the race's winner among them."""
+    rows, vocab = 64, 32000
+    generator = torch.Generator().manual_seed(ties)
+    row = torch.randn(vocab, generator=generator) - 10.0
+    tied = torch.randperm(vocab, generator=generator)[:ties]
+    row[tied] = 3.0
+    logits = row.to(dtype).repeat(rows, 1)
+    params = same_params(rows, 1.0, top_k=5)._replace(keys=random_keys(rows, generator))
+    tokens, thresholds = sample(logits.to(DEVICE), params)
+    assert (thresholds == 3.0).all()
+    assert set(tokens.tolist()) <= set(tied.tolist())
+    assert len(set(tokens.tolist())) > rows // 2
+    assert_race_over_kept_tokens(logits, params, tokens, thresholds)
 
 
 # ---- keys ------------------------------------------------------------------------------------------
