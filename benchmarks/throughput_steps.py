@@ -3,11 +3,15 @@ events around every step's forward and its sampler, summed by step kind and deco
 its roofline (weights once per step plus the K and V of every context token, at the copy bandwidth measured in the
 same run). The wall time left over is the device idle while the host works, plus the events' own cost.
 
-    python benchmarks/throughput_steps.py MODEL [NUM_SEQS] [--kv-cache-dtype fp8]
+    python benchmarks/throughput_steps.py MODEL [NUM_SEQS] [--kv-cache-dtype fp8] [--top-k K] [--top-p P]
+
+--top-k and --top-p truncate every request's draw (the workload's temperature stays 0.6): `--top-k 20 --top-p 0.95`
+is how a Qwen3 folder's requests sample unless they say otherwise (its generation_config.json).
 """
 import argparse
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -50,9 +54,10 @@ class TimedRunner(Runner):
         return pending
 
 
-def main(model: str, num_seqs: int = 256, kv_cache_dtype: str = "auto"):
+def main(model: str, num_seqs: int = 256, kv_cache_dtype: str = "auto", top_k: int = 0, top_p: float = 1.0):
     llm = LLM(model, max_model_len=2048, device="cuda", kv_cache_dtype=kv_cache_dtype)
     prompts, params = nano_vllm_workload(num_seqs, 1024, 1024, llm.engine.vocab_size)
+    params = [replace(p, top_k=top_k, top_p=top_p) for p in params]
     llm.generate([prompts[0][:16]], SamplingParams(), use_tqdm=False)
     engine = llm.engine
     weights, kv_per_token = weight_bytes(llm), kv_cache_bytes_per_token(llm)
@@ -93,5 +98,7 @@ if __name__ == "__main__":
     parser.add_argument("model")
     parser.add_argument("num_seqs", nargs="?", type=int, default=256)
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8")
+    parser.add_argument("--top-k", type=int, default=0, help="every request's top_k (default: none)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (default: none)")
     args = parser.parse_args()
-    main(args.model, args.num_seqs, args.kv_cache_dtype)
+    main(args.model, args.num_seqs, args.kv_cache_dtype, args.top_k, args.top_p)
