@@ -7,8 +7,6 @@
 //   temperature only:              draw (1)
 //   top-k up to kGatherTopK:       max/min (1), gather (1); then top-k, top-p, min_p and the draw
 //                                  among the gathered candidates, in shared memory
-//   top-p without top-k:           max/min with the row's mass in float (1); where the threads'
-//                                  maxima weigh enough (nucleus_bound), gather (1), as top-k
 //   other truncations:             max/min (1), top-k select (up to 3), top-p select (up to 3),
 //                                  draw (1); a select whose target lies among at most kCandidates
 //                                  elements gathers them (1) and ends as the gathering rows do
@@ -57,10 +55,9 @@ constexpr int kCandidatesPerThread = kCandidates / kThreads;
 static_assert(kGatherTopK <= kThreads && kCandidates % kThreads == 0 && kThreads <= kBins,
               "the candidates' bound is a rank among the threads' maxima, kept in count");
 
-// Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest). -0 and +0 are one
-// logit, +0's key: a row's maximum, its min_p floor or a threshold may be either.
+// Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest).
 __device__ __forceinline__ uint32_t ordered_key(float x) {
-  const uint32_t u = __float_as_uint(x == 0.f ? 0.f : x);
+  const uint32_t u = __float_as_uint(x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
@@ -198,17 +195,6 @@ __device__ float block_min(float x, Shared& sh) {
   __syncthreads();
   x = sh.warp_min[0];
   for (int w = 1; w < kWarps; ++w) x = fminf(x, sh.warp_min[w]);
-  return x;
-}
-
-__device__ float block_sum(float x, Shared& sh) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) sh.warp_min[threadIdx.x / 32] = x;
-  __syncthreads();
-  x = 0.f;
-  for (int w = 0; w < kWarps; ++w) x += sh.warp_min[w];
   return x;
 }
 
@@ -409,33 +395,20 @@ __device__ uint32_t kth_thread_key(uint32_t mine, int k, Shared& sh) {
 
 // Copies the row's elements with keys in [from, hi] to sh.ranked, by descending key (ties lowest
 // index first), and returns how many there are; -1 (nothing copied) if more than kCandidates.
-// With kMass, also sums the weights of the elements with keys in [mass_from, hi] (exactly, as
-// select sums a domain's) into sh.total_mass.
-template <bool kMass = false, typename T>
-__device__ int gather_candidates(const Row<T>& row, uint32_t from, uint32_t hi, Shared& sh,
-                                 uint32_t mass_from = 0u) {
+template <typename T>
+__device__ int gather_candidates(const Row<T>& row, uint32_t from, uint32_t hi, Shared& sh) {
   if (threadIdx.x == 0) sh.num_candidates = 0;
   __syncthreads();
-  unsigned long long mass = 0;
   row.for_each([&](int first, const float (&x)[4], int count) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const uint32_t key = ordered_key(x[e]);
-      if constexpr (kMass) {
-        if (e < count && key >= mass_from && key <= hi) mass += row.weight(x[e]);
-      }
       if (e < count && key >= from && key <= hi) {
         const int slot = atomicAdd(&sh.num_candidates, 1);
         if (slot < kCandidates) sh.candidates[slot] = {x[e], first + e};
       }
     }
   });
-  if constexpr (kMass) {
-    uint32_t unused = 0;
-    unsigned long long before = mass;
-    block_exclusive_scan(unused, before, sh);
-    if (threadIdx.x == kThreads - 1) sh.total_mass = before + mass;
-  }
   __syncthreads();
   const int n = sh.num_candidates;
   if (n > kCandidates) return -1;
@@ -452,36 +425,6 @@ __device__ int gather_candidates(const Row<T>& row, uint32_t from, uint32_t hi, 
   }
   __syncthreads();
   return n;
-}
-
-// A top-p row's bound from its threads' maxima: the highest key K at or above lo such that the
-// maxima at or above K weigh at least top_p * (1 + 1/1024) * approx_mass, approx_mass being the
-// row's mass summed in float (a few parts in a million off), in weight units. The elements at or
-// above K then hold the nucleus of the domain [lo, hi], whose exact mass is at most approx_mass.
-// 0 (no key) if the maxima weigh too little: a flat row, whose nucleus spreads over the row.
-// Kept in count and mass (no select runs meanwhile).
-template <typename T>
-__device__ uint32_t nucleus_bound(const Row<T>& row, float mine, float top_p, float approx_mass,
-                                  uint32_t lo, Shared& sh) {
-  const uint32_t key = ordered_key(mine);
-  __syncthreads();  // count and mass may still be read by a select
-  sh.count[threadIdx.x] = key;
-  sh.mass[threadIdx.x] = row.weight(mine);
-  if (threadIdx.x == 0) sh.gather_from = 0u;
-  __syncthreads();
-  const double target = static_cast<double>(top_p) * (1.0 + 1.0 / 1024) *
-                        static_cast<double>(approx_mass) * static_cast<double>(row.weight_scale);
-  if (key >= lo && mine > -INFINITY) {
-    unsigned long long above = 0;  // the maxima at or above this one, ties up to this thread
-#pragma unroll 16
-    for (int j = 0; j < kThreads; ++j) {
-      const uint32_t other = sh.count[j];
-      if (other > key || (other == key && j <= static_cast<int>(threadIdx.x))) above += sh.mass[j];
-    }
-    if (static_cast<double>(above) >= target) atomicMax(&sh.gather_from, key);
-  }
-  __syncthreads();
-  return sh.gather_from;
 }
 
 // The threshold (a logit) of a row whose n ranked candidates hold every element of its domain
@@ -602,36 +545,16 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
   if (has_top_k || has_top_p || has_min_p) {
     Best max = {-INFINITY, INT_MAX};
     float min = INFINITY;
-    row.weight_exponent = 1.4426950408889634f / temperature;
-    row.weight_scale = ldexpf(1.f, 52 - (32 - __clz(a.vocab)));
-    // Top-p rows without top-k also sum their weights in float, each thread against its own
-    // running max (for nucleus_bound).
-    const bool bound_nucleus = has_top_p && !has_top_k;
-    float mass = 0.f;
-    if (bound_nucleus) {
-      row.for_each([&](int first, const float (&x)[4], int count) {
+    row.for_each([&](int first, const float (&x)[4], int count) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e >= count) continue;
-          min = fminf(min, x[e]);
-          if (x[e] > max.value) {
-            mass = mass * exp2f((max.value - x[e]) * row.weight_exponent) + 1.f;
-            max = {x[e], first + e};
-          } else if (x[e] > -INFINITY) {
-            mass += exp2f((x[e] - max.value) * row.weight_exponent);
-          }
-        }
-      });
-    } else {
-      row.for_each([&](int first, const float (&x)[4], int count) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (e < count) keep_better(max, x[e], first + e), min = fminf(min, x[e]);
-        }
-      });
-    }
+      for (int e = 0; e < 4; ++e) {
+        if (e < count) keep_better(max, x[e], first + e), min = fminf(min, x[e]);
+      }
+    });
     row.max_logit = block_best(max, sh).value;
     min = block_min(min, sh);
+    row.weight_exponent = 1.4426950408889634f / temperature;
+    row.weight_scale = ldexpf(1.f, 52 - (32 - __clz(a.vocab)));
     // p < min_p * p_max  <=>  logit < max + temperature * log(min_p)
     const float floor = has_min_p ? row.max_logit + temperature * logf(min_p) : min;
     const uint32_t lo = ordered_key(floor), hi = ordered_key(row.max_logit);
@@ -645,29 +568,8 @@ __device__ int sample_row(const T* logits, int r, const SampleRowsArgs& a, Share
     if (has_top_k && top_k <= kGatherTopK) {
       // `max` is still this thread's own: one element of the row.
       const uint32_t bound = kth_thread_key(ordered_key(max.value), top_k, sh);
-      const uint32_t from = bound > lo ? bound : lo;
-      // From -inf (fewer than k threads hold a number: a row masked but for a few tokens) the
-      // gather would take every element.
-      const int n = from > ordered_key(-INFINITY) || a.vocab <= kCandidates
-                        ? gather_candidates(row, from, hi, sh)
-                        : -1;
+      const int n = gather_candidates(row, bound > lo ? bound : lo, hi, sh);
       if (n >= 0) return finish_ranked(n, top_k, 0ull);
-    }
-    if (bound_nucleus && lo <= hi) {
-      const float scaled = max.value > -INFINITY
-                               ? mass * exp2f((max.value - row.max_logit) * row.weight_exponent)
-                               : 0.f;
-      const uint32_t bound = nucleus_bound(row, max.value, top_p, block_sum(scaled, sh), lo, sh);
-      if (bound != 0u) {
-        const int n = gather_candidates<true>(row, bound, hi, sh, lo);
-        if (n >= 0) {
-          const unsigned long long total = sh.total_mass;
-          const float floor_or_none = threshold;
-          const int token = finish_ranked(n, 0, total);
-          if (sh.pick >= 0) return token;  // the nucleus lay among the candidates, as it must
-          threshold = floor_or_none;
-        }
-      }
     }
     // A select narrowed to at most kCandidates elements gathers them (as many as it counted).
     Selected kth = {false, 0u, 0u, 0ull};
