@@ -89,6 +89,10 @@ class Config:
                      *(("max_model_len",) if self.max_model_len is not None else ())):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's rule
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                             f"({self.max_num_seqs}): a step of max_num_seqs decoding sequences takes a token of each; "
+                             f"raise max_num_batched_tokens or lower max_num_seqs.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1 or None, got {self.num_kv_blocks}.")
         timeout = self.tensor_parallel_step_timeout

@@ -21,7 +21,8 @@ def test_workload_repeats_nano_vllm_bench_draws():
 def test_throughput_bench_reports_on_cpu_with_the_hf_comparison(tmp_path, capsys):
     make_tiny_model(tmp_path, "llama3-untied")
     result = throughput(str(tmp_path), num_seqs=12, max_input_len=40, max_output_len=12, compare_hf=True,
-                        hf_subset=4, device="cpu", num_kv_blocks=8, block_size=8, max_num_batched_tokens=64)
+                        hf_subset=4, device="cpu", num_kv_blocks=8, block_size=8, max_num_seqs=64,
+                        max_num_batched_tokens=64)
     assert result["preemptions"] > 0 and result["kv_blocks"] == 8 and result["block_size"] == 8
     assert result["output_tok_s"] > 0 and result["total_tok_s"] > result["output_tok_s"]
     assert 0 < result["host_share"] < 1 and result["speedup"] > 0

@@ -33,7 +33,8 @@ def test_smollm2_greedy_outputs_do_not_depend_on_the_token_budget():
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = []
     for budget in (64, 4096):
-        llm = LLM(device="cpu", max_model_len=256, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        llm = LLM(device="cpu", max_model_len=256, max_num_seqs=min(budget, 256), max_num_batched_tokens=budget,
+                  enable_prefix_caching=False)
         assert all(len(ids) > 64 for ids in map(llm.tokenizer.encode, prompts))
         outputs.append([out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]

@@ -1,3 +1,5 @@
+import pytest
+
 from nanograph import SamplingParams
 from nanograph.config import Config
 from nanograph.engine.batch import build_forward_batch
@@ -40,6 +42,17 @@ def finish_step(scheduler, batch):
         seq.token_ids[-1] = 7
         if StopChecker({EOS}).check(seq):
             scheduler.finish(seq)
+
+
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(256, 128), (9, 8)])
+def test_a_token_budget_below_max_num_seqs_is_refused(max_num_seqs, max_num_batched_tokens):
+    """vLLM's rule: a step of max_num_seqs decoding sequences takes a token of each, so the budget holds them all
+    (it used to cap the running set at the budget in silence)."""
+    with pytest.raises(ValueError, match=rf"max_num_batched_tokens \({max_num_batched_tokens}\) must be at least "
+                                         rf"max_num_seqs \({max_num_seqs}\).*raise max_num_batched_tokens or lower "
+                                         rf"max_num_seqs"):
+        Config(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    Config(max_num_seqs=max_num_batched_tokens, max_num_batched_tokens=max_num_batched_tokens)  # equal is fine
 
 
 def test_max_num_seqs_caps_the_running_set():
@@ -121,7 +134,8 @@ def test_preemption_frees_the_latest_sequence_and_keeps_its_tokens():
 
 def test_preempted_requests_finish_with_the_unconstrained_output():
     prompts = [[(7 * i + j) % 40 + 1 for j in range(7)] for i in range(4)]
-    engine = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24, max_num_batched_tokens=64)
+    engine = fake_engine(num_kv_blocks=6, block_size=4, max_model_len=24, max_num_seqs=64,
+                         max_num_batched_tokens=64)
     preempted = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))

@@ -20,7 +20,8 @@ def workload(vocab_size: int, temperature: float):
 
 def test_256_requests_finish_exactly_through_preemption_on_the_fake_model():
     prompts, params = workload(VOCAB_SIZE, temperature=0)
-    engine = fake_engine(num_kv_blocks=200, block_size=4, max_model_len=80, max_num_batched_tokens=128)
+    engine = fake_engine(num_kv_blocks=200, block_size=4, max_model_len=80, max_num_seqs=128,
+                         max_num_batched_tokens=128)
     outputs = engine.generate(prompts, params, use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     for out, prompt, p in zip(outputs, prompts, params):
@@ -35,7 +36,7 @@ def test_256_requests_finish_exactly_through_preemption_on_the_fake_model():
 def test_256_sampled_requests_finish_with_their_max_tokens_on_a_tiny_model(tmp_path):
     make_tiny_model(tmp_path, "qwen3-tied")
     prompts, params = workload(256, temperature=0.6)
-    llm = LLM(str(tmp_path), device="cpu", max_model_len=96, num_kv_blocks=24, block_size=16,
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=96, num_kv_blocks=24, block_size=16, max_num_seqs=128,
               max_num_batched_tokens=128)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -35,7 +35,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager):
         # Every running sequence gets at least one token of each step's budget, so the budget caps the running set.
-        self.max_num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         # Both may still hold sequences finished since the last step (finish() is O(1)); schedule() drops them.
