@@ -34,7 +34,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager):
-        # Every running sequence gets at least one token of each step's budget, so the budget caps the running set.
+        # Every running sequence gets at least one token of each step's budget: Config holds the budget at or above
+        # max_num_seqs.
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
