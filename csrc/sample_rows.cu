@@ -55,14 +55,16 @@ constexpr int kCandidatesPerThread = kCandidates / kThreads;
 static_assert(kGatherTopK <= kThreads && kCandidates % kThreads == 0 && kThreads <= kBins,
               "the candidates' bound is a rank among the threads' maxima, kept in count");
 
-// Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest).
+// Order-preserving map of floats to unsigned keys (-inf lowest, +inf highest). -0 and +0 are one
+// logit, +0's key: a row's maximum, its min_p floor or a threshold may be either.
 __device__ __forceinline__ uint32_t ordered_key(float x) {
   const uint32_t u = __float_as_uint(x);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (u & 0x80000000u) ? 0x80000000u - (u & 0x7fffffffu) : (u | 0x80000000u);
 }
 
+// The logit of a key (+0 for zero).
 __device__ __forceinline__ float key_value(uint32_t key) {
-  return __uint_as_float((key & 0x80000000u) ? (key ^ 0x80000000u) : ~key);
+  return __uint_as_float((key & 0x80000000u) ? (key ^ 0x80000000u) : 0x80000000u | (0x80000000u - key));
 }
 
 __device__ __forceinline__ float to_float(float x) { return x; }

@@ -435,6 +435,24 @@ def test_ties_at_the_top_fill_the_candidates_or_go_the_select_way(ties, dtype):
     assert_race_over_kept_tokens(logits, params, tokens, thresholds)
 
 
+@pytest.mark.parametrize("top_k, min_p", [(5, 0.0), (0, 1.0), (300, 0.0), (5, 1.0)])
+def test_signed_zeros_at_the_top_are_one_logit(top_k, min_p):
+    """A row whose largest logit is 0, -0.0 at its first index and +0.0 elsewhere: every zero is kept (top-k ties,
+    min_p 1 keeps the maximum's ties) and drawn, none left out as above or below the row's maximum."""
+    rows, vocab = 256, 4096
+    row = torch.full((vocab,), -4.0)
+    zeros = torch.arange(0, vocab, 7)
+    row[zeros] = 0.0
+    row[0] = -0.0
+    params = same_params(rows, 1.0, top_k=top_k, min_p=min_p)._replace(
+        keys=random_keys(rows, torch.Generator().manual_seed(9)))
+    tokens, thresholds = sample(row.to(DEVICE).repeat(rows, 1), params)
+    assert (thresholds == 0.0).all()
+    assert set(tokens.tolist()) <= set(zeros.tolist())
+    assert len(set(tokens.tolist())) > 100
+    assert_race_over_kept_tokens(row.repeat(rows, 1), params, tokens, thresholds)
+
+
 # ---- keys ------------------------------------------------------------------------------------------
 
 def test_a_key_gives_the_same_token_whatever_the_batch():
