@@ -374,6 +374,32 @@ def test_a_dropped_stream_leaves_no_request_and_frees_its_blocks(folder):
     assert free == total
 
 
+
+def test_a_closed_stream_never_ends_a_later_request_that_took_its_id(folder):
+    """A reader stops iterating once its completion has finished, and the id is free for add_request. Closing (or
+    dropping) the stream afterwards ends only what the stream itself queued, not the new request of that id."""
+    p1, p2 = [5, 7, 9], [11, 13, 200]
+    expected = token_ids(new_llm(folder).generate([p2], greedy(8), use_tqdm=False))
+    llm = new_llm(folder)
+    engine = llm.engine
+    stream = llm.stream([p1], greedy(3))
+    for delta in stream:
+        if delta.finished:
+            break
+    reused = engine.add_request(p2, greedy(8), request_id=delta.request_id)
+    engine.step()
+    stream.close()
+    outputs = {}
+    for _ in range(50):
+        outputs.update((out.request_id, out) for out in engine.step())
+        if not engine.has_unfinished():
+            break
+    assert reused in outputs and outputs[reused].error is None
+    assert outputs[reused].outputs[0].finish_reason == "length"
+    assert [outputs[reused].outputs[0].token_ids] == expected
+    free, total = free_kv_blocks(llm)
+    assert free == total
+
 # 9. Errors at the boundary, naming the field or value.
 
 def test_float_and_none_token_prompts_raise_type_errors_naming_the_prompt(llm):
@@ -524,6 +550,43 @@ def test_a_request_whose_tokenizer_fails_ends_alone(worded_folder, where):
         assert failed.outputs[0].token_ids == [] and failed.prompt_logprobs == [None]
     assert free_kv_blocks(llm)[0] == free
 
+
+
+def test_a_stream_whose_tokenizer_fails_after_its_abort_ends_alone(worded_folder):
+    """A streamed request is aborted before its newest tokens were read as text, and its tokenizer then fails on
+    them: take_deltas reports its end (with the text it had) and goes on reporting the stream beside it, which
+    ends with the text and tokens of a run alone; no block is lost."""
+    llm = new_llm(worded_folder)
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["w3 w4"], params, use_tqdm=False)[0].outputs[0]
+    free = free_kv_blocks(llm)[0]
+    good = engine.add_request("w3 w4", params, stream=True)
+    doomed = engine.add_request("w5 w6", params, stream=True)
+    engine.step()
+    engine.step()
+    [seq] = engine.requests[doomed].seqs
+
+    class FailingTokenizer(SentencePieceLikeTokenizer):
+        def decode(self, token_ids, **kwargs):
+            raise RuntimeError("tokenizer fault")
+
+    seq.detokenizer.tokenizer = FailingTokenizer(seq.detokenizer.tokenizer)
+    engine.abort_request(doomed)
+    deltas = []
+    for _ in range(50):
+        engine.step()
+        deltas += engine.take_deltas()
+        if not engine.has_unfinished():
+            break
+    deltas += engine.take_deltas()
+    mine = [delta for delta in deltas if delta.request_id == good]
+    assert mine[-1].finished and mine[-1].finish_reason == "length"
+    assert "".join(delta.text for delta in mine) == alone.text
+    assert [token for delta in mine for token in delta.token_ids] == alone.token_ids
+    theirs = [delta for delta in deltas if delta.request_id == doomed]
+    assert theirs[-1].finished and theirs[-1].finish_reason == "abort"
+    assert not engine._streamed and free_kv_blocks(llm)[0] == free
 
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=5),
                                     dict(temperature=1.0, seed=5, top_k=2, top_p=0.9)], ids=["greedy", "full", "top"])

@@ -211,16 +211,23 @@ class LLMEngine:
         finished, and is then forgotten here."""
         with self._lock:
             deltas = []
-            for request_id in self._touched:
-                request = self._streamed[request_id]
+            while self._touched:
+                request_id = next(iter(self._touched))
+                del self._touched[request_id]
+                request = self._streamed.get(request_id)
+                if request is None:  # a failed take ended it, and it was taken then
+                    continue
                 try:
                     deltas += request.take_deltas()
                 except Exception as exc:  # its text (read here, without stop strings) failed to decode: it ends
                     self._unclaimed += [output for owner, output in self._fail({request_id}, exc) if owner is None]
+                    # with the text it had (it may have ended, aborted, before its text was read)
+                    for seq in request.seqs:
+                        if seq.detokenizer is not None:
+                            seq.detokenizer.discard_pending()
                     deltas += request.take_deltas()
                 if request.finished:
                     del self._streamed[request_id]
-            self._touched.clear()
             return deltas
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
@@ -291,8 +298,9 @@ class LLMEngine:
         finally:
             with self._lock:
                 self._open_streams.discard(owner)
-                for request_id in request_ids:
-                    self.abort_request(request_id)
+                for request in requests:  # its own requests only: a finished one's id may be another's by now
+                    if self.requests.get(request.request_id) is request:
+                        self._end(request)
 
     # The step.
 
