@@ -129,3 +129,23 @@ def test_a_request_whose_every_token_is_masked_fails_alone(llm, masked, logprobs
     assert outputs[bad_id].outputs[0].finish_reason == "abort"
     assert "every token was masked" in outputs[bad_id].error
     assert engine.scheduler.block_manager.num_free_blocks == free
+
+
+def test_a_grammar_llguidance_cannot_follow_fails_alone_naming_it(llm):
+    """A regex that llguidance accepts but cannot follow once tokens arrive (nested repetitions past its lexer's
+    limit): that request ends with an error naming the grammar and what to change, not as a token its grammar does
+    not allow; the request beside it gives its tokens of a run alone, and no block is lost."""
+    engine = llm.engine
+    free = engine.scheduler.block_manager.num_free_blocks
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["The city of"], good, use_tqdm=False)[0].outputs[0]
+    good_id = engine.add_request("The city of", good)
+    bad_id = engine.add_request("Say", constrained(StructuredOutputsParams(regex="((a{100}){100}){100}")))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs[good_id].error is None and outputs[good_id].outputs[0].token_ids == alone.token_ids
+    assert outputs[bad_id].outputs[0].finish_reason == "abort"
+    assert outputs[bad_id].error.startswith("StructuredOutputError: structured_outputs: llguidance cannot follow")
+    assert "too many expressions" in outputs[bad_id].error
+    assert engine.scheduler.block_manager.num_free_blocks == free

@@ -99,6 +99,11 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
     ({"prompt": "Say yes:", "max_tokens": 3, "allowed_token_ids": [9805], "bad_words": ["yes"]}, 400,
      "allowed_token_ids", "are all banned by bad_words"),
+    # Valid, but past what llguidance can follow once generation starts: the request's fault, not the server's.
+    ({"prompt": "hi", "max_tokens": 3, "guided_regex": "((a{100}){100}){100}"}, 400, None,
+     "structured_outputs: llguidance cannot follow this grammar past the text generated so far"),
+    ({"prompt": "Say", "max_tokens": 3, "guided_choice": [" hello"], "bad_words": ["hello"]}, 400, None,
+     "every token was masked"),
 ])
 def test_completion_error_bodies(server, body, status, param, message):
     error = error_of(post(server, "/v1/completions", body), status)

@@ -47,6 +47,10 @@ from .stop_checker import StopChecker
 logger = logging.getLogger("nanograph")
 
 
+class NoTokenLeftError(ValueError):
+    """A request whose own constraints left no token to sample: the request's to change, not the engine's fault."""
+
+
 class _Stream:
     """The owner of one stream() call's requests."""
 
@@ -455,7 +459,7 @@ class LLMEngine:
             requests[seq.request_id] = self.requests[seq.request_id]
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
-        finished = self._fail(invalid, RuntimeError(
+        finished = self._fail(invalid, NoTokenLeftError(
             f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: most likely every token was "
             "masked (the request's allowed_token_ids, bad_words, min_tokens and structured_outputs together left "
             "none)")) \

@@ -93,8 +93,20 @@ class Grammar:
         return self._matcher.is_stopped()
 
     def advance(self, token_id: int) -> bool:
-        """Moves past a sampled token; False if the grammar does not allow it."""
-        return self._matcher.consume_token(token_id) and not self._matcher.is_error()
+        """Moves past a sampled token; False if the grammar does not allow it. StructuredOutputError where
+        llguidance cannot follow the grammar any further (a grammar past its limits, e.g. nested repetitions)."""
+        if self._matcher.consume_token(token_id) and not self._matcher.is_error():
+            return True
+        error = self._matcher.get_error().splitlines()[0] if self._matcher.is_error() else ""
+        if error and "doesn't satisfy the grammar" not in error:
+            raise StructuredOutputError(f"structured_outputs: llguidance cannot follow this grammar past the text "
+                                        f"generated so far ({error}); simplify it (fewer or smaller nested "
+                                        "repetitions)")
+        return False
+
+
+class StructuredOutputError(ValueError):
+    """A request's grammar that llguidance accepted but cannot follow as it generates: the request's fault."""
 
 
 def _llguidance():

@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 
 from ..chat_template import ChatOptionError, chat_prompt_token_ids
 from ..engine.intake import check_prompt_token_ids, truncated
+from ..engine.llm_engine import NoTokenLeftError
 from ..outputs import Logprob
+from ..sampling.grammar import StructuredOutputError
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
@@ -205,7 +207,16 @@ def wants_usage_chunk(request: SamplingRequest) -> bool:
     return options.include_usage
 
 
+# Errors the engine ends a request with that the request itself caused: a grammar llguidance cannot follow, or
+# constraints that leave no token to sample. Each is a 400; any other is a 500.
+REQUEST_CAUSED = tuple(f"{error.__name__}: " for error in (StructuredOutputError, NoTokenLeftError))
+
+
 def engine_failure(error: str) -> APIError:
+    """The response for a request the engine ended with an error (its output's error: "Type: message")."""
+    for prefix in REQUEST_CAUSED:
+        if error.startswith(prefix):
+            return APIError(400, error[len(prefix):], code="invalid_value")
     return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
 
 
