@@ -340,6 +340,27 @@ def test_aborting_many_n128_requests_is_fast_and_frees_every_block(folder):
     assert free == total
 
 
+
+def test_a_request_that_masks_nothing_and_gets_no_finite_logit_fails_as_the_models_fault(folder):
+    """A sampled row with no finite logit draws the id past the vocabulary, as a fully masked row does. Only a
+    request that masks tokens itself (allowed_token_ids, bad_words, min_tokens, a grammar) is told that its masks
+    left none (NoTokenLeftError, which the server answers with a 400); for one that masks nothing the fault is the
+    model's (a RuntimeError: a 500)."""
+    llm = new_llm(folder)
+    engine = llm.engine
+    engine.runner.weights["lm_head"].fill_(-math.inf)
+    plain = engine.add_request([5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=3))
+    masking = engine.add_request([5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=3,
+                                                           allowed_token_ids=[3, 4]))
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((out.request_id, out) for out in engine.step())
+    assert outputs[plain].error.startswith("RuntimeError: ") and "masks no token" in outputs[plain].error
+    assert outputs[masking].error.startswith("NoTokenLeftError: ")
+    assert "every token was masked" in outputs[masking].error
+    free, total = free_kv_blocks(llm)
+    assert free == total
+
 # 8. A stream left open, or dropped.
 
 def test_generate_aborts_an_open_stream_that_holds_the_engine(folder):

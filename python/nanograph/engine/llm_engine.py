@@ -436,12 +436,12 @@ class LLMEngine:
         sampled = pending.result()
         self.stats.device_wait_seconds += time.perf_counter() - start
         now = time.time()
-        requests, invalid, ungrammatical, broken = {}, set(), set(), {}
+        requests, masked, invalid, ungrammatical, broken = {}, set(), set(), set(), {}
         for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.is_finished:  # aborted while its token was on its way: the token is dropped
                 continue
             if not 0 <= token_id < self.vocab_size:
-                invalid.add(seq.request_id)
+                (masked if _masks_tokens(seq) else invalid).add(seq.request_id)
                 continue
             try:
                 if seq.grammar is not None and not seq.grammar.advance(token_id):
@@ -459,11 +459,17 @@ class LLMEngine:
             requests[seq.request_id] = self.requests[seq.request_id]
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
-        finished = self._fail(invalid, NoTokenLeftError(
-            f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: most likely every token was "
-            "masked (the request's allowed_token_ids, bad_words, min_tokens and structured_outputs together left "
-            "none)")) \
-            if invalid else []
+        finished = []
+        if masked:
+            finished += self._fail(masked, NoTokenLeftError(
+                f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled: most likely every token was "
+                "masked (the request's allowed_token_ids, bad_words, min_tokens and structured_outputs together "
+                "left none)"))
+        if invalid:  # nothing of the request's own masked them: the model's fault, not the request's
+            finished += self._fail(invalid, RuntimeError(
+                f"a token id outside the vocabulary [0, {self.vocab_size}) was sampled for a request that masks no "
+                "token: its logits were all NaN or -inf"))
+        invalid |= masked
         if ungrammatical:
             finished += self._fail(ungrammatical - invalid, RuntimeError(
                 "a token its structured_outputs grammar does not allow was sampled"))
@@ -583,6 +589,12 @@ def _check_streamable(params):
     if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
         raise ValueError("prompt_logprobs is not reported by streams (stream(), add_request(stream=True)); "
                          "use generate(), or step()'s outputs of add_request(stream=False)")
+
+
+def _masks_tokens(seq: Sequence) -> bool:
+    """Whether the sequence's own parameters mask any token (so that they may have masked all of them)."""
+    params = seq.params
+    return bool(params.allowed_token_ids or params.bad_words or params.min_tokens or seq.grammar is not None)
 
 
 def _failed_output(request: Request) -> RequestOutput:

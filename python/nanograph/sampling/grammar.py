@@ -97,7 +97,7 @@ class Grammar:
         llguidance cannot follow the grammar any further (a grammar past its limits, e.g. nested repetitions)."""
         if self._matcher.consume_token(token_id) and not self._matcher.is_error():
             return True
-        error = self._matcher.get_error().splitlines()[0] if self._matcher.is_error() else ""
+        error = (self._matcher.get_error() or "").split("\n", 1)[0] if self._matcher.is_error() else ""
         if error and "doesn't satisfy the grammar" not in error:
             raise StructuredOutputError(f"structured_outputs: llguidance cannot follow this grammar past the text "
                                         f"generated so far ({error}); simplify it (fewer or smaller nested "
