@@ -609,6 +609,42 @@ def test_a_stream_whose_tokenizer_fails_after_its_abort_ends_alone(worded_folder
     assert theirs[-1].finished and theirs[-1].finish_reason == "abort"
     assert not engine._streamed and free_kv_blocks(llm)[0] == free
 
+def test_a_sibling_whose_tokenizer_fails_loses_none_of_the_others_stream(worded_folder):
+    """An aborted n=2 request whose second completion's tokenizer fails on its unread tokens: the first
+    completion's part taken before the failure is still reported (its tokens, its text and its end), not
+    dropped with the failed call."""
+    llm = new_llm(worded_folder)
+    engine = llm.engine
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    free = free_kv_blocks(llm)[0]
+    doomed = engine.add_request("w5 w6", params, stream=True)
+    for _ in range(4):
+        engine.step()
+    first, second = engine.requests[doomed].seqs
+    tokenizer = first.detokenizer.tokenizer
+    assert len(first.completion_token_ids) >= 2 and len(second.completion_token_ids) >= 2
+
+    class FailingTokenizer(SentencePieceLikeTokenizer):
+        def decode(self, token_ids, **kwargs):
+            raise RuntimeError("tokenizer fault")
+
+    second.detokenizer.tokenizer = FailingTokenizer(second.detokenizer.tokenizer)
+    engine.abort_request(doomed)
+    deltas = engine.take_deltas()
+    for _ in range(5):
+        engine.step()
+        deltas += engine.take_deltas()
+    first_tokens = first.completion_token_ids
+    assert first_tokens
+    mine = [delta for delta in deltas if delta.request_id == doomed and delta.index == 0]
+    assert mine and mine[-1].finished and mine[-1].finish_reason == "abort"
+    assert [token for delta in mine for token in delta.token_ids] == first_tokens
+    assert "".join(delta.text for delta in mine) == tokenizer.decode(first_tokens)
+    theirs = [delta for delta in deltas if delta.request_id == doomed and delta.index == 1]
+    assert theirs and theirs[-1].finished
+    assert not engine._streamed and free_kv_blocks(llm)[0] == free
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=5),
                                     dict(temperature=1.0, seed=5, top_k=2, top_p=0.9)], ids=["greedy", "full", "top"])
 def test_a_request_that_bad_words_leave_no_token_fails_alone(tiny_chat_folder, params):

@@ -23,6 +23,9 @@ class Request:
         self.num_streamed_tokens = [0] * len(seqs)
         self.num_streamed_logprobs = [0] * len(seqs)
         self.finish_streamed = [False] * len(seqs)
+        # Deltas taken for some siblings by a take_deltas call that then raised on another's text: the next
+        # call returns them first.
+        self._taken: list[CompletionDelta] = []
 
     @property
     def finished(self) -> bool:
@@ -50,8 +53,8 @@ class Request:
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What each sequence produced since the last call (as its params' output_kind asks: the new part, all of it
-        so far, or all of it once finished); a finished sequence reports once more, finished."""
-        deltas = []
+        so far, or all of it once finished); a finished sequence reports once more, finished. A sibling whose text
+        fails to decode raises, and the deltas taken before it come with the next call."""
         for seq in self.seqs:
             i, kind = seq.index, seq.params.output_kind
             if kind is RequestOutputKind.FINAL_ONLY and not seq.is_finished:
@@ -71,7 +74,9 @@ class Request:
                 token_ids = seq.token_ids[seq.num_prompt_tokens:known]
                 text = seq.detokenizer.streamed_text if seq.detokenizer else ""
                 logprobs = None if seq.logprobs is None else list(seq.logprobs)
-            deltas.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished, seq.finish_reason,
-                                          seq.stop_reason, logprobs, self.error if seq.is_finished else None,
-                                          self.seqs[0].first_scheduled_time))
+            self._taken.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished,
+                                               seq.finish_reason, seq.stop_reason, logprobs,
+                                               self.error if seq.is_finished else None,
+                                               self.seqs[0].first_scheduled_time))
+        deltas, self._taken = self._taken, []
         return deltas
