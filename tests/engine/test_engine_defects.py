@@ -645,6 +645,45 @@ def test_a_sibling_whose_tokenizer_fails_loses_none_of_the_others_stream(worded_
     assert not engine._streamed and free_kv_blocks(llm)[0] == free
 
 
+def test_a_stream_call_goes_on_past_a_sibling_whose_tokenizer_fails(worded_folder):
+    """LLMEngine.stream with an n=2 request whose second completion's tokenizer fails on its unread tokens: the
+    call does not raise. That request ends (the error named, every completion's end reported, the first
+    completion's tokens all streamed), and the request beside it streams the tokens and text of a run alone."""
+    llm = new_llm(worded_folder)
+    engine = llm.engine
+    good = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    twins = SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=6, ignore_eos=True)
+    alone = llm.generate(["w3 w4"], good, use_tqdm=False)[0].outputs[0]
+    free = free_kv_blocks(llm)[0]
+
+    class FailingTokenizer(SentencePieceLikeTokenizer):
+        def decode(self, token_ids, **kwargs):
+            raise RuntimeError("tokenizer fault")
+
+    deltas, doomed = [], None
+    for delta in engine.stream(["w3 w4", "w5 w6"], [good, twins]):
+        deltas.append(delta)
+        if doomed is None and delta.index == 1:
+            doomed = engine.requests[delta.request_id]
+            first, second = doomed.seqs
+            tokenizer = first.detokenizer.tokenizer
+            second.detokenizer.tokenizer = FailingTokenizer(second.detokenizer.tokenizer)
+    assert doomed is not None
+    mine = [delta for delta in deltas if delta.request_id != doomed.request_id]
+    assert mine[-1].finished and mine[-1].finish_reason == "length"
+    assert "".join(delta.text for delta in mine) == alone.text
+    assert [token for delta in mine for token in delta.token_ids] == alone.token_ids
+    for index in (0, 1):
+        theirs = [delta for delta in deltas if delta.request_id == doomed.request_id and delta.index == index]
+        assert theirs[-1].finished and theirs[-1].finish_reason == "abort"
+        assert "tokenizer fault" in theirs[-1].error
+    first_tokens = first.completion_token_ids
+    theirs = [delta for delta in deltas if delta.request_id == doomed.request_id and delta.index == 0]
+    assert [token for delta in theirs for token in delta.token_ids] == first_tokens
+    assert "".join(delta.text for delta in theirs) == tokenizer.decode(first_tokens)
+    assert not doomed._taken and free_kv_blocks(llm)[0] == free
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0), dict(temperature=1.0, seed=5),
                                     dict(temperature=1.0, seed=5, top_k=2, top_p=0.9)], ids=["greedy", "full", "top"])
 def test_a_request_that_bad_words_leave_no_token_fails_alone(tiny_chat_folder, params):

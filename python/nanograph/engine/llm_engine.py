@@ -221,18 +221,24 @@ class LLMEngine:
                 request = self._streamed.get(request_id)
                 if request is None:  # a failed take ended it, and it was taken then
                     continue
-                try:
-                    deltas += request.take_deltas()
-                except Exception as exc:  # its text (read here, without stop strings) failed to decode: it ends
-                    self._unclaimed += [output for owner, output in self._fail({request_id}, exc) if owner is None]
-                    # with the text it had (it may have ended, aborted, before its text was read)
-                    for seq in request.seqs:
-                        if seq.detokenizer is not None:
-                            seq.detokenizer.discard_pending()
-                    deltas += request.take_deltas()
+                deltas += self._take(request)
                 if request.finished:
                     del self._streamed[request_id]
             return deltas
+
+    def _take(self, request: Request) -> list[CompletionDelta]:
+        """request.take_deltas(); where its text (read here, without stop strings) fails to decode, the request
+        ends with the text it had (it may have ended, aborted, before its text was read) and reports that."""
+        try:
+            return request.take_deltas()
+        except Exception as exc:
+            if self.requests.get(request.request_id) is request:  # not ended yet (its id may be another's by now)
+                self._unclaimed += [output for owner, output in self._fail({request.request_id}, exc)
+                                    if owner is None]
+            for seq in request.seqs:
+                if seq.detokenizer is not None:
+                    seq.detokenizer.discard_pending()
+            return request.take_deltas()
 
     def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
                  ) -> list[RequestOutput]:
@@ -291,7 +297,7 @@ class LLMEngine:
                 with self._lock:
                     # The check comes before the take, so that a last take follows every end.
                     done = all(request.finished for request in requests)
-                    deltas = [delta for request in requests for delta in request.take_deltas()]
+                    deltas = [delta for request in requests for delta in self._take(request)]
                 yield from deltas
                 if done:
                     break
