@@ -13,6 +13,11 @@ class ChatOptionError(ValueError):
         self.field = field
 
 
+class ChatTemplateError(ValueError):
+    """The chat template's own error on a conversation (a jinja raise_exception, a keyword it cannot take), as
+    vLLM raises it: a ValueError."""
+
+
 # render_chat's own options: the same keys in chat_template_kwargs win over them, as in vLLM.
 _OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
 # apply_chat_template's arguments that rendering a conversation to text sets itself.
@@ -51,8 +56,18 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
         template = options["chat_template"] if options["chat_template"] is not None else \
             getattr(tokenizer, "chat_template", None)
         content_format = "openai" if isinstance(template, str) and loops_over_content(template) else "string"
-    return tokenizer.apply_chat_template([_template_message(m, content_format) for m in conversation],
-                                         tokenize=False, **options, **kwargs)
+    try:
+        text = tokenizer.apply_chat_template([_template_message(m, content_format) for m in conversation],
+                                             tokenize=False, **options, **kwargs)
+    except Exception as exc:
+        raise ChatTemplateError(f"the chat template could not render the messages: {type(exc).__name__}: "
+                                f"{exc}") from exc
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, which no tokenizer takes
+        raise ChatOptionError("messages", f"a chat message is not valid UTF-8 text: {exc.reason} "
+                              f"({text[exc.start:exc.end]!r}); remove or replace the lone surrogate") from None
+    return text
 
 
 def chat_prompt_token_ids(tokenizer, conversation: list[dict], add_special_tokens: bool = False, **options

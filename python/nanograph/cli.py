@@ -162,6 +162,10 @@ def main(argv: list[str] | None = None):
             llm = LLM(args.model, **engine_kwargs(args))
             write = flushing_writer(sys.stdout)
             if args.command == "generate":
+                if llm.tokenizer is None:
+                    raise ValueError("generate needs a tokenizer for its text prompt, and the model folder has none: "
+                                     "add its tokenizer files to the folder, or name a folder that holds them with "
+                                     "--tokenizer")
                 stream_text(llm, args.prompt, params, write)
                 write("\n")
             else:

@@ -30,8 +30,8 @@ def chat(llm: LLM, params: SamplingParams, user_messages: Iterable[str], write: 
     """Answer each user message in turn, streaming the reply, until the messages end or one is an end command; the
     conversation, system prompt first."""
     if llm.tokenizer is None:
-        raise ValueError("chat needs the model folder's tokenizer, and this folder has none: add its tokenizer files, "
-                         "or use nanograph generate")
+        raise ValueError("chat needs a tokenizer, and the model folder has none: add its tokenizer files to the "
+                         "folder, or name a folder that holds them with --tokenizer")
     conversation = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     for message in user_messages:
         if message.strip() in END_COMMANDS:

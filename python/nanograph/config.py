@@ -65,6 +65,8 @@ class Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64) (it seeds a 64-bit generator), got {self.seed}.")
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")

@@ -109,7 +109,9 @@ def test_longrope_is_refused_by_name(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "hi", "--model", "/nonexistent/folder"], "model folder '/nonexistent/folder' does not exist"),
-    (["chat", "hi", "--model", "TINY"], "chat needs the model folder's tokenizer"),
+    (["chat", "hi", "--model", "TINY"], "chat needs a tokenizer, and the model folder has none: .* --tokenizer"),
+    (["generate", "hi", "--model", "TINY"], "generate needs a tokenizer .* --tokenizer"),
+    (["generate", "hi", "--model", "TINY", "--seed", str(2**70)], r"seed must be in \[0, 2\*\*64\)"),
 ])
 def test_cli_errors_are_one_line(argv, message, tiny, capsys):
     folder, _ = tiny
@@ -122,6 +124,33 @@ def test_cli_errors_are_one_line(argv, message, tiny, capsys):
     assert any(line.startswith("nanograph") and "error:" in line for line in err.splitlines())
     import re
     assert re.search(message, err)
+
+
+def test_chat_errors_of_the_template_or_the_text_are_value_errors_naming_them(tmp_path, capsys):
+    """A template that refuses a system message, and a message holding a lone surrogate, fail LLM.chat with a
+    ValueError that says so (as vLLM's), and the chat command with one line, not a traceback."""
+    make_tiny_model(tmp_path, "qwen3-tied")
+    save_word_tokenizer(tmp_path, eos_token="<end>")
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                                         "{{ m['content'] }} {% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    llm = LLM(str(tmp_path), device="cpu", max_model_len=64, num_kv_blocks=8, block_size=16)
+    params = SamplingParams(max_tokens=2)
+    assert llm.chat([{"role": "user", "content": "w1 w2"}], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="could not render the messages: TemplateError: System role not supported"):
+        llm.chat([{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="a chat message is not valid UTF-8 text: .*lone surrogate"):
+        llm.chat([{"role": "user", "content": "w1 caf\udce9"}], params, use_tqdm=False)
+    for extra, message in ([["--system-prompt", "w1"], "System role not supported"],
+                           [[], "not valid UTF-8 text"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["chat", "w1 caf\udce9" if not extra else "w2", "--model", str(tmp_path), "--device", "cpu",
+                  "--max-model-len", "64", *extra])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and message in err
 
 
 def test_a_torch_dtype_is_taken_by_its_name(tiny):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
-from ..chat_template import ChatOptionError, chat_prompt_token_ids
+from ..chat_template import ChatOptionError, ChatTemplateError, chat_prompt_token_ids
 from ..engine.intake import check_prompt_token_ids, truncated
 from ..engine.llm_engine import NoTokenLeftError
 from ..outputs import Logprob
@@ -97,7 +97,9 @@ class ServedModel:
                                          and request.add_special_tokens)
         except ChatOptionError as exc:
             raise APIError(400, str(exc), exc.field, "invalid_value") from None
-        except Exception as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
+        except ChatTemplateError as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
+            raise APIError(400, str(exc), "messages", "invalid_value") from None
+        except Exception as exc:  # the tokenizer's, on the rendered text
             raise APIError(400, f"the chat template could not render the messages: {type(exc).__name__}: {exc}",
                            "messages", "invalid_value") from None
 
