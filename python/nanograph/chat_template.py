@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 import json
 
+from .inputs import check_utf8
+
 
 class ChatOptionError(ValueError):
     """An option of render_chat that cannot be honoured; field: the option's name."""
@@ -63,10 +65,9 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
         raise ChatTemplateError(f"the chat template could not render the messages: {type(exc).__name__}: "
                                 f"{exc}") from exc
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # a lone surrogate, which no tokenizer takes
-        raise ChatOptionError("messages", f"a chat message is not valid UTF-8 text: {exc.reason} "
-                              f"({text[exc.start:exc.end]!r}); remove or replace the lone surrogate") from None
+        check_utf8(text, "a chat message")
+    except ValueError as exc:
+        raise ChatOptionError("messages", str(exc)) from None
     return text
 
 

@@ -161,11 +161,11 @@ def main(argv: list[str] | None = None):
             params = sampling_params(args)
             llm = LLM(args.model, **engine_kwargs(args))
             write = flushing_writer(sys.stdout)
+            if llm.tokenizer is None:
+                needs = "a tokenizer for its text prompt" if args.command == "generate" else "a tokenizer"
+                raise ValueError(f"{args.command} needs {needs}, and the model folder has none: add its tokenizer "
+                                 "files to the folder, or name a folder that holds them with --tokenizer")
             if args.command == "generate":
-                if llm.tokenizer is None:
-                    raise ValueError("generate needs a tokenizer for its text prompt, and the model folder has none: "
-                                     "add its tokenizer files to the folder, or name a folder that holds them with "
-                                     "--tokenizer")
                 stream_text(llm, args.prompt, params, write)
                 write("\n")
             else:

@@ -29,9 +29,6 @@ def chat(llm: LLM, params: SamplingParams, user_messages: Iterable[str], write: 
          system_prompt: str | None = None) -> list[dict]:
     """Answer each user message in turn, streaming the reply, until the messages end or one is an end command; the
     conversation, system prompt first."""
-    if llm.tokenizer is None:
-        raise ValueError("chat needs a tokenizer, and the model folder has none: add its tokenizer files to the "
-                         "folder, or name a folder that holds them with --tokenizer")
     conversation = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     for message in user_messages:
         if message.strip() in END_COMMANDS:

@@ -16,3 +16,13 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
+
+
+def check_utf8(text: str, what: str):
+    """ValueError unless text encodes as UTF-8 (a lone surrogate, e.g. from a bytes-escaped argument, does not,
+    and no tokenizer takes one); `what` names the text in the message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text: {exc.reason} at position {exc.start} "
+                         f"({text[exc.start:exc.end]!r}); remove or replace the lone surrogate") from None

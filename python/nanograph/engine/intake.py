@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..config import Config
-from ..inputs import PromptType
+from ..inputs import PromptType, check_utf8
 from ..sampling import seeded_generator
 from ..sampling.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
@@ -206,9 +206,5 @@ class Intake:
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer (the model folder has none, or skip_tokenizer_init is "
                              "set); pass prompts as token-id lists")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"prompt is not valid UTF-8 text: {exc.reason} at position {exc.start} "
-                             f"({text[exc.start:exc.end]!r}); remove or replace the lone surrogate") from None
+        check_utf8(text, "prompt")
         return self.tokenizer.encode(text)

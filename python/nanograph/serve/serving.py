@@ -100,7 +100,7 @@ class ServedModel:
         except ChatTemplateError as exc:  # the template's own errors (a jinja raise_exception, a bad keyword)
             raise APIError(400, str(exc), "messages", "invalid_value") from None
         except Exception as exc:  # the tokenizer's, on the rendered text
-            raise APIError(400, f"the chat template could not render the messages: {type(exc).__name__}: {exc}",
+            raise APIError(400, f"the rendered messages could not be tokenized: {type(exc).__name__}: {exc}",
                            "messages", "invalid_value") from None
 
     def check_supported(self, request: SamplingRequest):
