@@ -92,6 +92,18 @@ def test_chat_renders_each_turn_over_the_whole_history(llm, name_replies, monkey
     assert SYSTEM in second_prompt and NAME_TURNS[0] in second_prompt and replies[0] in second_prompt
 
 
+def test_a_chat_that_outgrows_max_model_len_says_the_history_is_the_prompt():
+    llm = LLM(device="cpu", max_model_len=60)
+    writes = []
+    with pytest.raises(ValueError) as raised:
+        chat(llm, greedy(20), ["Hi there, tell me about Paris please", "And about London and its history please"],
+             writes.append)
+    assert "prompt has" in str(raised.value) and "max_model_len is 60" in str(raised.value)
+    assert str(raised.value).endswith("A turn's prompt is the whole conversation so far (2 of your messages, with the "
+                                      "replies): a new chat starts afresh")
+    assert "".join(writes).count("\n") == 1  # the first turn was answered
+
+
 def test_an_empty_line_ends_the_chat(llm):
     writes = []
     assert chat(llm, greedy(2), ["", "never read"], writes.append) == [] and writes == []
@@ -148,8 +160,9 @@ def test_help_states_the_sampling_and_engine_defaults(capsys, command):
         cli.main([command, "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for option, default in [("--temperature TEMPERATURE 0: greedy", "0.0"), ("--top-p TOP_P", "1.0"),
-                            ("--top-k TOP_K", "0"), ("--max-tokens MAX_TOKENS", "256"),
+    model_or = "the model's generation_config.json, else "
+    for option, default in [("--temperature TEMPERATURE 0: greedy", model_or + "0.0"), ("--top-p TOP_P", model_or + "1.0"),
+                            ("--top-k TOP_K", model_or + "0"), ("--max-tokens MAX_TOKENS", model_or + "256"),
                             ("--max-model-len MAX_MODEL_LEN", Config.max_model_len),
                             ("--device DEVICE", Config.device), ("--seed SEED", Config.seed)]:
         start = text.index(option, text.index("options:"))
@@ -159,9 +172,80 @@ def test_help_states_the_sampling_and_engine_defaults(capsys, command):
         assert "until end of input (Ctrl-D), an empty line or /exit" in text
 
 
-def test_the_cli_defaults_are_greedy_with_256_tokens():
+def test_the_cli_samples_greedily_with_256_tokens_unless_the_model_or_an_option_says_otherwise():
+    fields = lambda p: (p.temperature, p.top_p, p.top_k, p.max_tokens, p.repetition_penalty)
     args = cli.build_parser().parse_args(["chat"])
-    assert (args.temperature, args.top_p, args.top_k, args.max_tokens) == (0.0, 1.0, 0, 256)
+    assert fields(cli.sampling_params(args)) == (0.0, 1.0, 0, 256, 1.0)
+    model = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}
+    assert fields(cli.sampling_params(args, model)) == (0.6, 0.95, 20, 256, 1.1)
+    args = cli.build_parser().parse_args(["chat", "--top-k", "3", "--temperature", "0.3", "--max-tokens", "9"])
+    assert fields(cli.sampling_params(args, model)) == (0.3, 0.95, 3, 9, 1.1)
+
+
+@pytest.fixture(scope="module")
+def folder_with_generation_config(tmp_path_factory):
+    """The default model's files beside a generation_config.json that asks for 4 new tokens at most and Qwen3's
+    sampling."""
+    from nanograph.default_model import default_model_path
+    folder = tmp_path_factory.mktemp("with_generation_config")
+    for source in Path(default_model_path()).iterdir():
+        (folder / source.name).symlink_to(source)
+    (folder / "generation_config.json").write_text(
+        '{"max_new_tokens": 4, "temperature": 0.6, "top_k": 20, "top_p": 0.95}')
+    return str(folder)
+
+
+@pytest.mark.parametrize("options, expected", [
+    ([], (0.6, 0.95, 20, 4)),  # the folder's generation_config.json (--generation-config auto)
+    (["--temperature", "0", "--max-tokens", "6"], (0.0, 1.0, 0, 6)),  # options given come first (greedy: no top-p/k)
+    (["--generation-config", "vllm"], (0.0, 1.0, 0, 256)),  # the command line's own defaults alone
+])
+def test_generate_samples_as_the_models_generation_config_says(folder_with_generation_config, monkeypatch, capsys,
+                                                               options, expected):
+    """As vLLM takes a folder's generation_config.json for its default sampling; the command line's own options
+    and defaults (greedy, 256 tokens) around it."""
+    used = []
+
+    def recording(llm, prompt, params, write):
+        used.append(params)
+        return stream_text(llm, prompt, params, write)
+
+    monkeypatch.setattr(cli, "stream_text", recording)
+    cli.main(["generate", "The capital of France is", "--model", folder_with_generation_config, "--device", "cpu",
+              "--max-model-len", "24", "--seed", "1", *options])
+    [params] = used
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == expected
+    llm = LLM(folder_with_generation_config, device="cpu", max_model_len=24, seed=1)
+    [output] = llm.generate("The capital of France is", params, use_tqdm=False)
+    assert capsys.readouterr().out == output.outputs[0].text + "\n"
+    assert len(output.outputs[0].token_ids) == min(expected[3], 24 - len(output.prompt_token_ids))
+
+
+@pytest.mark.parametrize("message", ["", "  ", "/exit"])
+def test_chat_with_an_empty_message_is_an_error_line(capsys, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["chat", message, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"nanograph: error: the message {message!r} is empty (or ends a chat): give the message to answer, or " \
+           "leave it out to chat on stdin" in err and "Traceback" not in err
+
+
+def test_a_reader_that_goes_away_ends_generate_without_an_error_line():
+    """`nanograph generate ... | head -c 1`: the pipe closes under the stream."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(nanograph.__file__).parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "nanograph.cli", "generate", "Once upon a time", "--device",
+                                "cpu", "--max-tokens", "200", "--max-model-len", "256"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, env=env)
+    try:
+        assert process.stdout.read(1)  # the first piece of text came
+        process.stdout.close()
+        _, err = process.communicate(timeout=300)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    assert err.decode() == ""
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -7,13 +7,14 @@ their text as it comes."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from . import __version__
 from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
                           sampling_params)
-from .cli_stream import chat, flushing_writer, read_lines, stream_text
+from .cli_stream import END_COMMANDS, chat, flushing_writer, read_lines, stream_text
 from .bench_sweep import DEFAULT_BATCH_SIZES, DEFAULT_CONTEXT_LENS, sizes, sweep
 from .config import Config
 from .llm import LLM
@@ -158,8 +159,12 @@ def main(argv: list[str] | None = None):
         elif args.command == "bench":
             bench(args)
         else:
-            params = sampling_params(args)
+            sampling_params(args)  # the options' values are checked before the model loads
+            if args.command == "chat" and args.prompt is not None and args.prompt.strip() in END_COMMANDS:
+                raise ValueError(f"the message {args.prompt!r} is empty (or ends a chat): give the message to answer, "
+                                 "or leave it out to chat on stdin")
             llm = LLM(args.model, **engine_kwargs(args))
+            params = sampling_params(args, llm.engine.sampling_defaults)
             write = flushing_writer(sys.stdout)
             if llm.tokenizer is None:
                 needs = "a tokenizer for its text prompt" if args.command == "generate" else "a tokenizer"
@@ -171,6 +176,11 @@ def main(argv: list[str] | None = None):
             else:
                 messages = [args.prompt] if args.prompt is not None else read_lines(sys.stdin, sys.stdout)
                 chat(llm, params, messages, write, args.system_prompt)
+    except BrokenPipeError:
+        # The reader went away (`nanograph generate ... | head`): stop as a Unix tool does, without an error line.
+        # Python's own flush of stdout at exit would fail again, so stdout becomes /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (ValueError, OSError, RuntimeError) as exc:
         # What a user can fix (a model folder or file, a device, an argument) is one line, not a traceback.
         parser.error(str(exc))

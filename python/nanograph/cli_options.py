@@ -60,16 +60,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                                                       "trust_remote_code") if hasattr(args, field)}
 
 
+# The command line's sampling where neither an option nor the model's generation_config.json says otherwise: greedy,
+# 256 tokens. A folder's generation_config.json (--generation-config auto, the default) comes first, as vLLM takes it.
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 256}
+_FROM_MODEL = "the model's generation_config.json, else"
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser):
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: %(default)s)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
-                        "probabilities add up to this (default: %(default)s)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from this many most likely tokens; 0: all "
-                        "(default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="output tokens at most, per answer "
-                        "(default: %(default)s)")
+    """The sampling options; one left out is None, so that the model's generation_config.json or
+    CLI_SAMPLING_DEFAULTS applies (sampling_params)."""
+    d = CLI_SAMPLING_DEFAULTS
+    parser.add_argument("--temperature", type=float, help=f"0: greedy (default: {_FROM_MODEL} {d['temperature']})")
+    parser.add_argument("--top-p", type=float, help="sample from the smallest set of tokens whose probabilities add "
+                        f"up to this (default: {_FROM_MODEL} {d['top_p']})")
+    parser.add_argument("--top-k", type=int, help="sample from this many most likely tokens; 0: all "
+                        f"(default: {_FROM_MODEL} {d['top_k']})")
+    parser.add_argument("--max-tokens", type=int, help="output tokens at most, per answer "
+                        f"(default: {_FROM_MODEL} {d['max_tokens']})")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens)
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
+    """The sampling options given, over model_defaults (the SamplingParams fields of the model's
+    generation_config.json: LLMEngine.sampling_defaults), over CLI_SAMPLING_DEFAULTS."""
+    given = {field: getattr(args, field) for field in CLI_SAMPLING_DEFAULTS if getattr(args, field, None) is not None}
+    return SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **(model_defaults or {}), **given})

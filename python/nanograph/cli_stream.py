@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TextIO
 
 from .chat_template import chat_prompt_token_ids
-from .engine.intake import Prompt
+from .engine.intake import Prompt, PromptTooLongError
 from .llm import LLM
 from .sampling_params import SamplingParams
 
@@ -34,7 +34,14 @@ def chat(llm: LLM, params: SamplingParams, user_messages: Iterable[str], write: 
         if message.strip() in END_COMMANDS:
             break
         conversation.append({"role": "user", "content": message})
-        reply = stream_text(llm, chat_prompt_token_ids(llm.tokenizer, conversation), params, write)
+        try:
+            reply = stream_text(llm, chat_prompt_token_ids(llm.tokenizer, conversation), params, write)
+        except PromptTooLongError as exc:
+            turns = sum(turn["role"] == "user" for turn in conversation)
+            if turns == 1:
+                raise
+            raise PromptTooLongError(f"{exc}. A turn's prompt is the whole conversation so far ({turns} of your "
+                                     "messages, with the replies): a new chat starts afresh") from None
         write("\n")
         conversation.append({"role": "assistant", "content": reply})
     return conversation

@@ -20,7 +20,8 @@ def generate(engine, prompts, params=GREEDY):
     ([3, -1], "prompt token id -1 at position 1 is outside"),
     ([3, 2**64], f"prompt token id {2**64} at position 1 is outside"),  # beyond int64 too
     ([-2**70, 3], f"prompt token id {-2**70} at position 0 is outside"),
-    ([1] * 65, "prompt has 65 tokens; max_model_len is 64: shorten the prompt, or raise max_model_len"),
+    ([1] * 65, "prompt has 65 tokens; max_model_len is 64: shorten the prompt \\(truncate_prompt_tokens=-1 keeps "
+     "its last 64 tokens\\), or raise max_model_len \\(the model takes up to 256 positions\\)$"),
 ])
 def test_bad_prompt_raises_and_the_engine_keeps_serving(prompt, message):
     engine = fake_engine(max_model_len=64)
@@ -30,6 +31,16 @@ def test_bad_prompt_raises_and_the_engine_keeps_serving(prompt, message):
     assert len(engine.scheduler.waiting) == 1
     [output] = generate(engine, [[8, 9]])
     assert output.outputs[0].token_ids == reference_completion([8, 9], 6)
+
+
+def test_a_prompt_too_long_at_the_models_whole_context_is_not_told_to_raise_max_model_len():
+    engine = fake_engine(max_model_len=256)  # fake_engine's model takes 256 positions
+    with pytest.raises(ValueError) as raised:
+        engine.add_request([1] * 257, GREEDY)
+    assert str(raised.value) == ("prompt has 257 tokens; max_model_len is 256: shorten the prompt "
+                                 "(truncate_prompt_tokens=-1 keeps its last 256 tokens); max_model_len is already the "
+                                 "model's whole context")
+    assert not engine.scheduler.waiting
 
 
 def test_bad_sampling_params_changed_after_construction_are_rejected():

@@ -54,6 +54,20 @@ def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
     return None, token_id_list(prompt)
 
 
+class PromptTooLongError(ValueError):
+    """A prompt of more tokens than max_model_len (prompt_too_long says it)."""
+
+
+def prompt_too_long(prompt_tokens: int, max_model_len: int, max_context: int) -> PromptTooLongError:
+    """The error, with the fixes that are left: raising max_model_len only below the model's own context."""
+    keep = f"shorten the prompt (truncate_prompt_tokens=-1 keeps its last {max_model_len} tokens)"
+    if max_model_len < max_context:
+        fix = f"{keep}, or raise max_model_len (the model takes up to {max_context} positions)"
+    else:
+        fix = f"{keep}; max_model_len is already the model's whole context"
+    return PromptTooLongError(f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}: {fix}")
+
+
 def truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
     """The last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
     if truncate_prompt_tokens > max_model_len:
@@ -119,8 +133,7 @@ class Intake:
             token_ids = truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
         check_prompt_token_ids(token_ids, self.vocab_size)
         if len(token_ids) > max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {max_model_len}: shorten the "
-                             f"prompt, or raise max_model_len (the model takes up to {self.max_context} positions)")
+            raise prompt_too_long(len(token_ids), max_model_len, self.max_context)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
         for token_id in params.stop_token_ids:
