@@ -67,6 +67,9 @@ class FakeRunner(Runner):
 class FakeTokenizer:
     """Token t reads " t", so that, as with a real tokenizer, the text of a sequence is the text of its tokens."""
 
+    def __init__(self, eos_token_id: int = EOS):
+        self.eos_token_id = eos_token_id  # the end-of-text token, as a real tokenizer names one
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:  # it has no special tokens to add
         return [ord(c) % (VOCAB_SIZE - 1) + 1 for c in text]
 
@@ -79,4 +82,5 @@ def fake_engine(num_kv_blocks: int = 64, block_size: int = 4, eos_token_ids=(EOS
     model_config = SimpleNamespace(vocab_size=VOCAB_SIZE, eos_token_ids=list(eos_token_ids),
                                    max_context=max(max_model_len, 256))
     runner = FakeRunner(num_kv_blocks, block_size, peak, eos_token_ids, config.get("seed", 0))
-    return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner, FakeTokenizer())
+    return LLMEngine(Config(max_model_len=max_model_len, **config), model_config, runner,
+                     FakeTokenizer(eos_token_ids[0]))

@@ -7,7 +7,7 @@ import pytest
 
 from nanograph import SamplingParams
 
-from .fake_model import fake_engine, reference_completion
+from .fake_model import EOS, fake_engine, reference_completion
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 
@@ -56,6 +56,11 @@ def test_stop_token_ids_and_eos_report_their_stop_reason():
     assert completion.text == text_of(reference[:end - 1])  # the stop token's text is left out
     [out] = run(fake_engine(eos_token_ids=[reference[2]]), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    # The model's other EOS tokens (generation_config.json's, beside the tokenizer's) report their id, as vLLM
+    # makes them stop_token_ids.
+    [out] = run(fake_engine(eos_token_ids=[EOS, reference[2]]), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", reference[2])
+    assert out.outputs[0].token_ids == reference[:3]
     [out] = run(fake_engine(), [PROMPT], SamplingParams(temperature=0, max_tokens=10))
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("length", None)
 

@@ -91,6 +91,43 @@ def test_a_character_split_between_prompt_and_completion_is_the_completions(toke
         assert text == "ok" and (not stream or "".join(deltas) == text)
 
 
+@pytest.mark.parametrize("end", ["length", "stop token"])
+def test_a_stop_string_completed_by_the_text_released_at_the_end_is_cut(tokenizer, end):
+    """ " 😀" is one token of its space and the emoji's first bytes and one of its last byte: without the last, the
+    space is released only as the sequence ends, and it completes the stop string ": "."""
+    token_ids = tokenizer.encode("Answer: 😀", add_special_tokens=False)[:-1]
+    assert tokenizer.decode(token_ids).endswith(": \ufffd")
+    stop_token = tokenizer.encode("!", add_special_tokens=False)
+    params = SamplingParams(stop=[": "], stop_token_ids=stop_token if end == "stop token" else [])
+    deltas, stop, text = feed(tokenizer, token_ids + (stop_token if end == "stop token" else []), params,
+                              length_stop=end == "length")
+    assert (text, stop) == ("Answer", ": ")
+    assert "".join(deltas) == text
+
+
+def test_logprob_texts_of_a_character_split_over_tokens_are_whole(tokenizer):
+    """The tokens holding a character's first bytes read "", the token that completes it the whole character with
+    the text of those tokens (vLLM's decoded_token), for the sampled token and the others alike."""
+    prompt = [1, 2]
+    token_ids = tokenizer.encode(" 😀 中", add_special_tokens=False)
+    assert "\ufffd" in tokenizer.decode(token_ids[:1])  # the emoji is split over tokens
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    texts = [detokenizer.decode_each([t], prompt + token_ids[:i])[0] for i, t in enumerate(token_ids)]
+    assert "".join(texts) == tokenizer.decode(token_ids) and "\ufffd" not in "".join(texts)
+    assert texts[0] == "" and texts[1] == " 😀"
+    grin = tokenizer.encode(" 😁", add_special_tokens=False)  # the same first bytes, another last one
+    assert grin[0] == token_ids[0] and len(grin) == 2
+    assert detokenizer.decode_each([token_ids[1], grin[1]], prompt + token_ids[:1]) == [" 😀", " 😁"]
+
+
+def test_prompt_logprob_texts_of_a_character_split_over_tokens_are_whole(llm, tokenizer):
+    token_ids = tokenizer.encode("Hi 😀 中", add_special_tokens=False)
+    [output] = llm.generate({"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)
+    texts = [logprobs[t].decoded_token for logprobs, t in zip(output.prompt_logprobs[1:], token_ids[1:])]
+    assert "".join(texts) == tokenizer.decode(token_ids[1:]) and "" in texts
+
+
 def test_logprobs_true_asks_for_one_and_outputs_say_whether_they_finished(llm):
     assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(prompt_logprobs=True).prompt_logprobs == 1
     [out] = llm.generate(["Hi"], SamplingParams(max_tokens=2, logprobs=True, temperature=0), use_tqdm=False)

@@ -10,6 +10,10 @@ from __future__ import annotations
 from ..sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character's bytes come from at most this many tokens (its 4 bytes, one a token).
+CHARACTER_TOKENS = 4
+# The tokens before a logprob's position that decode_each reads.
+LOGPROB_CONTEXT_TOKENS = PROMPT_CONTEXT_TOKENS + CHARACTER_TOKENS - 1
 
 
 class IncrementalDetokenizer:
@@ -53,11 +57,13 @@ class IncrementalDetokenizer:
         """Cut the text to its first length characters (at a stop string)."""
         self._text = self._text[:length]
 
-    def flush(self):
+    def flush(self) -> int:
         """At the end of a sequence: release the text still held back, but for a character left incomplete at its
-        end (vLLM's rule: a partial character is never text)."""
-        self._text += self._pending_text().rstrip("\ufffd")
+        end (vLLM's rule: a partial character is never text); returns its length."""
+        new_text = self._pending_text().rstrip("\ufffd")
+        self._text += new_text
         self.prefix_offset = self.read_offset = len(self.token_ids)
+        return len(new_text)
 
     def take_new_text(self, finished: bool) -> str:
         """Text not streamed yet; it keeps the stop-string margin back until the sequence is finished."""
@@ -73,9 +79,29 @@ class IncrementalDetokenizer:
         """The text take_new_text has handed out so far."""
         return self._text[:self.num_streamed_chars]
 
-    def decode_each(self, token_ids: list[int]) -> list[str]:
-        """Each token's own text, special tokens included (logprobs' decoded_token)."""
-        return [self._decode([token_id], {}) for token_id in token_ids]
+    def decode_each(self, token_ids: list[int], context: list[int] = ()) -> list[str]:
+        """Each token's text as the next token after `context` (the tokens before it, the last
+        LOGPROB_CONTEXT_TOKENS of them are enough), special tokens included: logprobs' decoded_token. A token whose
+        own text holds part of a character (byte tokens of an emoji) is decoded after the tokens before it that hold
+        the character's first bytes: "" while the character is still incomplete, and the whole character, with the
+        text of those tokens, from the token that completes it, as vLLM gives them."""
+        texts = [self._decode([token_id], {}) for token_id in token_ids]
+        if not any("\ufffd" in text for text in texts):
+            return texts
+        context = list(context)
+        start = len(context)  # context[start:]: the tokens holding the first bytes of a character not yet complete
+        while start > 0 and len(context) - start < CHARACTER_TOKENS - 1 and \
+                self._decode(context[max(0, start - PROMPT_CONTEXT_TOKENS):start], {}).endswith("\ufffd"):
+            start -= 1
+        before = context[max(0, start - PROMPT_CONTEXT_TOKENS):start]
+        before_text = self._decode(before, {})
+        for i, (token_id, text) in enumerate(zip(token_ids, texts)):
+            if "\ufffd" not in text:
+                continue
+            whole = self._decode(before + context[start:] + [token_id], {})
+            text = whole[len(before_text):] if whole.startswith(before_text) else whole
+            texts[i] = "" if text.endswith("\ufffd") else text
+        return texts
 
     def discard_pending(self):
         """Keep the text released so far and drop the tokens not decoded yet (a request that failed reading them

@@ -37,6 +37,7 @@ from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
 from .block_manager import BlockManager
+from .detokenizer import LOGPROB_CONTEXT_TOKENS
 from .intake import Intake, Prompt
 from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
@@ -68,7 +69,7 @@ class LLMEngine:
         self.sampling_defaults = sampling_defaults(_generation_config_folder(config))
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids)
-        self.stop_checker = StopChecker(set(model_config.eos_token_ids))
+        self.stop_checker = StopChecker(set(model_config.eos_token_ids), getattr(tokenizer, "eos_token_id", None))
         self.scheduler = Scheduler(config, BlockManager(runner.num_kv_blocks, runner.block_size,
                                                         config.enable_prefix_caching))
         self.stats = EngineStats()
@@ -373,7 +374,8 @@ class LLMEngine:
             try:
                 for target, token_logprobs in enumerate(logprobs[offset:offset + num_targets], start=first_target):
                     if target == len(seq.prompt_logprobs) and not seq.is_finished:
-                        seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs))
+                        context = seq.token_ids[max(0, target - LOGPROB_CONTEXT_TOKENS):target]
+                        seq.prompt_logprobs.append(self._logprob_dict(seq, token_logprobs, context))
             except Exception as exc:
                 failed += self._fail({seq.request_id}, exc)
             offset += num_targets
@@ -494,13 +496,16 @@ class LLMEngine:
         return finished
 
     def _record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs):
-        seq.logprobs.append(self._logprob_dict(seq, logprobs))
+        """The logprobs of seq's newest token (token_ids[-1])."""
+        context = seq.token_ids[-1 - LOGPROB_CONTEXT_TOKENS:-1]
+        seq.logprobs.append(self._logprob_dict(seq, logprobs, context))
         seq.cumulative_logprob += logprobs.logprobs[0]
 
     @staticmethod
-    def _logprob_dict(seq: Sequence, logprobs: TokenLogprobs) -> dict[int, Logprob]:
-        """One token's logprobs as vLLM gives them: the token first, then the top ones, each with its text."""
-        decoded = seq.detokenizer.decode_each(logprobs.token_ids) if seq.detokenizer else \
+    def _logprob_dict(seq: Sequence, logprobs: TokenLogprobs, context: list[int]) -> dict[int, Logprob]:
+        """One token's logprobs as vLLM gives them: the token first, then the top ones, each with its text as the
+        token after context (the tokens before its position)."""
+        decoded = seq.detokenizer.decode_each(logprobs.token_ids, context) if seq.detokenizer else \
             [None] * len(logprobs.token_ids)
         return {t: Logprob(lp, rank, text) for t, lp, rank, text in
                 zip(logprobs.token_ids, logprobs.logprobs, logprobs.ranks, decoded)}
