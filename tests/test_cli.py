@@ -161,8 +161,9 @@ def test_help_states_the_sampling_and_engine_defaults(capsys, command):
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     model_or = "the model's generation_config.json, else "
-    for option, default in [("--temperature TEMPERATURE 0: greedy", model_or + "0.0"), ("--top-p TOP_P", model_or + "1.0"),
-                            ("--top-k TOP_K", model_or + "0"), ("--max-tokens MAX_TOKENS", model_or + "256"),
+    for option, default in [("--temperature TEMPERATURE 0: greedy", model_or + "0.0"),
+                            ("--top-p TOP_P", model_or + "1.0"), ("--top-k TOP_K", model_or + "0"),
+                            ("--max-tokens MAX_TOKENS", model_or + "256"),
                             ("--max-model-len MAX_MODEL_LEN", Config.max_model_len),
                             ("--device DEVICE", Config.device), ("--seed SEED", Config.seed)]:
         start = text.index(option, text.index("options:"))

@@ -62,10 +62,15 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
-        in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters)."""
+        in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, None or
+        zeros (requests are served first come, first served)."""
         check_no_lora(lora_request)
+        if priority is not None and any(value != 0 for value in priority):
+            raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass "
+                             "priority=None")
         return self.engine.generate(*self._requests(prompts, sampling_params), use_tqdm)
 
     def stream(self, prompts: Prompt | list[Prompt],

@@ -63,3 +63,5 @@ class CompletionDelta:
     logprobs: list[dict[int, Logprob]] | None = None  # of token_ids, when the request asked for logprobs
     error: str | None = None  # on the last delta of a request that a failure inside a step ended
     scheduled_time: float | None = None  # the request's RequestMetrics.first_scheduled_time (None: not yet)
+    # On a completion's last delta, where the request asked for them: RequestOutput.prompt_logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

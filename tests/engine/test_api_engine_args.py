@@ -136,6 +136,16 @@ def test_lora_request_none_is_taken_and_an_adapter_refused(folder, reference):
             call()
 
 
+def test_generate_takes_vllms_priority_of_zeros_and_refuses_others(folder, reference):
+    llm = LLM(str(folder), **ENGINE)
+    for priority in (None, [0]):
+        out = llm.generate([PROMPT], GREEDY, use_tqdm=False, priority=priority)[0]
+        assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"priority=\[1\]: requests are served first come, first served; pass "
+                                         "priority=None"):
+        llm.generate([PROMPT], GREEDY, priority=[1])
+
+
 def write_generation_config(folder, **fields):
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, **fields}))
 

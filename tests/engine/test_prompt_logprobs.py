@@ -132,8 +132,23 @@ def test_preempted_prompts_keep_each_prompt_logprob_once(model):
         check_against_hf(output.prompt_logprobs, model[1], prompt, 2)
 
 
-def test_streams_refuse_prompt_logprobs(llm):
-    with pytest.raises(ValueError, match="prompt_logprobs is not reported by streams"):
-        next(iter(llm.stream([[1, 2, 3]], SamplingParams(prompt_logprobs=1, max_tokens=2))))
-    with pytest.raises(ValueError, match="prompt_logprobs is not reported by streams"):
-        llm.llm_engine.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1, max_tokens=2), stream=True)
+def test_streams_give_the_prompt_logprobs_on_each_completions_last_delta(llm, model):
+    prompt = random_prompt(20, seed=50)
+    params = SamplingParams(prompt_logprobs=2, max_tokens=3, n=2, temperature=1.0, seed=1)
+    [reference] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    deltas = list(llm.stream([{"prompt_token_ids": prompt}], params))
+    last = [delta for delta in deltas if delta.finished]
+    assert sorted(delta.index for delta in last) == [0, 1]
+    assert all(delta.prompt_logprobs is None for delta in deltas if not delta.finished)
+    for delta in last:
+        assert delta.prompt_logprobs == reference.prompt_logprobs
+    check_against_hf(last[0].prompt_logprobs, model[1], prompt, 2)
+    engine = llm.llm_engine
+    request_id = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(prompt_logprobs=0, max_tokens=2),
+                                    stream=True)
+    taken = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        taken += engine.take_deltas()
+    [final] = [delta for delta in taken if delta.finished and delta.request_id == request_id]
+    check_against_hf(final.prompt_logprobs, model[1], prompt, 0)

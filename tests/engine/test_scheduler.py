@@ -142,3 +142,28 @@ def test_preempted_requests_finish_with_the_unconstrained_output():
     outputs = engine.generate(prompts, [SamplingParams(temperature=0, max_tokens=10)] * 4, use_tqdm=False)
     assert preempted
     assert [out.outputs[0].token_ids for out in outputs] == [reference_completion(p, 10) for p in prompts]
+
+
+def test_the_prefix_cache_counts_each_prompt_once_when_it_is_admitted():
+    """vLLM's prefix_cache_queries and _hits: a request that waits several steps for room, or is preempted and
+    comes back, counts its prompt (and the tokens it found cached) once."""
+    engine = fake_engine(num_kv_blocks=16, block_size=4, max_model_len=64)
+    blocks = engine.scheduler.block_manager
+    engine.generate([[7] * 20], [SamplingParams(temperature=0, max_tokens=1)], use_tqdm=False)  # caches 4 blocks of 7s
+    queried, hits = blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens
+    engine.add_request([1] * 40, SamplingParams(temperature=0, max_tokens=20))  # holds 15 of the 16 blocks at its end
+    engine.add_request([7] * 20 + [3] * 20, SamplingParams(temperature=0, max_tokens=1))  # waits for room
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 3  # the second request waited
+    # One of the 7s' cached blocks outlived the long request.
+    assert (blocks.num_prefix_queried_tokens - queried, blocks.num_prefix_hit_tokens - hits) == (80, 4)
+
+    engine = fake_engine(num_kv_blocks=10, block_size=4, max_model_len=40)
+    blocks = engine.scheduler.block_manager
+    engine.generate([[i + 1] * 12 for i in range(4)], [SamplingParams(temperature=0, max_tokens=25)] * 4,
+                    use_tqdm=False)
+    assert engine.scheduler.num_preemptions > 0
+    assert (blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens) == (48, 0)  # no two share a block

@@ -4,6 +4,7 @@ vLLM's grammar fields and logit_bias."""
 import json
 import re
 
+import httpx
 import openai
 import pytest
 
@@ -75,6 +76,30 @@ def test_sse_framing_with_n_choices(server, model):
     assert check_finish_reasons(token_chunks, 3) == {0: "length", 1: "length", 2: "length"}
     assert sum(len(chunk["choices"][0]["logprobs"]["content"]) for chunk in token_chunks[3:]) == 12
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+
+
+def test_include_usage_null_sends_no_usage_chunk(server, model):
+    """vLLM tests include_usage for truth: null asks for no usage chunk, as false does; left out, it asks for one."""
+    for options, wanted in [({"include_usage": None}, False), ({"include_usage": False}, False), ({}, True)]:
+        chunks = stream_events(server.base_url, "/v1/chat/completions",
+                               {"model": model, "messages": CAPITAL, "max_tokens": 2, "stream": True,
+                                "stream_options": options})
+        assert (chunks[-1]["choices"] == [] and "usage" in chunks[-1]) == wanted, options
+
+
+def test_an_empty_model_name_is_the_served_model_and_a_request_id_names_the_response(server, model):
+    """As vLLM: "model": "" is the served model (the openai client needs the argument); the response's id is the
+    X-Request-Id header's, else the body's request_id."""
+    body = {"model": "", "messages": CAPITAL, "max_tokens": 1}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["model"] == model
+    named = httpx.post(server.base_url + "/v1/chat/completions", json={**body, "request_id": "mine-1"}, timeout=60)
+    assert named.json()["id"] == "chatcmpl-mine-1"
+    headed = httpx.post(server.base_url + "/v1/completions", json={"model": "", "prompt": "Hi", "max_tokens": 1},
+                        headers={"X-Request-Id": "trace-7"}, timeout=60)
+    assert headed.status_code == 200 and headed.json()["id"] == "cmpl-trace-7"
+    assert httpx.post(server.base_url + "/v1/completions", json={"model": "other", "prompt": "Hi"},
+                      timeout=60).status_code == 404
 
 
 def test_continuous_usage_stats_count_each_choice_so_far(server, model):

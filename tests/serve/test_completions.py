@@ -108,9 +108,9 @@ def test_sse_framing_of_two_prompts_with_two_choices_each(server, model):
     without_usage = stream_events(server.base_url, "/v1/completions",
                                   {"model": model, "prompt": PROMPT, "max_tokens": 3, "stream": True})
     assert all(chunk["choices"] for chunk in without_usage) and without_usage[-1]["choices"][0]["finish_reason"]
-    # stream_options without include_usage asks for the usage chunk, as in vLLM, and so does null (this server's
-    # rule: a null field means its default); false does not.
-    for options, wanted in (({}, True), ({"include_usage": False}, False), ({"include_usage": None}, True)):
+    # stream_options without include_usage asks for the usage chunk, as in vLLM; false does not, nor does null
+    # (vLLM tests it for truth).
+    for options, wanted in (({}, True), ({"include_usage": False}, False), ({"include_usage": None}, False)):
         chunks = stream_events(server.base_url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 3,
                                                                     "stream": True, "stream_options": options})
         assert (chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3) == wanted, options
@@ -134,3 +134,54 @@ def test_continuous_usage_stats_count_each_choice_so_far(server, model, tokenize
     assert seen == {0: 5, 1: 5, 2: 5, 3: 5}
     body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
     assert all(chunk["usage"] is None for chunk in stream_events(server.base_url, "/v1/completions", body))
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_then_the_completions(client, model, tokenizer, reference_llm):
+    """vLLM's (lm-eval-harness's log-likelihood requests): echo, logprobs and max_tokens 0 give each prompt token's
+    logprob and top alternatives, the first token's null; with tokens to generate, theirs follow."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    [reference] = reference_llm.generate({"prompt_token_ids": prompt_ids},
+                                         SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    [choice] = response.choices
+    assert choice.text == PROMPT and response.usage.completion_tokens == 0
+    echoed = choice.logprobs
+    assert len(echoed.tokens) == len(prompt_ids) and "".join(echoed.tokens) == PROMPT
+    assert echoed.token_logprobs[0] is None and echoed.top_logprobs[0] is None
+    assert echoed.text_offset == [len("".join(echoed.tokens[:i])) for i in range(len(prompt_ids))]
+    for position in range(1, len(prompt_ids)):
+        expected = reference.prompt_logprobs[position]
+        assert echoed.token_logprobs[position] == pytest.approx(expected[prompt_ids[position]].logprob, abs=1e-3)
+        best = min(expected.values(), key=lambda lp: lp.rank)
+        assert echoed.top_logprobs[position][best.decoded_token] == pytest.approx(best.logprob, abs=1e-3)
+        assert len(echoed.top_logprobs[position]) <= 2
+    generated = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                          temperature=0)
+    [choice] = generated.choices
+    assert choice.text == PROMPT + greedy(client, model, max_tokens=3).choices[0].text
+    assert len(choice.logprobs.tokens) == len(prompt_ids) + 3 and generated.usage.completion_tokens == 3
+    assert choice.logprobs.token_logprobs[:len(prompt_ids)] == echoed.token_logprobs
+    assert all(isinstance(value, float) for value in choice.logprobs.token_logprobs[len(prompt_ids):])
+
+
+def test_prompt_logprobs_come_with_non_streamed_responses(client, model, tokenizer, reference_llm):
+    """vLLM's prompt_logprobs field: per prompt token (the first's null) its entry and the top ones by token id."""
+    prompt_ids = tokenizer.encode(PROMPT)
+    [reference] = reference_llm.generate({"prompt_token_ids": prompt_ids},
+                                         SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=1,
+                                         extra_body={"prompt_logprobs": 2})
+    entries = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for position in range(1, len(prompt_ids)):
+        expected = reference.prompt_logprobs[position]
+        assert set(entries[position]) == {str(token_id) for token_id in expected}
+        for token_id, lp in expected.items():
+            got = entries[position][str(token_id)]
+            assert (got["rank"], got["decoded_token"]) == (lp.rank, lp.decoded_token)
+            assert got["logprob"] == pytest.approx(lp.logprob, abs=1e-3)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    chat_entries = chat.model_extra["prompt_logprobs"]
+    assert chat_entries[0] is None and chat.usage.prompt_tokens == len(chat_entries)
+    assert all(len(entry) == 1 for entry in chat_entries[1:])

@@ -207,6 +207,26 @@ def test_two_calls_stream_with_their_own_indexes_and_one_finish_reason(client):
         ["Paris", "Oslo"]
 
 
+def test_parallel_tool_calls_false_keeps_a_replys_first_call(client):
+    """As vLLM: the reply's first call only, whole and streamed; tool_choice "required" is held to one call."""
+    two = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>\n' \
+          r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
+    model = client.models.list().data[0].id
+    fields = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0,
+                  parallel_tool_calls=False, extra_body={"structured_outputs": {"regex": two}})
+    whole = client.chat.completions.create(**fields)
+    assert [json.loads(call.function.arguments)["city"] for call in whole.choices[0].message.tool_calls] == ["Paris"]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = [call for chunk in client.chat.completions.create(**fields, stream=True) for choice in chunk.choices
+             for call in choice.delta.tool_calls or []]
+    assert [(call.index, json.loads(call.function.arguments)["city"]) for call in calls] == [(0, "Paris")]
+    assert required_calls_schema(TOOLS, one_call=True)["maxItems"] == 1
+    assert "maxItems" not in required_calls_schema(TOOLS)
+    required = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              max_tokens=80, temperature=0, parallel_tool_calls=False)
+    assert len(required.choices[0].message.tool_calls) == 1
+
+
 def test_tool_choice_required_gives_one_or_more_calls_of_the_tools(client):
     """tool_choice "required": the reply is held to a JSON array of calls of the request's tools (vLLM's schema),
     returned as tool_calls with finish_reason "tool_calls", whole and streamed alike; a tool that is not a function

@@ -63,9 +63,15 @@ class BlockManager:
                     break
                 self._ref(block_id)
                 self._append_block(seq, block_id)
-            self.num_prefix_queried_tokens += seq.num_tokens
-            self.num_prefix_hit_tokens += len(seq.block_table) * self.block_size
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def count_prefix_query(self, seq: Sequence):
+        """Count the prompt of a sequence admitted for the first time, and its tokens found in the cache, in the
+        prefix cache's queries and hits (vLLM's counters): once, however many steps it waited for room and however
+        often it is preempted later."""
+        if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
+            self.num_prefix_queried_tokens += seq.num_tokens
+            self.num_prefix_hit_tokens += seq.num_computed_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for seq's next num_new_tokens; False, changing nothing, when free blocks run out."""

@@ -152,8 +152,6 @@ class LLMEngine:
             if request_id is not None and (not isinstance(request_id, str) or self._id_in_use(request_id)):
                 raise ValueError(f"request_id must be a string that no unfinished request has, nor a finished one "
                                  f"whose output step() or take_deltas() has yet to return; got {request_id!r}")
-            if stream:
-                _check_streamable(params)
             request_id = self._queue(self.intake.validate(prompt, params), None, request_id)
             if arrival_time is not None:
                 self.requests[request_id].metrics.arrival_time = float(arrival_time)
@@ -284,11 +282,6 @@ class LLMEngine:
         All are validated before any is queued; closing the iterator early (or dropping it) aborts the unfinished
         ones, and so does a later generate() or stream() call on the engine."""
         owner = _Stream()
-        for i, request_params in enumerate(params):
-            try:
-                _check_streamable(request_params)
-            except ValueError as exc:
-                raise ValueError(f"request {i}: {exc}") from None
         with self._lock:
             request_ids = self._queue_all(prompts, params, owner)
             requests = [self.requests[request_id] for request_id in request_ids]
@@ -593,13 +586,6 @@ def _check_vllm_request_kwargs(lora_request, priority, kwargs: dict):
     given = [name for name, value in kwargs.items() if value is not None]
     if given:
         raise ValueError(f"{given[0]}: not taken by nanograph's add_request; pass {given[0]}=None")
-
-
-def _check_streamable(params):
-    """Deltas carry generated tokens only: a streamed request cannot ask for its prompt's logprobs."""
-    if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs is not reported by streams (stream(), add_request(stream=True)); "
-                         "use generate(), or step()'s outputs of add_request(stream=False)")
 
 
 def _masks_tokens(seq: Sequence) -> bool:

@@ -77,6 +77,7 @@ class Request:
             self._taken.append(CompletionDelta(self.request_id, i, text, token_ids, seq.is_finished,
                                                seq.finish_reason, seq.stop_reason, logprobs,
                                                self.error if seq.is_finished else None,
-                                               self.seqs[0].first_scheduled_time))
+                                               self.seqs[0].first_scheduled_time,
+                                               self.seqs[0].prompt_logprobs if seq.is_finished else None))
         deltas, self._taken = self._taken, []
         return deltas

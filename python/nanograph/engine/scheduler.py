@@ -113,6 +113,7 @@ class Scheduler:
                 break
             if seq.num_cached_tokens is None:  # its first admission (a preempted one comes back)
                 seq.num_cached_tokens = seq.num_computed_tokens
+                self.block_manager.count_prefix_query(seq)
                 seq.first_scheduled_time = time.time()
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -16,8 +15,9 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
-from .completions import api_logprob, token_label
-from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
+from .completions import token_label
+from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
+                      wants_continuous_usage, wants_usage_chunk, with_prompt_logprobs)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 from .tool_calls import (NO_PARAMETERS, RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls,
                          named_function, required_calls_schema)
@@ -56,6 +56,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
+    params = with_prompt_logprobs(params, request.prompt_logprobs, "prompt_logprobs")
     if tool_mode in ("named", "required"):
         if params.structured_outputs is not None:
             raise APIError(400, f"tool_choice {'naming a function' if function else 'required'} constrains the "
@@ -68,7 +69,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
             renames["structured_outputs.json"] = f"tools[{position}].function.parameters"  # the grammar's errors
         else:
             try:
-                schema = required_calls_schema(request.tools)
+                schema = required_calls_schema(request.tools, one_call=not request.parallel_tool_calls)
             except ValueError as exc:
                 raise APIError(400, str(exc), "tools", "invalid_value") from None
             renames["structured_outputs.json"] = "tools[*].function.parameters"
@@ -78,14 +79,15 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
             raise APIError(400, f"the functions' parameters are not a JSON schema the server takes: {exc}",
                            "tools", "invalid_value") from None
     parse_calls = {"auto": ToolCallStream, "required": RequiredCallStream}.get(tool_mode)
-    response_id, model = f"chatcmpl-{uuid.uuid4().hex}", served.name
+    max_calls = None if request.parallel_tool_calls else 1  # a reply's tool calls kept
+    response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
-                                           request.return_tokens_as_token_ids), stream.close)
+                                           request.return_tokens_as_token_ids, max_calls), stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
         """A choice's message, and whether it called tools."""
@@ -94,6 +96,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
         if parse_calls is ToolCallStream:
             content, calls = extract_tool_calls(text)
+            calls = calls[:max_calls]
             if calls:
                 content = echoed + content if content is not None else (echoed or None)
                 return ChatResponseMessage(role=role, content=content,
@@ -101,7 +104,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
         if parse_calls is RequiredCallStream:
             parser = RequiredCallStream()
             items = parser.feed(text) + parser.finish()
-            calls = [item[1].as_dict() for item in items if not isinstance(item, str)]
+            calls = [item[1].as_dict() for item in items if not isinstance(item, str)][:max_calls]
             if calls:
                 return ChatResponseMessage(role=role, content=echoed + "".join(
                     item for item in items if isinstance(item, str)), tool_calls=calls), True
@@ -119,7 +122,9 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
                                                              request.return_tokens_as_token_ids)
                                       if request.logprobs else None))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
-                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
+                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions)),
+                                      prompt_logprobs=api_prompt_logprobs(completions[0].prompt_logprobs)
+                                      if request.prompt_logprobs is not None else None)
 
     return await unless_disconnected(raw_request, complete())
 
@@ -153,12 +158,13 @@ def _finish_reason(called: bool, parse_calls: type | None, finish_reason: str) -
 async def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], n: int,
                   num_top: int, include_usage: bool, role: str, echoed: str,
                   continuous_usage: bool = False, parse_calls: type | None = None,
-                  named: str | None = None, as_token_ids: bool = False) -> AsyncIterator[str]:
+                  named: str | None = None, as_token_ids: bool = False,
+                  max_calls: int | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
     far. parse_calls: the class (ToolCallStream, RequiredCallStream) the text goes through, each call whole in one
     chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
-    logprobs name tokens by id."""
+    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all)."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -190,7 +196,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                         chunks[-1].content += item
                     else:
                         chunks.append(ChatDelta(content=item))
-                else:
+                elif max_calls is None or item[0] < max_calls:
                     call = {"index": item[0], **item[1].as_dict()}
                     if chunks and chunks[-1].tool_calls is not None:
                         chunks[-1].tool_calls.append(call)

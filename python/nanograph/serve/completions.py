@@ -3,7 +3,6 @@ or an SSE stream of chunks."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
@@ -12,7 +11,8 @@ from ..outputs import CompletionDelta, Logprob
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import ServedModel, usage, wants_continuous_usage, wants_usage_chunk
+from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
+                      wants_continuous_usage, wants_usage_chunk, with_prompt_logprobs)
 from .streaming import DONE, EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
@@ -20,9 +20,11 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     request = await parse_body(raw_request, CompletionRequest)
     served.check_model(request.model)
     include_usage = wants_usage_chunk(request)
-    if request.echo and request.logprobs is not None:
-        raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which this server does not compute; "
-                            "drop echo or logprobs", "echo", "invalid_value")
+    # vLLM's echo with logprobs: each choice's logprobs start with its prompt's (the first token's null).
+    echo_logprobs = request.echo and request.logprobs is not None
+    if echo_logprobs and request.stream:
+        raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which are served on non-streamed "
+                            "requests; set stream to false, or drop echo or logprobs", "echo", "invalid_value")
     served.check_supported(request)
     prompts, texts = await _prompts(served, request.prompt, request.add_special_tokens)
     kept = served.truncate(prompts, request)
@@ -31,12 +33,15 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     served.check_room(prompts, request.max_tokens, "max_tokens", "prompt")
     echo_only = request.echo and request.max_tokens == 0  # vLLM's: the prompts come back, and nothing is generated
     params = served.sampling_params(request, 1 if echo_only else request.max_tokens, request.logprobs)
+    asked = [k for k in (request.logprobs if echo_logprobs else None, request.prompt_logprobs) if k is not None]
+    params = with_prompt_logprobs(params, (-1 if -1 in asked else max(asked)) if asked else None,
+                                  "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
     if request.echo:
         served.check_token_ids(prompts, request)
     echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text
               for text, token_ids in zip(texts, prompts)] if request.echo else [""] * len(prompts)
-    response_id, model = f"cmpl-{uuid.uuid4().hex}", served.name
-    if echo_only:
+    response_id, model = make_response_id("cmpl", raw_request, request), served.name
+    if echo_only and params.prompt_logprobs is None:
         # The engine checks it as any request (a 400 where it would refuse one); nothing is generated.
         (await served.generate(request, prompts, params)).close()
         choices = [CompletionChoice(index=i, text=echoed[i // params.n], finish_reason="length")
@@ -54,16 +59,41 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     async def complete() -> CompletionResponse:
         stream = await served.generate(request, prompts, params)
         completions = await served.collect(stream, params.n)
-        choices = [CompletionChoice(index=i, text=echoed[i // params.n] + c.text, finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason,
-                                    logprobs=None if request.logprobs is None else
-                                    completion_logprobs(c.token_ids, c.logprobs, 0,
-                                                        request.return_tokens_as_token_ids)[0])
-                   for i, c in enumerate(completions)]
-        return CompletionResponse(id=response_id, model=model, choices=choices,
-                                  usage=usage(prompts, sum(len(c.token_ids) for c in completions)))
+        choices = []
+        for i, c in enumerate(completions):
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs, offset = CompletionLogprobs(), 0
+                if echo_logprobs:
+                    offset = await _echoed_prompt_logprobs(served, logprobs, prompts[i // params.n],
+                                                           c.prompt_logprobs, request.logprobs,
+                                                           request.return_tokens_as_token_ids)
+                if not echo_only:
+                    completion_logprobs(c.token_ids, c.logprobs, offset, request.return_tokens_as_token_ids, logprobs)
+            choices.append(CompletionChoice(
+                index=i, text=echoed[i // params.n] + ("" if echo_only else c.text),
+                finish_reason="length" if echo_only else c.finish_reason,
+                stop_reason=None if echo_only else c.stop_reason, logprobs=logprobs,
+                prompt_logprobs=api_prompt_logprobs(c.prompt_logprobs) if request.prompt_logprobs is not None
+                else None))
+        generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
+        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(prompts, generated))
 
     return await unless_disconnected(raw_request, complete())
+
+
+async def _echoed_prompt_logprobs(served: ServedModel, result: CompletionLogprobs, prompt: list[int],
+                                  entries: list[dict[int, Logprob] | None], k: int, as_token_ids: bool) -> int:
+    """An echoed prompt's tokens into result, as vLLM gives them: the first with no logprob and no alternatives,
+    each other with its logprob and the k most likely tokens; returns the text offset after them."""
+    first_text = await served.tokenized(served.tokenizer.decode, prompt[:1])
+    result.tokens.append(f"token_id:{prompt[0]}" if as_token_ids else first_text)
+    result.token_logprobs.append(None)
+    result.top_logprobs.append(None)
+    result.text_offset.append(0)
+    tops = [{token_id: lp for token_id, lp in entry.items() if token_id == target or lp.rank <= k}
+            for entry, target in zip(entries[1:], prompt[1:])]
+    return completion_logprobs(prompt[1:], tops, len(first_text), as_token_ids, result)[1]
 
 
 async def _prompts(served: ServedModel, prompt, add_special_tokens: bool) -> tuple[list[list[int]], list[str | None]]:
@@ -86,17 +116,13 @@ def token_label(token_id: int, logprob: Logprob, as_token_id: bool) -> str:
     return f"token_id:{token_id}" if as_token_id else logprob.decoded_token
 
 
-def api_logprob(logprob: float) -> float:
-    """A logprob as the API gives it: -inf (a token the request's constraints masked) as -9999.0, vLLM's floor, since
-    JSON has no infinity."""
-    return max(logprob, -9999.0)
-
-
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], text_offset: int,
-                        as_token_ids: bool = False) -> tuple[CompletionLogprobs, int]:
-    """The legacy logprobs object of these tokens (each token's top alternatives include it), and the text
-    offset after them (the offsets count the text, also where the tokens are named by id)."""
-    result = CompletionLogprobs()
+                        as_token_ids: bool = False, result: CompletionLogprobs | None = None
+                        ) -> tuple[CompletionLogprobs, int]:
+    """The legacy logprobs object of these tokens (each token's top alternatives include it; appended to result
+    where given), and the text offset after them (the offsets count the text, also where the tokens are named by
+    id)."""
+    result = CompletionLogprobs() if result is None else result
     for token_id, top in zip(token_ids, logprobs):
         sampled = top[token_id]
         result.tokens.append(token_label(token_id, sampled, as_token_ids))

@@ -43,8 +43,9 @@ class Request(BaseModel):
 
 
 class StreamOptions(Request):
-    # vLLM's default: stream_options given without include_usage asks for the usage chunk.
-    include_usage: bool = True
+    # vLLM's default: stream_options given without include_usage asks for the usage chunk (null: none, as vLLM
+    # tests it for truth).
+    include_usage: bool | None = True
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
@@ -73,7 +74,8 @@ class ResponseFormat(Request):
 
 class SamplingRequest(Request):
     """What completions and chat completions share: the model, streaming and the sampling fields."""
-    model: str | None = None  # None: the one this server serves
+    model: str | None = None  # None or "": the one this server serves (as vLLM)
+    request_id: str | None = None  # vLLM's: the response's id (after an X-Request-Id header)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -105,16 +107,18 @@ class SamplingRequest(Request):
     best_of: int | None = None  # None or n: more is a 400 (SamplingParams' message)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:{id}", not by its text
-    # vLLM's fields that this server does not implement: a 400 rather than silently ignored.
-    use_beam_search: bool = False
+    # vLLM's: each prompt token's logprob and the top ones (-1: all), on non-streamed requests.
     prompt_logprobs: int | None = None
+    # vLLM's field that this server does not implement: a 400 rather than silently ignored.
+    use_beam_search: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field asked for that this server cannot honour."""
         if self.use_beam_search:
             return "use_beam_search", "beam search is not served over HTTP; drop use_beam_search"
-        if self.prompt_logprobs is not None:
-            return "prompt_logprobs", "prompt logprobs are not served over HTTP; drop prompt_logprobs"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt logprobs are served on non-streamed requests; set stream to false, " \
+                                      "or drop prompt_logprobs"
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
@@ -218,6 +222,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None  # vLLM's: a Jinja template in place of the tokenizer's
     tools: list[dict] | None = None  # given to the chat template (tool_calls.py: what comes back)
     tool_choice: str | dict | None = None  # "none", "auto" (a tool-call parser) or a named function
+    parallel_tool_calls: bool = True  # false: a reply keeps its first tool call only (as vLLM)
     echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 
@@ -272,11 +277,23 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions' logprobs: per token its text, logprob, top alternatives and text offset."""
+    """Legacy completions' logprobs: per token its text, logprob, top alternatives and text offset (an echoed
+    prompt's first token has no logprob and no alternatives: null)."""
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry: a token's logprob, its rank and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (null for the first), its token and the top ones by token id.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -285,6 +302,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked for them
 
 
 class CompletionResponse(BaseModel):
@@ -332,6 +350,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, where the request asked for them
 
 
 class ChatDelta(BaseModel):

@@ -3,7 +3,9 @@ instance: the engine process detokenises with the engine's), the engine, and a r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -17,7 +19,7 @@ from ..sampling.grammar import StructuredOutputError
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
-from .protocol import ChatMessage, SamplingRequest, Usage
+from .protocol import ChatMessage, PromptLogprob, PromptLogprobs, SamplingRequest, Usage
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Completion:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # where the request asked for them
 
 
 class ServedModel:
@@ -55,7 +58,7 @@ class ServedModel:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     def check_model(self, model: str | None):
-        if model is not None and model not in self.names:
+        if model and model not in self.names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"{', '.join(f'`{name}`' for name in self.names)}", "model", "model_not_found")
 
@@ -188,11 +191,38 @@ class ServedModel:
                     completion.logprobs += delta.logprobs or []
                     if delta.finished:
                         completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
+                        completion.prompt_logprobs = delta.prompt_logprobs
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         finally:
             stream.close()
         return [completions[i] for i in sorted(completions)]
+
+
+def api_logprob(logprob: float) -> float:
+    """A logprob as the API gives it: -inf (a token the request's constraints masked) as -9999.0, vLLM's floor, since
+    JSON has no infinity."""
+    return max(logprob, -9999.0)
+
+
+def with_prompt_logprobs(params: SamplingParams, k: int | None, field_name: str) -> SamplingParams:
+    """params asking for k prompt logprobs (None: params as they are); a k SamplingParams refuses is a 400 naming
+    field_name."""
+    if k is None:
+        return params
+    try:
+        return dataclasses.replace(params, prompt_logprobs=k)
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("prompt_logprobs", field_name, 1), field_name, "invalid_value") from None
+
+
+def api_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """vLLM's prompt_logprobs of a response: each prompt token's entries by token id (the first token's null)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {token_id: PromptLogprob(logprob=api_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+             for token_id, lp in entry.items()} for entry in prompt_logprobs]
 
 
 def wants_usage_chunk(request: SamplingRequest) -> bool:
@@ -206,7 +236,13 @@ def wants_usage_chunk(request: SamplingRequest) -> bool:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options",
                            "invalid_value")
         return False
-    return options.include_usage
+    return bool(options.include_usage)
+
+
+def make_response_id(prefix: str, raw_request, request: SamplingRequest) -> str:
+    """A response's id, as vLLM makes it: the prefix and the client's X-Request-Id header, else the request's
+    request_id field, else a fresh uuid."""
+    return f"{prefix}-{raw_request.headers.get('X-Request-Id') or request.request_id or uuid.uuid4().hex}"
 
 
 # Errors the engine ends a request with that the request itself caused: a grammar llguidance cannot follow, or

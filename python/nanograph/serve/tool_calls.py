@@ -152,8 +152,9 @@ def named_function(tool_choice, tools: list[dict] | None) -> dict | None:
     raise ValueError(f"tool_choice names the function {name!r}, which is not among the request's tools")
 
 
-def required_calls_schema(tools: list[dict]) -> dict:
-    """tool_choice "required": the JSON schema of the reply, an array of at least one call of the tools. The
+def required_calls_schema(tools: list[dict], one_call: bool = False) -> dict:
+    """tool_choice "required": the JSON schema of the reply, an array of at least one call of the tools (exactly one
+    with one_call: parallel_tool_calls false). The
     parameters' "$defs" move to the schema's root, where their "$ref"s point (as vLLM's do). Raises ValueError
     naming a tool that is not a function, or two tools that define one name differently."""
     calls, defs = [], {}
@@ -173,7 +174,8 @@ def required_calls_schema(tools: list[dict]) -> dict:
         calls.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"]})
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, **({"maxItems": 1} if one_call else {}),
+              "items": {"type": "object", "anyOf": calls}}
     return {**schema, "$defs": defs} if defs else schema
 
 
