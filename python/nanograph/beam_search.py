@@ -23,7 +23,7 @@ class BeamSearchSequence:
     cum_logprob: float = 0.0  # of the generated tokens
     text: str | None = None  # the tokens' text (prompt included, as in vLLM); None without a tokenizer
     finish_reason: str | None = None  # "stop" (EOS) or "length" (max_tokens, or max_model_len)
-    stop_reason: int | str | None = None  # None, as for EOS in generate()
+    stop_reason: int | str | None = None  # None, as for the tokenizer's EOS in generate()
 
 
 @dataclass

@@ -150,6 +150,32 @@ def sweep_or_plot(args: argparse.Namespace):
         print(f"wrote {args.plot}", flush=True)
 
 
+def generate_or_chat(args: argparse.Namespace):
+    sampling_params(args)  # the options' values are checked before the model loads
+    if args.command == "chat" and args.prompt is not None and args.prompt.strip() in END_COMMANDS:
+        raise ValueError(f"the message {args.prompt!r} is empty (or ends a chat): give the message to answer, or "
+                         "leave it out to chat on stdin")
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params(args, llm.engine.sampling_defaults)
+    if llm.tokenizer is None:
+        needs = "a tokenizer for its text prompt" if args.command == "generate" else "a tokenizer"
+        raise ValueError(f"{args.command} needs {needs}, and the model folder has none: add its tokenizer files to "
+                         "the folder, or name a folder that holds them with --tokenizer")
+    write = flushing_writer(sys.stdout)
+    try:
+        if args.command == "generate":
+            stream_text(llm, args.prompt, params, write)
+            write("\n")
+        else:
+            messages = [args.prompt] if args.prompt is not None else read_lines(sys.stdin, sys.stdout)
+            chat(llm, params, messages, write, args.system_prompt)
+    except BrokenPipeError:
+        # The reader went away (`nanograph generate ... | head`): stop as a Unix tool does, without an error line.
+        # Python's own flush of stdout at exit would fail again, so stdout becomes /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None):
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -159,28 +185,7 @@ def main(argv: list[str] | None = None):
         elif args.command == "bench":
             bench(args)
         else:
-            sampling_params(args)  # the options' values are checked before the model loads
-            if args.command == "chat" and args.prompt is not None and args.prompt.strip() in END_COMMANDS:
-                raise ValueError(f"the message {args.prompt!r} is empty (or ends a chat): give the message to answer, "
-                                 "or leave it out to chat on stdin")
-            llm = LLM(args.model, **engine_kwargs(args))
-            params = sampling_params(args, llm.engine.sampling_defaults)
-            write = flushing_writer(sys.stdout)
-            if llm.tokenizer is None:
-                needs = "a tokenizer for its text prompt" if args.command == "generate" else "a tokenizer"
-                raise ValueError(f"{args.command} needs {needs}, and the model folder has none: add its tokenizer "
-                                 "files to the folder, or name a folder that holds them with --tokenizer")
-            if args.command == "generate":
-                stream_text(llm, args.prompt, params, write)
-                write("\n")
-            else:
-                messages = [args.prompt] if args.prompt is not None else read_lines(sys.stdin, sys.stdout)
-                chat(llm, params, messages, write, args.system_prompt)
-    except BrokenPipeError:
-        # The reader went away (`nanograph generate ... | head`): stop as a Unix tool does, without an error line.
-        # Python's own flush of stdout at exit would fail again, so stdout becomes /dev/null first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+            generate_or_chat(args)
     except (ValueError, OSError, RuntimeError) as exc:
         # What a user can fix (a model folder or file, a device, an argument) is one line, not a traceback.
         parser.error(str(exc))

@@ -68,10 +68,11 @@ class LLM:
         in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, None or
         zeros (requests are served first come, first served)."""
         check_no_lora(lora_request)
-        if priority is not None and any(value != 0 for value in priority):
+        prompts, params = self._requests(prompts, sampling_params)
+        if priority is not None and (len(priority) != len(prompts) or any(value != 0 for value in priority)):
             raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass "
                              "priority=None")
-        return self.engine.generate(*self._requests(prompts, sampling_params), use_tqdm)
+        return self.engine.generate(prompts, params, use_tqdm)
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -28,7 +28,7 @@ class CompletionOutput:
     cumulative_logprob: float | None  # None unless logprobs were requested
     logprobs: list[dict[int, Logprob]] | None  # per generated token: the sampled token and the top ones
     finish_reason: str | None = None  # "stop" (EOS, a stop token or string), "length", "abort"; None: running
-    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS and length
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for the tokenizer's EOS, length
 
     def finished(self) -> bool:
         return self.finish_reason is not None

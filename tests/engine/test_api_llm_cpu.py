@@ -120,6 +120,16 @@ def test_logprob_texts_of_a_character_split_over_tokens_are_whole(tokenizer):
     assert detokenizer.decode_each([token_ids[1], grin[1]], prompt + token_ids[:1]) == [" 😀", " 😁"]
 
 
+def test_a_logprob_text_after_garbled_bytes_is_its_own_not_the_contexts(tokenizer):
+    """Tokens of broken characters before a token that completes one of them (found by a random search over
+    SmolLM2's partial-character tokens): its text holds none of the earlier, complete text."""
+    context = tokenizer.encode("<|im_end|> Hello", add_special_tokens=False) + [21826, 11099, 177, 125]
+    assert all("\ufffd" in tokenizer.decode([token_id]) for token_id in context[-4:] + [245])
+    detokenizer = IncrementalDetokenizer(tokenizer, [1, 2], SamplingParams())
+    [text] = detokenizer.decode_each([245], context)
+    assert "Hello" not in text and text.endswith("\u6c1b")  # 氛, completed by the token
+
+
 def test_prompt_logprob_texts_of_a_character_split_over_tokens_are_whole(llm, tokenizer):
     token_ids = tokenizer.encode("Hi 😀 中", add_special_tokens=False)
     [output] = llm.generate({"prompt_token_ids": token_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0),

@@ -3,6 +3,8 @@ counts the tokenizer's tokens, finish reasons, n choices, seeds, logprobs equal 
 import pytest
 
 from nanograph import SamplingParams
+from nanograph.outputs import Logprob
+from nanograph.serve.completions import top_entries
 
 from .sse import check_finish_reasons, stream_events
 
@@ -162,6 +164,11 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_then_the_completions(clie
     assert len(choice.logprobs.tokens) == len(prompt_ids) + 3 and generated.usage.completion_tokens == 3
     assert choice.logprobs.token_logprobs[:len(prompt_ids)] == echoed.token_logprobs
     assert all(isinstance(value, float) for value in choice.logprobs.token_logprobs[len(prompt_ids):])
+    [alone] = client.completions.create(model=model, prompt=prompt_ids[:1], max_tokens=0, echo=True,
+                                        logprobs=1).choices
+    assert alone.logprobs.tokens == [tokenizer.decode(prompt_ids[:1])] and alone.logprobs.token_logprobs == [None]
+    top = {token_id: Logprob(-float(rank), rank, str(token_id)) for token_id, rank in ((5, 1), (6, 2), (7, 40))}
+    assert list(top_entries(top, 7, 1)) == [5, 7] and list(top_entries(top, 7, -1)) == [5, 6, 7]
 
 
 def test_prompt_logprobs_come_with_non_streamed_responses(client, model, tokenizer, reference_llm):

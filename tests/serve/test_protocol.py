@@ -20,3 +20,13 @@ def test_response_format_takes_its_schema_as_schema_or_json_schema():
         request = CompletionRequest.model_validate(
             {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", key: schema}}})
         assert request.sampling_params(4, None).structured_outputs.json == schema
+
+
+def test_null_parallel_tool_calls_and_include_usage_are_false_as_vllm_tests_them():
+    """vLLM keeps a reply's first call unless parallel_tool_calls is true, and sends the usage chunk only where
+    include_usage is true; null is kept (not the default), so that both read as false."""
+    from nanograph.serve.protocol import ChatCompletionRequest
+    request = ChatCompletionRequest.model_validate({"messages": [], "parallel_tool_calls": None, "stream": True,
+                                                    "stream_options": {"include_usage": None}})
+    assert request.parallel_tool_calls is None and request.stream_options.include_usage is None
+    assert ChatCompletionRequest.model_validate({"messages": []}).parallel_tool_calls is True

@@ -7,6 +7,8 @@ character left incomplete). Without stop strings nothing needs the text token by
 read: one decode per read instead of one per token keeps detokenisation off the per-step path of large batches."""
 from __future__ import annotations
 
+import os
+
 from ..sampling_params import SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5
@@ -99,7 +101,7 @@ class IncrementalDetokenizer:
             if "\ufffd" not in text:
                 continue
             whole = self._decode(before + context[start:] + [token_id], {})
-            text = whole[len(before_text):] if whole.startswith(before_text) else whole
+            text = whole[len(os.path.commonprefix([whole, before_text])):]
             texts[i] = "" if text.endswith("\ufffd") else text
         return texts
 

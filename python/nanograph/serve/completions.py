@@ -74,8 +74,7 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
                 index=i, text=echoed[i // params.n] + ("" if echo_only else c.text),
                 finish_reason="length" if echo_only else c.finish_reason,
                 stop_reason=None if echo_only else c.stop_reason, logprobs=logprobs,
-                prompt_logprobs=api_prompt_logprobs(c.prompt_logprobs) if request.prompt_logprobs is not None
-                else None))
+                prompt_logprobs=api_prompt_logprobs(c.prompt_logprobs)))
         generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
         return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(prompts, generated))
 
@@ -85,15 +84,21 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
 async def _echoed_prompt_logprobs(served: ServedModel, result: CompletionLogprobs, prompt: list[int],
                                   entries: list[dict[int, Logprob] | None], k: int, as_token_ids: bool) -> int:
     """An echoed prompt's tokens into result, as vLLM gives them: the first with no logprob and no alternatives,
-    each other with its logprob and the k most likely tokens; returns the text offset after them."""
+    each other with its logprob and the k most likely tokens (-1: all); returns the text offset after them."""
     first_text = await served.tokenized(served.tokenizer.decode, prompt[:1])
+    if first_text.endswith("\ufffd"):
+        first_text = ""  # the first bytes of a character, whose text the token completing it gives
     result.tokens.append(f"token_id:{prompt[0]}" if as_token_ids else first_text)
     result.token_logprobs.append(None)
     result.top_logprobs.append(None)
     result.text_offset.append(0)
-    tops = [{token_id: lp for token_id, lp in entry.items() if token_id == target or lp.rank <= k}
-            for entry, target in zip(entries[1:], prompt[1:])]
+    tops = [top_entries(entry, target, k) for entry, target in zip(entries[1:], prompt[1:])]
     return completion_logprobs(prompt[1:], tops, len(first_text), as_token_ids, result)[1]
+
+
+def top_entries(entry: dict[int, Logprob], token_id: int, k: int) -> dict[int, Logprob]:
+    """A position's logprobs cut to its token and the k most likely (-1: all)."""
+    return {top_id: lp for top_id, lp in entry.items() if top_id == token_id or k == -1 or lp.rank <= k}
 
 
 async def _prompts(served: ServedModel, prompt, add_special_tokens: bool) -> tuple[list[list[int]], list[str | None]]:

@@ -265,7 +265,7 @@ def unavailable(exc: EngineUnavailable) -> APIError:
 def wants_continuous_usage(request: SamplingRequest) -> bool:
     """vLLM's stream_options.continuous_usage_stats, which counts only beside include_usage."""
     options = request.stream_options
-    return options is not None and options.include_usage and options.continuous_usage_stats
+    return options is not None and bool(options.include_usage) and options.continuous_usage_stats
 
 
 def usage(prompts: list[list[int]], num_completion_tokens: int) -> Usage:
