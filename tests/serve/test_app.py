@@ -174,6 +174,8 @@ def test_chat_error_bodies(server, body, status, param, message):
     ({"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search", "beam search is not served"),
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
      "prompt logprobs are served on non-streamed requests"),
+    ({"prompt": "hi", "prompt_logprobs": -2}, 400, "prompt_logprobs",
+     "prompt_logprobs must be non-negative or -1, got -2"),
     ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": None}, 400, "prompt", "leaves no room for output"),
     ({"prompt": [1] * MAX_MODEL_LEN, "max_tokens": 1}, 400, "max_tokens", "leaves no room for output"),
     ({"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "truncate_prompt_tokens must be"),

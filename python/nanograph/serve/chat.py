@@ -17,7 +17,7 @@ from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCom
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
-                      wants_continuous_usage, wants_usage_chunk, with_prompt_logprobs)
+                      wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 from .tool_calls import (NO_PARAMETERS, RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls,
                          named_function, required_calls_schema)
@@ -56,7 +56,7 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     num_top = request.top_logprobs or 0
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
-    params = with_prompt_logprobs(params, request.prompt_logprobs, "prompt_logprobs")
+    params = served.with_prompt_logprobs(request, params, request.prompt_logprobs)
     if tool_mode in ("named", "required"):
         if params.structured_outputs is not None:
             raise APIError(400, f"tool_choice {'naming a function' if function else 'required'} constrains the "

@@ -12,7 +12,7 @@ from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
-                      wants_continuous_usage, wants_usage_chunk, with_prompt_logprobs)
+                      wants_continuous_usage, wants_usage_chunk)
 from .streaming import DONE, EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
 
@@ -34,8 +34,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     echo_only = request.echo and request.max_tokens == 0  # vLLM's: the prompts come back, and nothing is generated
     params = served.sampling_params(request, 1 if echo_only else request.max_tokens, request.logprobs)
     asked = [k for k in (request.logprobs if echo_logprobs else None, request.prompt_logprobs) if k is not None]
-    params = with_prompt_logprobs(params, (-1 if -1 in asked else max(asked)) if asked else None,
-                                  "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
+    params = served.with_prompt_logprobs(request, params, (-1 if -1 in asked else max(asked)) if asked else None,
+                                         "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
     if request.echo:
         served.check_token_ids(prompts, request)
     echoed = [await served.tokenized(served.tokenizer.decode, token_ids) if text is None else text

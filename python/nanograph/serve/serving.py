@@ -163,6 +163,18 @@ class ServedModel:
         except (ValueError, TypeError) as exc:
             raise invalid_value(exc, request, renames) from None
 
+    @staticmethod
+    def with_prompt_logprobs(request: SamplingRequest, params: SamplingParams, k: int | None,
+                             field_name: str = "prompt_logprobs") -> SamplingParams:
+        """params asking for k prompt logprobs (None: params as they are); a k SamplingParams refuses is a 400
+        naming field_name, the request's field that asked for them."""
+        if k is None:
+            return params
+        try:
+            return dataclasses.replace(params, prompt_logprobs=k)
+        except (ValueError, TypeError) as exc:
+            raise invalid_value(exc, request, {"prompt_logprobs": field_name}) from None
+
     async def generate(self, request: SamplingRequest, prompts: list[list[int]], params: SamplingParams,
                        renames: dict[str, str] | None = None) -> RequestStream:
         """One engine request per prompt; the engine's validation errors are 400s."""
@@ -203,17 +215,6 @@ def api_logprob(logprob: float) -> float:
     """A logprob as the API gives it: -inf (a token the request's constraints masked) as -9999.0, vLLM's floor, since
     JSON has no infinity."""
     return max(logprob, -9999.0)
-
-
-def with_prompt_logprobs(params: SamplingParams, k: int | None, field_name: str) -> SamplingParams:
-    """params asking for k prompt logprobs (None: params as they are); a k SamplingParams refuses is a 400 naming
-    field_name."""
-    if k is None:
-        return params
-    try:
-        return dataclasses.replace(params, prompt_logprobs=k)
-    except ValueError as exc:
-        raise APIError(400, str(exc).replace("prompt_logprobs", field_name, 1), field_name, "invalid_value") from None
 
 
 def api_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
