@@ -83,7 +83,8 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     ({"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs=50 is more than max_logprobs=20"),
     ({"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "max_tokens: Input should be a valid integer"),
     ({"prompt": "hi", "seed": 2**63}, 400, "seed", "seed: Input should be less than or equal to 9223372036854775807"),
-    ({"prompt": "hi", "stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean"),
+    ({"prompt": "hi", "stream": "maybe"}, 400, "stream", "stream: Input should be a valid boolean"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop", "stop: Input should be a valid string"),
     ({"max_tokens": 2}, 400, "prompt", "prompt: Field required"),
     ({"prompt": [1] * 600}, 400, "prompt", f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, "
      "your request has 600 input tokens, more than it can hold; shorten the prompt"),
@@ -110,6 +111,22 @@ def test_completion_error_bodies(server, body, status, param, message):
     error = error_of(post(server, "/v1/completions", body), status)
     assert message in error["message"] and error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+def test_fields_coerce_as_vllm_coerces_them(server, tokenizer):
+    """Numbers and booleans written as strings, and whole floats for ints, mean their values (pydantic's lax rules,
+    which vLLM's request models follow)."""
+    plain = post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+                                             "logprobs": 1})
+    coerced = post(server, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": "4",
+                                               "temperature": "0", "logprobs": 1.0, "stream": "false"})
+    assert plain.status_code == coerced.status_code == 200, coerced.text
+    choice, coerced_choice = plain.json()["choices"][0], coerced.json()["choices"][0]
+    assert coerced_choice["text"] == choice["text"] and coerced.json()["usage"]["completion_tokens"] == 4
+    assert coerced_choice["logprobs"]["tokens"] == choice["logprobs"]["tokens"]
+    chat = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3.0,
+                                                  "top_p": "0.9", "seed": "7", "stream": "true"})
+    assert chat.status_code == 200 and chat.text.rstrip().endswith("data: [DONE]"), chat.text
 
 
 @pytest.mark.parametrize("body, status, param, message", [
@@ -298,6 +315,14 @@ def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):
     raw = {**AUTH, "Content-Type": "application/json"}
     error = error_of(httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": ', headers=raw), 400)
     assert error["code"] == "invalid_json" and "not valid JSON" in error["message"]
+    # JSON whose string escapes half a surrogate pair: valid syntax, but not text.
+    for prompt in (rb"a\ud83d b", rb"\ude00", rb"a\ud83d\ud83d\ude00"):
+        error = error_of(httpx.post(server.base_url + "/v1/completions", content=b'{"prompt": "' + prompt + b'"}',
+                                    headers=raw), 400)
+        assert error["code"] == "invalid_json" and "lone surrogate" in error["message"], error
+    paired = httpx.post(server.base_url + "/v1/completions", headers=raw,
+                        content=rb'{"prompt": "\ud83d\ude00", "max_tokens": 1}')
+    assert paired.status_code == 200, paired.text
     error = error_of(httpx.post(server.base_url + "/v1/completions", content=b'prompt=hi',
                                 headers={**AUTH, "Content-Type": "text/plain"}), 400)
     assert "Content-Type must be application/json, got 'text/plain'" in error["message"]

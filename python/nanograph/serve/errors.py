@@ -2,6 +2,7 @@
 body's JSON or schema, the engine's validation), a wrong key, an unknown model or route, and engine failures."""
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -18,6 +19,9 @@ logger = logging.getLogger("nanograph.serve")
 ERROR_TYPES = {401: "authentication_error", 500: "server_error", 503: "server_error"}  # else invalid_request_error
 CLIENT_CLOSED_REQUEST = 499  # the status of a response nobody reads: the client left first
 _UNION_TAGS = {"str", "int", "float", "bool"}  # what pydantic adds to a location inside a union member
+# A \uXXXX escape of a high surrogate not followed by a low one, or a low one not after a high one.
+_LONE_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 class APIError(Exception):
@@ -59,6 +63,11 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
+            lone = _LONE_SURROGATE.search(body.decode("utf-8", "replace")) if _python_json_reads(body) else None
+            if lone:  # valid JSON syntax, but its text is not Unicode (pydantic's parser calls it a bad escape)
+                raise APIError(400, f"the request body's JSON escapes a lone surrogate ({lone.group(0)}), which is not "
+                                    "text; send the character itself in UTF-8, or both halves of its surrogate pair",
+                               code="invalid_json")
             raise APIError(400, f"the request body is not valid JSON: {errors[0]['msg']}", code="invalid_json")
         path = ".".join(str(part) for part in errors[0]["loc"]
                         if isinstance(part, int) or (part.isidentifier() and part not in _UNION_TAGS))
@@ -68,6 +77,14 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     if parsed.model_extra:
         logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(parsed.model_extra)))
     return parsed
+
+
+def _python_json_reads(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except ValueError:
+        return False
+    return True
 
 
 def add_error_handlers(app: FastAPI):

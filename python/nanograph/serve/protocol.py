@@ -1,7 +1,8 @@
 """The OpenAI API's request and response bodies (with vLLM's extra sampling fields), as pydantic models.
 
-Requests are validated strictly (2.0 is not an int, "true" not a bool); a null field means its default (OpenAI's
-schema allows null for every optional field, and vLLM takes it). Unknown fields are accepted and ignored, as vLLM
+Requests are validated as vLLM validates them, by pydantic's default (lax) rules: "0.7" is a float, "16" and 2.0 are
+ints, "true" is a bool, but 2.5 is not an int and 5 is not a string; a null field means its default (OpenAI's schema
+allows null for every optional field, and vLLM takes it). Unknown fields are accepted and ignored, as vLLM
 does, and the handler logs their names."""
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def _admits_none(annotation) -> bool:
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
