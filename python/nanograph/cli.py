@@ -176,9 +176,23 @@ def generate_or_chat(args: argparse.Namespace):
         sys.exit(1)
 
 
+def dashed_options(argv: list[str]) -> list[str]:
+    """Options spelled with underscores (--max_model_len 4096, --max_model_len=4096) as their dashed names, as vLLM's
+    command line takes them; nothing after a bare "--" changes."""
+    out = []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[index:]
+        if arg.startswith("--"):
+            name, equals, value = arg.partition("=")
+            arg = "--" + name[2:].replace("_", "-") + equals + value
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None):
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_options(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "serve":
             serve_command.serve(args)

@@ -3,18 +3,36 @@ the sampling options (chat, generate), each declared once, with what each become
 from __future__ import annotations
 
 import argparse
+import re
 
 from .config import Config
 from .sampling_params import SamplingParams
 
 MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
 
+def human_readable_int(text: str) -> int:
+    """A token count as vLLM's command line reads it: 4096, 32k (32,000), 25.6k (25,600), 32K (32,768), 1m, 1M."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (such as 4096, 32k or 32K)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** "kmg".index(suffix) * 1000)
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) * 1024 ** ("KMG".index(suffix) + 1)
+
+
 # Config field -> (type, help). An option left out is absent from the parsed arguments, so that the Config default
 # (or a benchmark's own) applies.
 ENGINE_OPTIONS = {
     "device": (str, "auto, cuda, cpu, or torch:<torch device>"),
     "dtype": (str, "auto, bfloat16, float16 or float32 (the cuda device runs bfloat16)"),
-    "max_model_len": (int, "the longest prompt plus output, in tokens"),
+    "max_model_len": (human_readable_int, "the longest prompt plus output, in tokens (32k: 32,000; 32K: 32,768)"),
     "max_num_seqs": (int, "sequences in one step at most"),
     "gpu_memory_utilization": (float, "share of the GPU's memory the engine may use, KV cache included"),
     "seed": (int, "the engine's sampling seed"),
@@ -24,7 +42,7 @@ ENGINE_OPTIONS = {
                             "scale per layer, twice the tokens of bf16"),
     "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
                                   "or torch:<torch device>)"),
-    "max_num_batched_tokens": (int, "tokens in one step at most (a longer prompt is prefilled in chunks)"),
+    "max_num_batched_tokens": (human_readable_int, "tokens in one step at most (a longer prompt is prefilled in chunks)"),
     "max_logprobs": (int, "the most top logprobs a request may ask for; -1: no limit"),
     "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
     "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),

@@ -32,18 +32,51 @@ def module_server(tmp_path_factory, *args: str):
     assert code == 0, f"nanograph serve exited with {code} after SIGTERM:\n{server.log()[-4000:]}"
 
 
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment of a server subprocess: this nanograph first on its path."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(nanograph.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")]), **extra)
+
+
+def serve_command(port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "nanograph.cli", "serve", "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN),
+            "--port", str(port), *args]
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The engine processes (multiprocessing's spawned children) of the server with process id pid (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie left."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 class ServerProcess:
-    def __init__(self, log_path: Path, *args: str):
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(nanograph.__file__).parents[1]),
-                                                           os.environ.get("PYTHONPATH", "")]))
-        command = [sys.executable, "-m", "nanograph.cli", "serve", "--device", "cpu", "--max-model-len",
-                   str(MAX_MODEL_LEN), "--port", str(self.port), *args]
         with open(log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_healthy()
+            self.process = subprocess.Popen(serve_command(self.port, *args), stdout=log, stderr=subprocess.STDOUT,
+                                            env=env or server_env())
+        if wait:
+            self._wait_healthy()
 
     def _wait_healthy(self):
         deadline = time.monotonic() + START_SECONDS

@@ -67,7 +67,10 @@ def test_models_version_tokenize_detokenize(server, client, tokenizer):
     text = "Hello 😀 world"
     tokens = post(server, "/tokenize", {"prompt": text}).json()
     assert tokens == {"count": len(tokenizer.encode(text)), "max_model_len": MAX_MODEL_LEN,
-                      "tokens": tokenizer.encode(text)}
+                      "tokens": tokenizer.encode(text), "token_strs": None}
+    with_strs = post(server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert with_strs["tokens"] == tokens["tokens"]
+    assert with_strs["token_strs"] == tokenizer.convert_ids_to_tokens(tokens["tokens"])
     assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
     messages = [{"role": "user", "content": "Hi"}]
     chat = post(server, "/tokenize", {"messages": messages}).json()
@@ -340,8 +343,13 @@ def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):
 def test_response_role_streams_and_root_path(server, client):
     """--response-role names a streamed chat reply's role too (test_a_custom_role_reaches_the_chat_template: the
     whole reply's, and a continued message's own); --root-path is the prefix a proxy adds, which the OpenAPI
-    document gives while the routes stay where they are."""
+    document gives, and each route answers with or without it (as vLLM's)."""
     messages = [{"role": "user", "content": "Hi"}]
     chunks = list(client.chat.completions.create(model="smol", messages=messages, max_tokens=2, stream=True))
     assert chunks[0].choices[0].delta.role == "narrator"
     assert httpx.get(server.base_url + "/openapi.json").json()["servers"] == [{"url": "/behind-proxy"}]
+    # A proxy that passes the prefix on reaches the same routes.
+    for path in ("/behind-proxy/v1/models", "/v1/models"):
+        response = httpx.get(server.base_url + path, headers=AUTH, timeout=10)
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "smol", (path, response.text)
+    assert httpx.get(server.base_url + "/behind-proxy/health", timeout=10).status_code == 200

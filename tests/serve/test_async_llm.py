@@ -292,3 +292,31 @@ def test_a_defect_in_the_output_reader_fails_streams_and_new_requests_instead_of
     assert not async_llm.is_running
     async_llm.join(10)
     assert not async_llm._process.is_alive()
+
+
+def test_api_keys_root_path_request_ids_and_docs(shared):
+    """vLLM's app options: any of several keys opens /v1 and an empty key asks none; a root path routes with or
+    without its prefix; X-Request-Id on every response when asked (the request's own, else a new one); the docs
+    pages can be turned off."""
+    served = ServedModel(shared, "fake", FakeTokenizer())
+
+    async def get(app, path, headers=None):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await client.get(path, headers=headers or {})
+
+    app = build_app(served, ["first", "", "second"], root_path="/api", request_id_headers=True, docs=False)
+    for key, status in [("first", 200), ("second", 200), ("", 401), ("third", 401)]:
+        assert asyncio.run(get(app, "/v1/models", {"Authorization": f"Bearer {key}"})).status_code == status, key
+    for path in ("/v1/models", "/api/v1/models"):
+        response = asyncio.run(get(app, path, {"Authorization": "Bearer second", "X-Request-Id": "abc-1"}))
+        assert response.status_code == 200 and response.json()["data"][0]["id"] == "fake", path
+        assert response.headers["X-Request-Id"] == "abc-1"
+    generated = asyncio.run(get(app, "/health")).headers["X-Request-Id"]
+    assert len(generated) == 32 and generated != asyncio.run(get(app, "/health")).headers["X-Request-Id"]
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert asyncio.run(get(app, path)).status_code == 404, path
+
+    open_app = build_app(served, [""])
+    response = asyncio.run(get(open_app, "/v1/models"))
+    assert response.status_code == 200 and "X-Request-Id" not in response.headers
+    assert asyncio.run(get(open_app, "/openapi.json")).status_code == 200

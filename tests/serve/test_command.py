@@ -161,3 +161,36 @@ def test_the_content_format_flag_reaches_the_servers_rendering(capsys):
                              content_format=content_format)
         rendered[content_format] = tokenizer.decode(served.render_chat_now(request.messages, request))
     assert rendered == {"auto": "[user]hi;", "string": "[user];;"}
+
+
+def test_vllms_spellings_of_numbers_and_flags(monkeypatch):
+    """Token counts as 32k / 32K, options with underscores, several API keys (an empty one left out at serve time),
+    and vLLM's logging and app flags."""
+    from nanograph.cli import build_parser, dashed_options
+    from nanograph.cli_options import engine_kwargs, human_readable_int
+
+    assert [human_readable_int(text) for text in ("4096", "32k", "25.6k", "32K", "1m", "2M", " 8k ")] == \
+        [4096, 32000, 25600, 32768, 10 ** 6, 2 * 2 ** 20, 8000]
+    for bad in ("1.5K", "32kb", "k", "4096.0"):
+        with pytest.raises(Exception, match="whole number|binary suffix"):
+            human_readable_int(bad)
+    argv = dashed_options(["serve", "MODEL", "--max_model_len", "32K", "--max_num_batched_tokens=2k",
+                           "--api_key", "one", "two", "--enable-log-requests", "--disable-uvicorn-access-log",
+                           "--enable-request-id-headers", "--disable-fastapi-docs"])
+    args = build_parser().parse_args(argv)
+    assert engine_kwargs(args) == {"max_model_len": 32768, "max_num_batched_tokens": 2000}
+    assert args.api_key == ["one", "two"] and args.disable_log_requests and args.disable_uvicorn_access_log
+    assert args.enable_request_id_headers and args.disable_fastapi_docs
+    assert dashed_options(["generate", "--", "--not_an_option"]) == ["generate", "--", "--not_an_option"]
+    monkeypatch.delenv("NANOGRAPH_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == ["from-env"]
+    monkeypatch.setenv("NANOGRAPH_API_KEY", "ours")
+    assert build_parser().parse_args(["serve"]).api_key == ["ours"]
+
+
+def test_a_model_taken_as_an_api_key_is_one_error_line(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--api-key", "k", str(tmp_path), "--device", "cpu"])
+    assert str(exit_info.value).startswith(f"nanograph serve: --api-key took ['{tmp_path}'] as keys too; give the "
+                                           "model first")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
@@ -21,8 +22,14 @@ from .serving import ServedModel
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 
 
-def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
-    """cors: CORSMiddleware's keyword arguments (allow_origins, allow_methods, ...); None: no CORS headers."""
+def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict | None = None,
+              root_path: str = "", request_id_headers: bool = False, docs: bool = True) -> FastAPI:
+    """api_keys: a /v1 request must bring one of them (empty keys are left out, as vLLM does: none left, no key is
+    asked). cors: CORSMiddleware's keyword arguments (allow_origins, allow_methods, ...); None: no CORS headers.
+    root_path: the prefix a proxy may leave on the paths (/api/v1/models and /v1/models are then the same route).
+    request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
+    /redoc and /openapi.json."""
+    keys = [key.encode() for key in api_keys or () if key]
     async_llm = served.async_llm
 
     @asynccontextmanager
@@ -31,17 +38,28 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
         async_llm.abort_all()
         await asyncio.to_thread(async_llm.join, SHUTDOWN_SECONDS)
 
-    app = FastAPI(title="nanograph", version=__version__, lifespan=lifespan)
+    pages = {} if docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="nanograph", version=__version__, lifespan=lifespan, **pages)
+    app.root_path = root_path  # each request's scope gets it: a path with the prefix routes as one without
     add_error_handlers(app)
+    if request_id_headers:
+        @app.middleware("http")
+        async def add_request_id(request: Request, call_next):
+            response = await call_next(request)
+            response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return response
+
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
 
     def check_api_key(request: Request):
-        if api_key is None:
+        if not keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # The scheme's case does not matter (RFC 9110); the key's does.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+        given = given.strip().encode()
+        # The scheme's case does not matter (RFC 9110); the key's does. Every key is compared (no early exit).
+        matches = [secrets.compare_digest(given, key) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
                                 "key the server was started with (--api-key)", code="invalid_api_key")
 
@@ -85,7 +103,9 @@ def build_app(served: ServedModel, api_key: str | None = None, cors: dict | None
         else:
             tokens = await served.tokenized(served.tokenizer.encode, body.prompt,
                                             add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(count=len(tokens), max_model_len=served.max_model_len, tokens=tokens)
+        token_strs = served.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=served.max_model_len, tokens=tokens,
+                                token_strs=token_strs)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> DetokenizeResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -88,6 +89,8 @@ class AsyncLLM:
         self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int, int]]]] = {}  # + arrival, sizes
         self._last_log = (time.monotonic(), 0, 0, None)  # time, prompt and generation tokens, the line's state
         self._process: multiprocessing.Process | None = None
+        # Called (on the reader thread) with the error once the engine has died, after open requests have failed.
+        self.death_callbacks: list[Callable[[BaseException], None]] = []
         self._reader = threading.Thread(target=self._read, name="nanograph-engine-output", daemon=True)
 
     def start(self) -> EngineInfo:
@@ -108,6 +111,10 @@ class AsyncLLM:
             self._process.join()
             raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before its engine "
                                "was built; see the log above") from None
+        except BaseException:  # Ctrl-C or SIGTERM while the engine loads: it must not go on loading alone
+            self._process.terminate()
+            self._process.join(10)
+            raise
         if message[0] == "failed":
             self._process.join()
             raise message[1]
@@ -208,8 +215,13 @@ class AsyncLLM:
                     return
         except (EOFError, OSError):
             self._process.join(5)
-            self._die(None if self.stopping else
-                      RuntimeError(f"the engine process exited with code {self._process.exitcode}"))
+            if self.stopping:
+                self._die(None)
+                return
+            code = self._process.exitcode
+            how = f"code {code}" if code is None or code >= 0 else f"signal {_signal_name(-code)}"
+            logger.error("the engine process exited (%s); the server answers 503 from now on", how)
+            self._die(RuntimeError(f"the engine process exited with code {code}"))
         except BaseException as exc:  # a defect here: the server must answer 503, not wait for ever
             logger.exception("the engine's output reader failed; the server answers 503 from now on")
             self._die(exc)
@@ -267,6 +279,9 @@ class AsyncLLM:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, unavailable)
             except RuntimeError:  # its event loop has closed: nobody reads that stream
                 pass
+        if exc is not None:
+            for callback in self.death_callbacks:
+                callback(exc)
 
     def _log_stats(self):
         """One line per interval while there is something to say: running and waiting sequences, prompt and
@@ -284,6 +299,13 @@ class AsyncLLM:
                         "of %d blocks in use", *new_state, prompt_rate, generation_rate,
                         100 * (1 - snapshot.num_free_blocks / snapshot.num_blocks), snapshot.num_blocks)
         self._last_log = (now, metrics.total_prompt_tokens, metrics.total_generation_tokens, new_state)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None):

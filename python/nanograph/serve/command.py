@@ -1,5 +1,8 @@
-"""`nanograph serve [MODEL]`: the OpenAI-compatible server on uvicorn. It logs where it listens, the model and the KV
-cache's capacity, then one stats line per interval; SIGTERM or SIGINT stops accepting, aborts what runs and exits 0.
+"""`nanograph serve [MODEL]`: the OpenAI-compatible server on uvicorn. It binds its port first (a port in use fails
+before the model loads), logs where it listens, the model and the KV cache's capacity, then one stats line per
+interval; SIGTERM or SIGINT stops accepting, aborts what runs and exits 0 (while the engine starts: ends the engine
+process and exits 143 or 130). If the engine dies, the server stops and exits 1, unless
+NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH (or VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) keeps it answering 503.
 
 This module imports nothing of the server until it runs, so that `nanograph --help` works without the serve extra."""
 from __future__ import annotations
@@ -9,6 +12,8 @@ import codecs
 import json
 import logging
 import os
+import signal
+import socket
 from functools import partial
 from pathlib import Path
 
@@ -28,9 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", nargs="+", help="the names clients may use, the first in responses "
                         "(default: MODEL as given, or the default model's name)")
-    parser.add_argument("--api-key", default=os.environ.get("NANOGRAPH_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                        help="every /v1 route then needs 'Authorization: Bearer KEY' (default: $NANOGRAPH_API_KEY, "
-                        "else $VLLM_API_KEY)")
+    parser.add_argument("--api-key", nargs="+", default=env_api_keys(),
+                        help="every /v1 route then needs 'Authorization: Bearer KEY', KEY one of those given (an "
+                        "empty one is left out) (default: $NANOGRAPH_API_KEY, else $VLLM_API_KEY)")
     parser.add_argument("--chat-template", help="the chat template for requests that bring none: a Jinja file, or "
                         "the template itself (default: the tokenizer's)")
     parser.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
@@ -40,8 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser):
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--log-interval", type=float, default=10.0, help="seconds between stats lines")
     parser.add_argument("--disable-log-stats", action="store_true", help="no stats lines")
-    parser.add_argument("--disable-log-requests", action="store_true",
+    parser.add_argument("--disable-log-requests", "--enable-log-requests", action="store_true",
                         help="accepted for vLLM's command lines: requests are not logged one by one")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="accepted for vLLM's command lines: uvicorn's access log is off")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="every response carries an X-Request-Id header: the request's own, else a new id")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="no /docs, /redoc or /openapi.json")
     parser.add_argument("--response-role", default="assistant",
                         help="the role of a chat reply when add_generation_prompt is on (default: %(default)s)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -51,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes)")
     parser.add_argument("--root-path", default="",
-                        help="the path prefix a proxy serves the API under (ASGI root_path; routes stay the same)")
+                        help="the path prefix a proxy serves the API under (ASGI root_path): each route answers "
+                        "with or without it")
     # CORS, as vLLM's flags: which web pages a browser lets call the server.
     parser.add_argument("--allowed-origins", type=json_str_list, default=["*"],
                         help='CORS: the origins allowed, a JSON list (default: ["*"])')
@@ -62,6 +74,41 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat_template (Jinja run on the server)")
+
+
+def env_api_keys() -> list[str] | None:
+    key = os.environ.get("NANOGRAPH_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return [key] if key else None
+
+
+def keep_alive_on_engine_death() -> bool:
+    """NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH (or vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) set: the server stays up
+    answering 503 after its engine has died, where by default it stops and exits 1 for a supervisor to restart it."""
+    value = os.environ.get("NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH") or os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+    return (value or "0").strip().lower() not in ("", "0", "false", "no")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine is built so that a port in use fails at once (uvicorn listens
+    on it once the engine is up)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"nanograph serve: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another "
+                         "--port (or stop what uses it)") from None
+    return sock
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while the engine starts: unwinds the start like Ctrl-C, so that the engine process is ended too."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -113,6 +160,9 @@ def serve(args: argparse.Namespace):
             "/" in name or os.path.isdir(name) for name in args.served_model_name[1:]):
         raise SystemExit(f"nanograph serve: --served-model-name took {args.served_model_name[1:]} as names too; "
                          "give the model first (nanograph serve MODEL --served-model-name NAME ...) or as --model")
+    if model is None and args.api_key and any(os.path.isdir(key) for key in args.api_key[1:]):
+        raise SystemExit(f"nanograph serve: --api-key took {args.api_key[1:]} as keys too; give the model first "
+                         "(nanograph serve MODEL --api-key KEY ...) or as --model")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("nanograph serve: --enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
@@ -120,13 +170,21 @@ def serve(args: argparse.Namespace):
     config = Config(model=model, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
+    api_keys = [key for key in args.api_key or () if key]
+    sock = bind_socket(args.host, args.port)
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
                          None if args.disable_log_stats else args.log_interval)
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         info = async_llm.start()
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt as exc:  # the engine process has been ended (AsyncLLM.start)
+        logger.info("stopped while the engine was starting")
+        raise SystemExit(128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
     cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
             "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
     served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
@@ -134,14 +192,19 @@ def serve(args: argparse.Namespace):
                          trust_remote_code=config.trust_remote_code,
                          response_role=args.response_role,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
-    app = build_app(served, args.api_key, cors)
+    app = build_app(served, api_keys, cors, root_path=args.root_path, request_id_headers=args.enable_request_id_headers,
+                    docs=not args.disable_fastapi_docs)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)
-    logger.info("listening on http://%s:%d%s", args.host, args.port, " (API key required on /v1)" if args.api_key
-                else "")
+    host, port = sock.getsockname()[:2]
+    logger.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
+                " (API key required on /v1)" if api_keys else "")
     server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                         log_level=args.uvicorn_log_level, root_path=args.root_path,
-                                         timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm)
-    server.run()
+                                         log_level=args.uvicorn_log_level,
+                                         timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm,
+                          stop_on_engine_death=not keep_alive_on_engine_death())
+    server.run(sockets=[sock])
+    if server.engine_died:
+        raise SystemExit(1)
 

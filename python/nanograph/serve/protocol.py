@@ -264,6 +264,7 @@ class TokenizeRequest(Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     tools: list[dict] | None = None
+    return_token_strs: bool = False  # vLLM's: the response's token_strs, each token's own string in the vocabulary
 
 
 class DetokenizeRequest(Request):
@@ -402,6 +403,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,21 +1,36 @@
 """EngineServer: uvicorn's server, whose SIGTERM and SIGINT also abort the engine's requests, and after which the
-process exits 0 (uvicorn raises the signal again once it has stopped, which would end the process with it)."""
+process exits 0 (uvicorn raises the signal again once it has stopped, which would end the process with it); it stops
+by itself when the engine dies."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 
 import uvicorn
 
 from .async_llm import AsyncLLM
 
+logger = logging.getLogger("nanograph.serve")
+
 
 class EngineServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM):
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, stop_on_engine_death: bool = True):
+        """stop_on_engine_death: once the engine has died the server stops (engine_died is then true), as vLLM's
+        does, so that a supervisor restarts it; otherwise it stays up, answering 503."""
         super().__init__(config)
         self.async_llm = async_llm
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died = False
+        if stop_on_engine_death:
+            async_llm.death_callbacks.append(self._stop_on_engine_death)
+
+    def _stop_on_engine_death(self, exc: BaseException):
+        self.engine_died = True
+        logger.error("stopping the server, whose engine has died (set NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH=1 to keep "
+                     "it up, answering 503)")
+        self.should_exit = True  # uvicorn's main loop reads it at its next tick
 
     async def serve(self, sockets=None):
         self.loop = asyncio.get_running_loop()
