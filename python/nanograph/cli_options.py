@@ -20,7 +20,7 @@ def human_readable_int(text: str) -> int:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (such as 4096, 32k or 32K)") from None
     number, suffix = match.groups()
     if suffix.islower():
-        return int(float(number) * 1000 ** "kmg".index(suffix) * 1000)
+        return round(float(number) * 1000 ** ("kmg".index(suffix) + 1))
     if "." in number:
         raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; did you mean "
                                          f"{number}{suffix.lower()}?")

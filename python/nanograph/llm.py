@@ -1,7 +1,7 @@
 """LLM: the offline-inference entry point (vLLM's interface): generate(), chat(), stream() and beam_search()."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -62,14 +62,20 @@ class LLM:
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = True, lora_request=None, priority: list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
-        in input order. lora_request: vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, None or
-        zeros (requests are served first come, first served)."""
+        in input order. use_tqdm: show a progress bar, or the tqdm class to show it with (vLLM's). lora_request:
+        vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, None or zeros (requests are served
+        first come, first served); tokenization_kwargs: vLLM's, None only."""
         check_no_lora(lora_request)
+        if tokenization_kwargs is not None:
+            raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer "
+                             "does by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
         prompts, params = self._requests(prompts, sampling_params)
-        if priority is not None and (len(priority) != len(prompts) or any(value != 0 for value in priority)):
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        if priority is not None and any(value != 0 for value in priority):
             raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass "
                              "priority=None")
         return self.engine.generate(prompts, params, use_tqdm)
@@ -91,11 +97,11 @@ class LLM:
         return beam_search(self.engine, _prompt_list(prompts), params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool | Callable = True,
              lora_request=None, chat_template: str | None = None, chat_template_content_format: str = "auto",
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, mm_processor_kwargs: dict | None = None,
+             tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them; a content is a string
         or a list of OpenAI-style text parts ({"type": "text", "text": ...}). vLLM's arguments, in its order:
         chat_template replaces the tokenizer's; chat_template_content_format gives the template each content as one
@@ -118,7 +124,7 @@ class LLM:
                                continue_final_message, tools, chat_template_kwargs, chat_template_content_format)
             prompts.append(TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False),
                                         prompt=text))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs=tokenization_kwargs)
 
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:

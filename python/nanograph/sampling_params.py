@@ -1,6 +1,7 @@
 """Per-request sampling parameters: vLLM's names, defaults and validation messages."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -21,22 +22,37 @@ MAX_LOGIT_BIAS = 100.0  # logit_bias values are clamped to [-100, 100], as OpenA
 class StructuredOutputsParams:
     """A grammar the output must follow (vLLM's names); exactly one of json (a JSON schema, as a dict or its JSON
     text), regex, choice (the output is one of these strings), grammar (Lark or GBNF) or json_object=True (any
-    JSON object)."""
+    JSON object). vLLM's options for JSON: disable_any_whitespace (compact JSON: no whitespace between tokens),
+    disable_additional_properties (objects of the schema that do not say otherwise take no properties beyond theirs),
+    whitespace_pattern (a regex the whitespace between tokens follows); they leave other grammars as they are.
+    backend and disable_fallback are taken and have no effect: llguidance is the one backend."""
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None  # vLLM's; not supported (a ValueError)
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+    backend: str | None = None
 
     def __post_init__(self):
-        given = [field.name for field in fields(self) if getattr(self, field.name) not in (None, False)]
+        given = [name for name in GRAMMAR_KINDS if getattr(self, name) not in (None, False)]
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported yet; use json, regex, choice or "
+                             "grammar")
         if len(given) != 1:
             raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar or "
                              f"json_object=True; got {', '.join(given) or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
                                         or not all(isinstance(choice, str) for choice in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
-        for name in ("regex", "grammar"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("regex", "grammar", "whitespace_pattern", "backend"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
@@ -45,10 +61,26 @@ class StructuredOutputsParams:
 
     def spec(self) -> tuple[str, str]:
         """(kind, text): the grammar as llguidance's grammar_from takes it, also the key of its compiled form."""
-        if self.json is not None:
-            return "json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json)
-        if self.json_object:
-            return "json_schema", '{"type": "object"}'
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json_object else self.json
+            if not (self.disable_any_whitespace or self.disable_additional_properties or self.whitespace_pattern):
+                return "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError(f"structured_outputs.json must be a JSON object, got {type(schema).__name__}")
+            if self.disable_additional_properties and not self.json_object:
+                schema = _no_additional_properties(schema)
+            # llguidance's options for a schema, beside it (the schema's own x-guidance wins).
+            options = {"whitespace_flexible": False} if self.disable_any_whitespace else {}
+            if self.whitespace_pattern is not None:
+                options["whitespace_pattern"] = self.whitespace_pattern
+            if options:
+                schema = {**schema, "x-guidance": {**options, **schema.get("x-guidance", {})}}
+            return "json_schema", json.dumps(schema)
         if self.choice is not None:
             # One regex of the choices as literals: llguidance's own "choice" is a grammar rule of one
             # alternative per choice, and its parser takes at most 2,000.
@@ -56,6 +88,27 @@ class StructuredOutputsParams:
         if self.regex is not None:
             return "regex", self.regex
         return "grammar", self.grammar
+
+
+GRAMMAR_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# StructuredOutputsParams' fields that are options, not a grammar.
+GRAMMAR_OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                   "disable_fallback", "backend")
+
+
+def _no_additional_properties(schema):
+    """The schema with additionalProperties false on every object schema that does not set it (vLLM's
+    disable_additional_properties)."""
+    if isinstance(schema, list):
+        return [_no_additional_properties(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _no_additional_properties(value) if key not in ("const", "enum", "default", "examples") else value
+           for key, value in schema.items()}
+    # Only an object schema that lists its properties: a free-form {"type": "object"} stays free.
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
@@ -151,6 +204,10 @@ class SamplingParams:
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.temperature == 0:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's), to change without touching this one."""
+        return copy.deepcopy(self)
 
     def verify(self):
         """Raise ValueError on an invalid field (a wrong type too, as vLLM does); also called by the engine, as

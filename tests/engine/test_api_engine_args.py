@@ -144,6 +144,33 @@ def test_generate_takes_vllms_priority_of_zeros_and_refuses_others(folder, refer
     with pytest.raises(ValueError, match=r"priority=\[1\]: requests are served first come, first served; pass "
                                          "priority=None"):
         llm.generate([PROMPT], GREEDY, priority=[1])
+    with pytest.raises(ValueError, match="priority has 2 values for 1 prompts; give one per prompt"):
+        llm.generate([PROMPT], GREEDY, priority=[0, 0])
+
+
+def test_vllms_call_options_tqdm_class_tokenization_kwargs_and_clone(folder, reference):
+    """use_tqdm may be the tqdm class to show progress with; tokenization_kwargs=None is taken (others refused,
+    naming it); SamplingParams.clone() is a deep copy."""
+    from tqdm.auto import tqdm
+
+    bars = []
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    llm = LLM(str(folder), **ENGINE)
+    out = llm.generate([PROMPT], GREEDY, use_tqdm=Bar, tokenization_kwargs=None)[0]
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert len(bars) == 1 and bars[0].n == 1 and bars[0].total == 1
+    with pytest.raises(ValueError, match="tokenization_kwargs: not taken by nanograph"):
+        llm.generate([PROMPT], GREEDY, tokenization_kwargs={"truncation": True})
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0})
+    copy = params.clone()
+    assert copy == params and copy is not params and copy.stop is not params.stop
+    copy.stop.append("y")
+    assert params.stop == ["x"]
 
 
 def write_generation_config(folder, **fields):

@@ -51,6 +51,26 @@ def test_multi_byte_characters_are_released_whole(tokenizer):
     assert "" in deltas  # tokens ending inside a character release nothing yet
 
 
+def test_the_text_keeps_the_spaces_a_tokenizer_cleanup_would_drop():
+    """A tokenizer configured with clean_up_tokenization_spaces (Llama 3's is; transformers 4 applies it to BPE, and
+    5 when forced) would turn " ." into "." and lose characters between incremental decodes: the text is the
+    tokens', as vLLM's."""
+    cleaning = AutoTokenizer.from_pretrained(
+        default_model_path(), clean_up_tokenization_spaces=True,
+        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    text = "x != y . Then ? And , so 's it"
+    token_ids = cleaning.encode(text)
+    assert cleaning.decode(token_ids) != text  # the cleanup is on
+    for stream in (True, False):
+        deltas, stop, whole = feed(cleaning, token_ids, SamplingParams(), stream=stream)
+        assert whole == text and (not stream or "".join(deltas) == text)
+    deltas, stop, whole = feed(cleaning, token_ids, SamplingParams(stop=[" ?"]))
+    assert stop == " ?" and whole == "".join(deltas) == "x != y . Then"
+    # The logprobs' token texts too: they add up to the text.
+    detokenizer = IncrementalDetokenizer(cleaning, [1, 2], SamplingParams())
+    assert "".join(detokenizer.decode_each(token_ids, [1, 2])) == text
+
+
 def test_a_multi_byte_stop_string_spanning_tokens(tokenizer):
     token_ids = tokenizer.encode(MULTI_BYTE)
     deltas, stop, text = feed(tokenizer, token_ids, SamplingParams(stop=["界, 日"]))

@@ -63,6 +63,35 @@ def test_a_mixed_batch_follows_each_constraint_and_leaves_the_others_alone(llm):
     assert [out.outputs[0].token_ids for out in alone] == [paris.outputs[0].token_ids, story.outputs[0].token_ids]
 
 
+def test_vllms_json_options_compact_json_and_no_other_properties(llm):
+    """disable_any_whitespace: no whitespace between JSON tokens; disable_additional_properties: an object schema that
+    says nothing of other properties takes none; backend (vLLM's older GuidedDecodingParams) is taken and changes
+    nothing."""
+    schema = {"type": "object", "required": ["name", "city"],
+              "properties": {"name": {"type": "string", "maxLength": 8}, "city": {"type": "string", "maxLength": 8}}}
+    options = dict(disable_any_whitespace=True, disable_additional_properties=True)
+    outputs = llm.generate(["Describe a person as JSON, with spaces: { \"name\" : "] * 2, [
+        constrained(StructuredOutputsParams(json=schema, **options), max_tokens=48),
+        SamplingParams(temperature=0, max_tokens=48, guided_decoding=GuidedDecodingParams(
+            json=json.dumps(schema), backend="xgrammar", disable_fallback=True, **options))], use_tqdm=False)
+    texts = [output.outputs[0].text for output in outputs]
+    assert texts[0] == texts[1]
+    person = json.loads(texts[0])
+    assert list(person) == ["name", "city"]
+    assert texts[0] == json.dumps(person, separators=(",", ":"), ensure_ascii=False)
+    spec = StructuredOutputsParams(json={**schema, "properties": {**schema["properties"], "meta": {
+        "type": "object"}}}, disable_additional_properties=True).spec()
+    compiled = json.loads(spec[1])
+    # An object schema with properties takes no others; a free-form object (and json_object) stays free.
+    assert compiled["additionalProperties"] is False and compiled["properties"]["meta"] == {"type": "object"}
+    assert StructuredOutputsParams(json_object=True, disable_additional_properties=True).spec()[1] == \
+        '{"type": "object"}'
+    with pytest.raises(ValueError, match="structured_outputs.disable_any_whitespace must be true or false"):
+        StructuredOutputsParams(json=schema, disable_any_whitespace="false")
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag='{"structures": []}')
+
+
 def test_a_bad_schema_is_refused_naming_the_field(llm):
     with pytest.raises(ValueError, match="request 1: structured_outputs.json is not a valid json schema"):
         llm.generate(["a", "b"], [SamplingParams(), constrained(StructuredOutputsParams(json={"type": 5}))],

@@ -73,8 +73,9 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         with open(log_path, "w") as log:
+            # A session of its own: kill_group() ends the server and whatever it started.
             self.process = subprocess.Popen(serve_command(self.port, *args), stdout=log, stderr=subprocess.STDOUT,
-                                            env=env or server_env())
+                                            env=env or server_env(), start_new_session=True)
         if wait:
             self._wait_healthy()
 
@@ -91,6 +92,14 @@ class ServerProcess:
             time.sleep(0.25)
         self.process.kill()
         raise RuntimeError(f"nanograph serve was not healthy within {START_SECONDS} s:\n{self.log()}")
+
+    def kill_group(self):
+        """SIGKILL to the server's process group (the server, its engine process and theirs)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def log(self) -> str:
         return self.log_path.read_text()

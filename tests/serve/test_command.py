@@ -169,8 +169,8 @@ def test_vllms_spellings_of_numbers_and_flags(monkeypatch):
     from nanograph.cli import build_parser, dashed_options
     from nanograph.cli_options import engine_kwargs, human_readable_int
 
-    assert [human_readable_int(text) for text in ("4096", "32k", "25.6k", "32K", "1m", "2M", " 8k ")] == \
-        [4096, 32000, 25600, 32768, 10 ** 6, 2 * 2 ** 20, 8000]
+    assert [human_readable_int(text) for text in ("4096", "32k", "25.6k", "32K", "1m", "2M", " 8k ", "1.001k")] == \
+        [4096, 32000, 25600, 32768, 10 ** 6, 2 * 2 ** 20, 8000, 1001]
     for bad in ("1.5K", "32kb", "k", "4096.0"):
         with pytest.raises(Exception, match="whole number|binary suffix"):
             human_readable_int(bad)
@@ -190,7 +190,8 @@ def test_vllms_spellings_of_numbers_and_flags(monkeypatch):
 
 
 def test_a_model_taken_as_an_api_key_is_one_error_line(tmp_path):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--api-key", "k", str(tmp_path), "--device", "cpu"])
-    assert str(exit_info.value).startswith(f"nanograph serve: --api-key took ['{tmp_path}'] as keys too; give the "
-                                           "model first")
+    for model in (str(tmp_path), "Qwen/Qwen3-0.6B"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--api-key", "k", model, "--device", "cpu"])
+        assert str(exit_info.value).startswith(f"nanograph serve: --api-key took ['{model}'] as keys too; give the "
+                                               "model first")

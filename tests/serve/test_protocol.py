@@ -30,3 +30,19 @@ def test_null_parallel_tool_calls_and_include_usage_are_false_as_vllm_tests_them
                                                     "stream_options": {"include_usage": None}})
     assert request.parallel_tool_calls is None and request.stream_options.include_usage is None
     assert ChatCompletionRequest.model_validate({"messages": []}).parallel_tool_calls is True
+
+
+def test_structured_outputs_take_vllms_json_options():
+    import pytest
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = CompletionRequest.model_validate({"prompt": "hi", "structured_outputs": {
+        "json": schema, "disable_any_whitespace": True, "disable_additional_properties": True,
+        "whitespace_pattern": " ?", "backend": "guidance", "disable_fallback": True}})
+    spec = request.sampling_params(4, None).structured_outputs
+    assert (spec.json, spec.disable_any_whitespace, spec.disable_additional_properties) == (schema, True, True)
+    assert spec.spec()[0] == "json_schema" and '"additionalProperties": false' in spec.spec()[1]
+    with pytest.raises(ValueError, match="structured_outputs takes json, regex, choice, grammar or json_object "
+                                         r"\(and the options .*\); got jsn"):
+        CompletionRequest.model_validate({"prompt": "hi", "structured_outputs": {"jsn": schema}}).sampling_params(
+            4, None)

@@ -21,8 +21,13 @@ LOGPROB_CONTEXT_TOKENS = PROMPT_CONTEXT_TOKENS + CHARACTER_TOKENS - 1
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
         self.tokenizer = tokenizer
+        # Never the tokenizer's clean_up_tokenization_spaces (Llama 3's config sets it): it drops the space before
+        # punctuation (" ." -> "."), which the model wrote; vLLM's texts never have it.
+        self.raw_options = {"clean_up_tokenization_spaces": False} \
+            if getattr(tokenizer, "clean_up_tokenization_spaces", False) else {}
         self.decode_options = {"skip_special_tokens": params.skip_special_tokens,
-                               "spaces_between_special_tokens": params.spaces_between_special_tokens}
+                               "spaces_between_special_tokens": params.spaces_between_special_tokens,
+                               **self.raw_options}
         # Streamed text stays this far behind, so that a stop string being completed is never streamed.
         self.stop_buffer_length = max(map(len, params.stop)) - 1 \
             if params.stop and not params.include_stop_str_in_output else 0
@@ -87,20 +92,21 @@ class IncrementalDetokenizer:
         own text holds part of a character (byte tokens of an emoji) is decoded after the tokens before it that hold
         the character's first bytes: "" while the character is still incomplete, and the whole character, with the
         text of those tokens, from the token that completes it, as vLLM gives them."""
-        texts = [self._decode([token_id], {}) for token_id in token_ids]
+        texts = [self._decode([token_id], self.raw_options) for token_id in token_ids]
         if not any("\ufffd" in text for text in texts):
             return texts
         context = list(context)
         start = len(context)  # context[start:]: the tokens holding the first bytes of a character not yet complete
+        raw = self.raw_options
         while start > 0 and len(context) - start < CHARACTER_TOKENS - 1 and \
-                self._decode(context[max(0, start - PROMPT_CONTEXT_TOKENS):start], {}).endswith("\ufffd"):
+                self._decode(context[max(0, start - PROMPT_CONTEXT_TOKENS):start], raw).endswith("\ufffd"):
             start -= 1
         before = context[max(0, start - PROMPT_CONTEXT_TOKENS):start]
-        before_text = self._decode(before, {})
+        before_text = self._decode(before, self.raw_options)
         for i, (token_id, text) in enumerate(zip(token_ids, texts)):
             if "\ufffd" not in text:
                 continue
-            whole = self._decode(before + context[start:] + [token_id], {})
+            whole = self._decode(before + context[start:] + [token_id], self.raw_options)
             text = whole[len(os.path.commonprefix([whole, before_text])):]
             texts[i] = "" if text.endswith("\ufffd") else text
         return texts

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from itertools import count
 from pathlib import Path
@@ -239,16 +239,18 @@ class LLMEngine:
                     seq.detokenizer.discard_pending()
             return request.take_deltas()
 
-    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool = True
+    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | Callable = True
                  ) -> list[RequestOutput]:
-        """Run every request to completion; outputs in input order. All are validated before any is queued."""
+        """Run every request to completion; outputs in input order. All are validated before any is queued.
+        use_tqdm: whether to show a progress bar, or the tqdm class that shows it."""
+        progress = use_tqdm if callable(use_tqdm) else tqdm
         with self._lock:
             owner = object()
             index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params, owner))}
             outputs: list[RequestOutput | None] = [None] * len(prompts)
             throughput = {"prefill": 0.0, "decode": 0.0}
             try:
-                with tqdm(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
+                with progress(total=len(prompts), desc="Generating", dynamic_ncols=True, disable=not use_tqdm) as bar:
                     remaining = len(prompts)
                     while remaining:
                         start = time.perf_counter()

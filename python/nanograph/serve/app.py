@@ -29,6 +29,8 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     root_path: the prefix a proxy may leave on the paths (/api/v1/models and /v1/models are then the same route).
     request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
     /redoc and /openapi.json."""
+    if isinstance(api_keys, str):
+        raise TypeError("build_app takes api_keys as a list of keys")
     keys = [key.encode() for key in api_keys or () if key]
     async_llm = served.async_llm
 

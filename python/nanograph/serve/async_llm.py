@@ -112,8 +112,7 @@ class AsyncLLM:
             raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before its engine "
                                "was built; see the log above") from None
         except BaseException:  # Ctrl-C or SIGTERM while the engine loads: it must not go on loading alone
-            self._process.terminate()
-            self._process.join(10)
+            self.close()
             raise
         if message[0] == "failed":
             self._process.join()
@@ -122,6 +121,15 @@ class AsyncLLM:
         self.metrics.record_engine_info(self.info)
         self._reader.start()
         return self.info
+
+    def close(self):
+        """End the engine process at once (a start given up); nothing is delivered after this."""
+        if self._process is not None and self._process.is_alive():
+            self._process.terminate()
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
 
     @property
     def is_running(self) -> bool:
@@ -206,8 +214,7 @@ class AsyncLLM:
                 elif message[0] == "added":
                     self._answer_add(*message[1:])
                 elif message[0] == "dead":
-                    logger.error("the engine loop died; the server answers 503 from now on: %s: %s",
-                                 type(message[1]).__name__, message[1])
+                    logger.error("the engine loop died: %s: %s", type(message[1]).__name__, message[1])
                     self._die(message[1])
                     return
                 else:  # stopped, its aborts delivered
@@ -220,8 +227,8 @@ class AsyncLLM:
                 return
             code = self._process.exitcode
             how = f"code {code}" if code is None or code >= 0 else f"signal {_signal_name(-code)}"
-            logger.error("the engine process exited (%s); the server answers 503 from now on", how)
-            self._die(RuntimeError(f"the engine process exited with code {code}"))
+            logger.error("the engine process exited (%s)", how)
+            self._die(RuntimeError(f"the engine process exited ({how})"))
         except BaseException as exc:  # a defect here: the server must answer 503, not wait for ever
             logger.exception("the engine's output reader failed; the server answers 503 from now on")
             self._die(exc)
@@ -280,6 +287,8 @@ class AsyncLLM:
             except RuntimeError:  # its event loop has closed: nobody reads that stream
                 pass
         if exc is not None:
+            if not self.death_callbacks:
+                logger.error("the server answers 503 from now on")
             for callback in self.death_callbacks:
                 callback(exc)
 

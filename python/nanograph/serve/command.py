@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import errno
 import json
 import logging
 import os
@@ -98,8 +99,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise SystemExit(f"nanograph serve: cannot listen on {host}:{port}: {exc.strerror or exc}; choose another "
-                         "--port (or stop what uses it)") from None
+        hint = "choose another --port (or stop what uses it)" if exc.errno == errno.EADDRINUSE else \
+            "check --host and --port"
+        raise SystemExit(f"nanograph serve: cannot listen on {host}:{port}: {exc.strerror or exc}; {hint}") from None
     return sock
 
 
@@ -160,7 +162,7 @@ def serve(args: argparse.Namespace):
             "/" in name or os.path.isdir(name) for name in args.served_model_name[1:]):
         raise SystemExit(f"nanograph serve: --served-model-name took {args.served_model_name[1:]} as names too; "
                          "give the model first (nanograph serve MODEL --served-model-name NAME ...) or as --model")
-    if model is None and args.api_key and any(os.path.isdir(key) for key in args.api_key[1:]):
+    if model is None and args.api_key and any("/" in key or os.path.isdir(key) for key in args.api_key[1:]):
         raise SystemExit(f"nanograph serve: --api-key took {args.api_key[1:]} as keys too; give the model first "
                          "(nanograph serve MODEL --api-key KEY ...) or as --model")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -174,36 +176,39 @@ def serve(args: argparse.Namespace):
     sock = bind_socket(args.host, args.port)
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
                          None if args.disable_log_stats else args.log_interval)
+    # Until uvicorn takes the signals over, SIGTERM unwinds as Ctrl-C does, ending the engine process.
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         info = async_llm.start()
+        cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+                "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+        served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
+                             chat_template=chat_template, content_format=args.chat_template_content_format,
+                             trust_remote_code=config.trust_remote_code,
+                             response_role=args.response_role,
+                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+        app = build_app(served, api_keys, cors, root_path=args.root_path,
+                        request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
+        server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
+                                             log_level=args.uvicorn_log_level,
+                                             timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm,
+                              stop_on_engine_death=not keep_alive_on_engine_death())
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
+        async_llm.close()
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
-    except KeyboardInterrupt as exc:  # the engine process has been ended (AsyncLLM.start)
+    except KeyboardInterrupt as exc:
+        async_llm.close()
         logger.info("stopped while the engine was starting")
         raise SystemExit(128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)) from None
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
-    cors = {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
-            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
-    served = ServedModel(async_llm, names, trust_request_chat_template=args.trust_request_chat_template,
-                         chat_template=chat_template, content_format=args.chat_template_content_format,
-                         trust_remote_code=config.trust_remote_code,
-                         response_role=args.response_role,
-                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
-    app = build_app(served, api_keys, cors, root_path=args.root_path, request_id_headers=args.enable_request_id_headers,
-                    docs=not args.disable_fastapi_docs)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)
     host, port = sock.getsockname()[:2]
     logger.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
                 " (API key required on /v1)" if api_keys else "")
-    server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
-                                         log_level=args.uvicorn_log_level,
-                                         timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm,
-                          stop_on_engine_death=not keep_alive_on_engine_death())
     server.run(sockets=[sock])
     if server.engine_died:
         raise SystemExit(1)

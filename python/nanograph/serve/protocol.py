@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from ..chat_template import TEXT_PARTS, text_content
-from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..sampling_params import GRAMMAR_KINDS, GRAMMAR_OPTIONS, SamplingParams, StructuredOutputsParams
 
 # The request fields that SamplingParams takes under the same name.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
@@ -99,7 +99,7 @@ class SamplingRequest(Request):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
-    structured_outputs: dict | None = None  # vLLM's: one of json, regex, choice, grammar, json_object
+    structured_outputs: dict | None = None  # vLLM's: one of json, regex, choice, grammar, json_object; its options
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -149,10 +149,10 @@ class SamplingRequest(Request):
         if self.response_format is not None and self.response_format.type != "text":
             grammars["response_format"] = self.response_format.structured_outputs()
         if self.structured_outputs is not None:
-            unknown = set(self.structured_outputs) - {"json", "regex", "choice", "grammar", "json_object"}
+            unknown = set(self.structured_outputs) - {*GRAMMAR_KINDS, *GRAMMAR_OPTIONS, "structural_tag"}
             if unknown:
-                raise ValueError(f"structured_outputs takes json, regex, choice, grammar or json_object; got "
-                                 f"{', '.join(sorted(unknown))}")
+                raise ValueError(f"structured_outputs takes json, regex, choice, grammar or json_object (and the "
+                                 f"options {', '.join(GRAMMAR_OPTIONS)}); got {', '.join(sorted(unknown))}")
             grammars["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
         for name, kind in GUIDED_FIELDS.items():
             if getattr(self, name) is not None:

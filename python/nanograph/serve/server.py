@@ -23,17 +23,21 @@ class EngineServer(uvicorn.Server):
         self.async_llm = async_llm
         self.loop: asyncio.AbstractEventLoop | None = None
         self.engine_died = False
+        self._stop_on_death = stop_on_engine_death
         if stop_on_engine_death:
             async_llm.death_callbacks.append(self._stop_on_engine_death)
 
     def _stop_on_engine_death(self, exc: BaseException):
+        if not self.engine_died:
+            logger.error("stopping the server, whose engine has died (set NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH=1 to "
+                         "keep it up, answering 503)")
         self.engine_died = True
-        logger.error("stopping the server, whose engine has died (set NANOGRAPH_KEEP_ALIVE_ON_ENGINE_DEATH=1 to keep "
-                     "it up, answering 503)")
         self.should_exit = True  # uvicorn's main loop reads it at its next tick
 
     async def serve(self, sockets=None):
         self.loop = asyncio.get_running_loop()
+        if self.async_llm.error is not None and self._stop_on_death:  # it died before the callback was in place
+            self._stop_on_engine_death(self.async_llm.error)
         await super().serve(sockets)
 
     @contextlib.contextmanager
