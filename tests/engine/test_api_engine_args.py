@@ -223,3 +223,17 @@ def test_max_model_len_defaults_to_the_models_length(folder, tmp_path):
     assert len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="KV cache holds 128 tokens, fewer than max_model_len=256"):
         LLM(str(folder), device="cpu", num_kv_blocks=8, block_size=16, max_model_len=256)
+
+
+def test_a_kv_cache_too_small_says_what_makes_it_larger(folder):
+    """num_kv_blocks (vLLM's num_gpu_blocks_override) when it was given; on the torch backend, which does not size
+    its cache by gpu_memory_utilization, num_kv_blocks too."""
+    with pytest.raises(ValueError, match=r"KV cache holds 64 tokens, fewer than max_model_len=128; raise num_kv_blocks "
+                                         r"\(vLLM's num_gpu_blocks_override; 4 now\) or lower max_model_len"):
+        LLM(str(folder), device="cpu", max_model_len=128, num_gpu_blocks_override=4, block_size=16)
+    from nanograph.backends.torch_backend import TorchRunner
+    from nanograph.config import Config
+    from nanograph.engine.llm_engine import _more_kv_cache
+
+    assert _more_kv_cache(Config(device="cpu"), TorchRunner).startswith(
+        "raise num_kv_blocks (the torch backend sizes its cache by max_num_seqs x max_model_len, up to 1 GiB")

@@ -51,6 +51,9 @@ class Runner(ABC):
     def sample(self, rows: list[int], seqs: list) -> PendingTokens:
         """Queue the sampling of the last forward's rows `rows` (ascending), whose sequences are seqs."""
 
+    # How a user gets a larger KV cache from this runner, for the engine's messages.
+    more_kv_cache = "raise gpu_memory_utilization (or num_kv_blocks)"
+
     def kv_cache_summary(self) -> str:
         """What the KV cache holds, for the engine's messages."""
         name = str(self.kv_cache_dtype).removeprefix("torch.")

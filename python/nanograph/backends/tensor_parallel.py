@@ -48,6 +48,8 @@ STARTUP_TIMEOUT = timedelta(minutes=10)
 
 
 class TensorParallelRunner(Runner):
+    more_kv_cache = TorchRunner.more_kv_cache
+
     def __init__(self, model_config: ModelConfig, world: int, step_timeout: float, **runner_kwargs):
         Shard.check(model_config, world)
         self.model_config = model_config

@@ -29,6 +29,9 @@ KV_CACHE_BUDGET_BYTES = 1 << 30
 
 
 class TorchRunner(Runner):
+    more_kv_cache = (f"raise num_kv_blocks (the torch backend sizes its cache by max_num_seqs x max_model_len, up to "
+                     f"{KV_CACHE_BUDGET_BYTES >> 30} GiB, not by gpu_memory_utilization)")
+
     def __init__(self, model_config: ModelConfig, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, block_size: int = 16, num_kv_blocks: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 1, seed: int = 0,

@@ -61,7 +61,7 @@ class LLMEngine:
         kv_tokens = runner.num_kv_blocks * runner.block_size
         if kv_tokens < config.max_model_len:
             raise ValueError(f"KV cache holds {kv_tokens} tokens, fewer than max_model_len={config.max_model_len}; "
-                             "raise gpu_memory_utilization (or num_kv_blocks) or lower max_model_len")
+                             f"{_more_kv_cache(config, runner)} or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
         self.runner = runner
@@ -110,7 +110,7 @@ class LLMEngine:
         if kv_tokens < config.max_model_len and asked is None:
             # The default length (the model's) is capped; a length asked for is an error (in __init__), as in vLLM.
             warnings.warn(f"the KV cache holds {kv_tokens} tokens, fewer than the model's {config.max_model_len}; "
-                          f"max_model_len is {kv_tokens} (raise gpu_memory_utilization or num_kv_blocks for more)",
+                          f"max_model_len is {kv_tokens} ({_more_kv_cache(config, runner)} for more)",
                           stacklevel=3)
             config = replace(config, max_model_len=kv_tokens)
         try:
@@ -588,6 +588,13 @@ def _check_vllm_request_kwargs(lora_request, priority, kwargs: dict):
     given = [name for name, value in kwargs.items() if value is not None]
     if given:
         raise ValueError(f"{given[0]}: not taken by nanograph's add_request; pass {given[0]}=None")
+
+
+def _more_kv_cache(config: Config, runner: Runner) -> str:
+    """What gives this engine a larger KV cache, in words."""
+    if config.num_kv_blocks is not None:
+        return f"raise num_kv_blocks (vLLM's num_gpu_blocks_override; {config.num_kv_blocks} now)"
+    return runner.more_kv_cache
 
 
 def _masks_tokens(seq: Sequence) -> bool:
