@@ -16,6 +16,7 @@ from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
+from .reasoning import ReasoningSplitter, split_reasoning
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
@@ -82,15 +83,29 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     max_calls = None if request.parallel_tool_calls else 1  # a reply's tool calls kept
     response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
+    # A grammar constrains a reply from its first token, so such a reply has no thinking to take apart.
+    reasoning_parser = served.reasoning_parser if params.structured_outputs is None else None
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
-                                           request.return_tokens_as_token_ids, max_calls), stream.close)
+                                           request.return_tokens_as_token_ids, max_calls, reasoning_parser),
+                                   stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
-        """A choice's message, and whether it called tools."""
+        """A choice's message (its thinking apart, with a reasoning parser), and whether it called tools."""
+        if reasoning_parser is None:
+            return answer(text)
+        reasoning, text = split_reasoning(reasoning_parser, text)
+        reply, called = answer(text)
+        if reasoning is not None:
+            reply.reasoning = reply.reasoning_content = reasoning
+            if reply.content == "":
+                reply.content = None
+        return reply, called
+
+    def answer(text: str) -> tuple[ChatResponseMessage, bool]:
         if function is not None:
             call = ToolCall(function["name"], text)
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
@@ -159,12 +174,13 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   num_top: int, include_usage: bool, role: str, echoed: str,
                   continuous_usage: bool = False, parse_calls: type | None = None,
                   named: str | None = None, as_token_ids: bool = False,
-                  max_calls: int | None = None) -> AsyncIterator[str]:
+                  max_calls: int | None = None, reasoning_parser: str | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
     far. parse_calls: the class (ToolCallStream, RequiredCallStream) the text goes through, each call whole in one
     chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
-    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all)."""
+    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all); reasoning_parser: a
+    choice's thinking goes out in chunks of its own (delta.reasoning), and the rest as above."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -217,10 +233,26 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                                                  stop_reason=delta.stop_reason if last and delta.finished else None)]))
         return "".join(events)
 
+    splitters = [ReasoningSplitter(reasoning_parser) for _ in range(n)] if reasoning_parser else None
+
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         num_tokens += len(delta.token_ids)
         choice_tokens[delta.index] += len(delta.token_ids)
+        if splitters is None:
+            return answer_chunk(delta)
+        splitter = splitters[delta.index]
+        pieces = splitter.feed(delta.text) + (splitter.finish() if delta.finished else [])
+        reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
+        content = "".join(text for kind, text in pieces if kind == "content")
+        events = chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
+            reasoning=reasoning, reasoning_content=reasoning))]) if reasoning else ""
+        if not content and delta.logprobs is None and not delta.finished and not continuous_usage:
+            return events
+        return events + answer_chunk(dataclasses.replace(delta, text=content))
+
+    def answer_chunk(delta: CompletionDelta) -> str:
+        """The chunks of a delta's answer (all of its text, but with a reasoning parser)."""
         if parsers is not None or named_calls is not None:
             return tool_chunk(delta)
         if delta.logprobs is None and not delta.finished and not continuous_usage:

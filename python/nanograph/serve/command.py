@@ -21,6 +21,7 @@ from pathlib import Path
 from ..chat_template import CONTENT_FORMATS
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
+from .reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
 INSTALL_HINT = "pip install 'nanograph[serve]'"
@@ -62,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                        help="a chat reply's thinking (<think>...</think>) comes back apart from its answer, in the "
+                             "message's reasoning field: qwen3 (Qwen3), deepseek_r1 (DeepSeek-R1, QwQ)")
     parser.add_argument("--root-path", default="",
                         help="the path prefix a proxy serves the API under (ASGI root_path): each route answers "
                         "with or without it")
@@ -186,7 +190,8 @@ def serve(args: argparse.Namespace):
                              chat_template=chat_template, content_format=args.chat_template_content_format,
                              trust_remote_code=config.trust_remote_code,
                              response_role=args.response_role,
-                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                             reasoning_parser=args.reasoning_parser)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

@@ -335,6 +335,13 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None  # None: a reply of tool calls alone
     tool_calls: list[dict] = Field(default_factory=list)  # OpenAI's: id, type "function", function name, arguments
+    # With a reasoning parser: the reply's thinking, under vLLM's name and its older one; left out when None.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_only_when_given(self, handler):
+        return _without_none(handler(self), "reasoning", "reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -359,13 +366,19 @@ class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
     tool_calls: list[dict] | None = None  # each with its index among the choice's calls; left out when None
+    reasoning: str | None = None  # as ChatResponseMessage's; left out when None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _tool_calls_only_when_given(self, handler):
-        data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
-        return data
+        return _without_none(handler(self), "tool_calls", "reasoning", "reasoning_content")
+
+
+def _without_none(data: dict, *names: str) -> dict:
+    for name in names:
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
 
 
 class ChatChunkChoice(BaseModel):

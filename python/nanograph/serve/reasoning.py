@@ -1,0 +1,91 @@
+"""Reasoning parsers (`nanograph serve --reasoning-parser`): a chat reply's thinking, written between <think> and
+</think>, comes back apart from its answer, in the message's (or delta's) `reasoning` field, as vLLM's parsers give it.
+
+- qwen3: Qwen3 writes <think> itself when it thinks; a reply that does not start with it is all answer (as with
+  chat_template_kwargs {"enable_thinking": false}, whose template closes the thinking in the prompt).
+- deepseek_r1: the template opens the thinking in the prompt (DeepSeek-R1, QwQ), so the reply is thinking until
+  </think> (a <think> the model writes anyway is dropped).
+
+The answer is the text after </think>, as it is (Qwen3's starts with its blank line). A reply that ends while
+still thinking is all reasoning. The same state machine serves whole replies and streams, whose tags may arrive
+split over deltas."""
+from __future__ import annotations
+
+START, END = "<think>", "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+class ReasoningSplitter:
+    """Feeds a reply's text as it comes; each feed returns ("reasoning" | "content", text) pieces in order."""
+
+    def __init__(self, parser: str):
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser {parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+        # "start": not yet known whether the reply opens with <think> (qwen3), or whether a written <think> is
+        # to drop (deepseek_r1); "reasoning": until </think>; "content": the rest.
+        self.state = "start"
+        self.in_reasoning_at_start = parser == "deepseek_r1"
+        self.pending = ""  # text held back: it may be the start of a tag
+        self.thought = False  # whether the reply had a reasoning part (if empty)
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self.pending += text
+        pieces: list[tuple[str, str]] = []
+        while self.pending:
+            if self.state == "start":
+                stripped = self.pending.lstrip()
+                if START.startswith(stripped) and len(stripped) < len(START):
+                    break  # could still be <think>
+                if stripped.startswith(START):
+                    self.pending = stripped[len(START):]
+                    self.state = "reasoning"
+                else:
+                    self.state = "reasoning" if self.in_reasoning_at_start else "content"
+                self.thought = self.state == "reasoning"
+            elif self.state == "reasoning":
+                end = self.pending.find(END)
+                if end >= 0:
+                    _add(pieces, "reasoning", self.pending[:end])
+                    self.pending = self.pending[end + len(END):]
+                    self.state = "content"
+                    continue
+                held = _tag_prefix_at_end(self.pending, END)
+                _add(pieces, "reasoning", self.pending[:len(self.pending) - held])
+                self.pending = self.pending[len(self.pending) - held:]
+                break
+            else:
+                _add(pieces, "content", self.pending)
+                self.pending = ""
+        return pieces
+
+    def finish(self) -> list[tuple[str, str]]:
+        """The text held back, once the reply has ended."""
+        text, self.pending = self.pending, ""
+        if not text:
+            return []
+        if self.state == "start":  # a reply shorter than <think>, or only a part of it
+            self.state = "reasoning" if self.in_reasoning_at_start else "content"
+            self.thought = self.state == "reasoning"
+        return [(self.state, text)]
+
+
+def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+    """A whole reply's (reasoning, answer); reasoning None where the reply has none."""
+    splitter = ReasoningSplitter(parser)
+    pieces = splitter.feed(text) + splitter.finish()
+    reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
+    content = "".join(piece for kind, piece in pieces if kind == "content")
+    return (reasoning if splitter.thought else None), content
+
+
+def _add(pieces: list[tuple[str, str]], kind: str, text: str):
+    if text:
+        pieces.append((kind, text))
+
+
+def _tag_prefix_at_end(text: str, tag: str) -> int:
+    """The length of the longest end of text that begins tag (held back until the next text says which)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
