@@ -7,33 +7,35 @@ import random
 import openai
 import pytest
 
-from nanograph.outputs import CompletionDelta
-from nanograph.serve.chat import _events
-from nanograph.serve.reasoning import ReasoningSplitter, split_reasoning
+from nanograph.outputs import CompletionDelta, Logprob
+from nanograph.serve.chat import Reasoning, _events
+from nanograph.serve.reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
+from nanograph.serve.tool_calls import ToolCallStream
 
 from .server_process import module_server
 
-CASES = [  # parser, reply, (reasoning, answer) as vLLM's parsers give them
-    ("qwen3", "<think>\nThe capital.\n</think>\n\nParis.", ("\nThe capital.\n", "\n\nParis.")),
-    ("qwen3", "Paris.", (None, "Paris.")),  # no thinking (enable_thinking false)
-    ("qwen3", "<think>\nStill thinking", ("\nStill thinking", "")),  # ended inside the thinking
-    ("qwen3", "<thi", (None, "<thi")),
-    ("qwen3", "a </think> b", (None, "a </think> b")),  # not a reply that opened with <think>
-    ("qwen3", "<think></think>Paris", ("", "Paris")),
-    ("deepseek_r1", "Hmm, France.</think>Paris.", ("Hmm, France.", "Paris.")),
-    ("deepseek_r1", "<think>Hmm.</think>Paris.", ("Hmm.", "Paris.")),
-    ("deepseek_r1", "Hmm, still", ("Hmm, still", "")),
-    ("deepseek_r1", "Hmm <thi", ("Hmm <thi", "")),
+CASES = [  # parser, whether the reply starts thinking, reply, (reasoning, answer) as vLLM's parsers give them
+    ("qwen3", True, "<think>\nThe capital.\n</think>\n\nParis.", ("\nThe capital.\n", "\n\nParis.")),
+    ("qwen3", True, "The capital.</think>\n\nParis.", ("The capital.", "\n\nParis.")),  # <think> in the prompt
+    ("qwen3", True, "  <think>a</think>b</think>c", ("a", "b</think>c")),
+    ("qwen3", True, "<think>\nStill thinking", ("\nStill thinking", "")),  # ended inside the thinking
+    ("qwen3", True, "<thi", ("<thi", "")),
+    ("qwen3", True, "<think></think>Paris", ("", "Paris")),
+    ("qwen3", False, "Paris. <think>x</think>", (None, "Paris. <think>x</think>")),  # the prompt closed it
+    ("deepseek_r1", True, "Hmm, France.</think>Paris.", ("Hmm, France.", "Paris.")),
+    ("deepseek_r1", True, "<think>Hmm.</think>Paris.", ("Hmm.", "Paris.")),
+    ("deepseek_r1", True, "Hmm <thi", ("Hmm <thi", "")),
+    ("deepseek_r1", True, "Hmm </thi", ("Hmm </thi", "")),
 ]
 
 
-@pytest.mark.parametrize("parser, text, expected", CASES)
-def test_a_reply_splits_the_same_whole_and_in_any_pieces(parser, text, expected):
-    assert split_reasoning(parser, text) == expected
+@pytest.mark.parametrize("parser, thinking, text, expected", CASES)
+def test_a_reply_splits_the_same_whole_and_in_any_pieces(parser, thinking, text, expected):
+    assert split_reasoning(parser, text, thinking) == expected
     rng = random.Random(len(text))
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(6, len(text) - 1))))
-        splitter = ReasoningSplitter(parser)
+        splitter = ReasoningSplitter(parser, thinking)
         pieces = []
         for start, end in zip([0, *cuts], [*cuts, len(text)]):
             pieces += splitter.feed(text[start:end])
@@ -45,38 +47,88 @@ def test_a_reply_splits_the_same_whole_and_in_any_pieces(parser, text, expected)
         assert kinds == sorted(kinds, key=["reasoning", "content"].index)  # thinking first, then the answer
 
 
+def test_a_prompt_that_closed_the_thinking():
+    assert prompt_closes_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_closes_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_closes_thinking("<|im_start|>assistant\n")
+
+
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="reasoning parser 'r1' is not one of qwen3, deepseek_r1"):
         ReasoningSplitter("r1")
 
 
-def test_streamed_chunks_carry_the_thinking_apart():
-    texts = ["<thi", "nk>\nabc</th", "ink>\n\nPar", "is."]
-
+def stream_of(texts_by_choice: list[list[str]], logprobs: bool = False):
+    """A RequestStream's items: step i gives every choice its i-th text (one token each)."""
     async def stream():
-        for i, text in enumerate(texts):
-            yield [(0, CompletionDelta("r", 0, text, [i + 1], finished=i == len(texts) - 1,
-                                       finish_reason="stop" if i == len(texts) - 1 else None))]
+        steps = max(map(len, texts_by_choice))
+        for i in range(steps):
+            deltas = []
+            for index, texts in enumerate(texts_by_choice):
+                if i < len(texts):
+                    last = i == len(texts) - 1
+                    token = 100 * index + i + 1
+                    deltas.append((0, CompletionDelta(
+                        "r", index, texts[i], [token], finished=last, finish_reason="stop" if last else None,
+                        logprobs=[{token: Logprob(-0.5, 1, texts[i])}] if logprobs else None)))
+            yield deltas
+    return stream()
 
+
+def chat_chunks(texts_by_choice, reasoning, **kwargs) -> list[dict]:
     async def events():
-        return [event async for event in _events(stream(), "chatcmpl-1", "m", [[1, 2]], 1, 0, False, "assistant", "",
-                                                  reasoning_parser="qwen3")]
+        return [event async for event in _events(stream_of(texts_by_choice, kwargs.pop("logprobs", False)),
+                                                  "chatcmpl-1", "m", [[1, 2]], len(texts_by_choice), 0, False,
+                                                  "assistant", "", reasoning=reasoning, **kwargs)]
 
-    chunks = [json.loads(line.removeprefix("data: ")) for text in asyncio.run(events())
-              for line in text.split("\n") if line.startswith("data: {")]
+    return [json.loads(line.removeprefix("data: ")) for text in asyncio.run(events())
+            for line in text.split("\n") if line.startswith("data: {")]
+
+
+def joined(chunks, index, field) -> str:
+    return "".join(chunk["choices"][0]["delta"].get(field) or "" for chunk in chunks
+                   if chunk["choices"] and chunk["choices"][0]["index"] == index)
+
+
+def test_streamed_chunks_carry_the_thinking_apart():
+    texts = ["<thi", "nk>\nabc</th", "ink>\n\nPar", "is.</thi"]
+    chunks = chat_chunks([texts], Reasoning("qwen3", True, True))
     deltas = [chunk["choices"][0]["delta"] for chunk in chunks]
     assert deltas[0] == {"role": "assistant", "content": ""}
-    reasoning = "".join(delta.get("reasoning", "") for delta in deltas)
-    content = "".join(delta.get("content") or "" for delta in deltas[1:])
-    assert reasoning == "\nabc" and content == "\n\nParis."
-    assert all(delta.get("reasoning_content") == delta.get("reasoning") for delta in deltas)
+    assert joined(chunks, 0, "reasoning") == joined(chunks, 0, "reasoning_content") == "\nabc"
+    assert joined(chunks, 0, "content") == "\n\nParis.</thi"  # the held-back end comes out at the finish
     assert all(delta["content"] is None for delta in deltas if "reasoning" in delta)  # chunks of one or the other
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # include_reasoning false: the answer alone.
+    chunks = chat_chunks([texts], Reasoning("qwen3", True, False))
+    assert not joined(chunks, 0, "reasoning") and joined(chunks, 0, "content") == "\n\nParis.</thi"
+
+
+def test_streamed_thinking_per_choice_with_logprobs_and_tool_calls():
+    """Two choices, each its own splitter; every token's logprob comes once; a call written inside the thinking is
+    thinking, one in the answer is a call."""
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    first = ["<think>", "plan ", call, "</think>", "\n\n", call]
+    second = ["<think>", "no", "</think>", "Fine."]
+    chunks = chat_chunks([first, second], Reasoning("qwen3", True, True), logprobs=True,
+                         parse_calls=ToolCallStream)
+    assert joined(chunks, 0, "reasoning") == "plan " + call and joined(chunks, 1, "reasoning") == "no"
+    assert joined(chunks, 1, "content") == "Fine."
+    calls = [c for chunk in chunks for c in chunk["choices"][0]["delta"].get("tool_calls") or []
+             if chunk["choices"][0]["index"] == 0]
+    assert [c["function"]["name"] for c in calls] == ["f"]
+    for index, texts in enumerate((first, second)):
+        entries = [entry for chunk in chunks if chunk["choices"] and chunk["choices"][0]["index"] == index
+                   and chunk["choices"][0].get("logprobs") for entry in chunk["choices"][0]["logprobs"]["content"]]
+        assert [entry["token"] for entry in entries] == texts
+    finishes = {chunk["choices"][0]["index"]: chunk["choices"][0]["finish_reason"] for chunk in chunks
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"]}
+    assert finishes == {0: "tool_calls", 1: "stop"}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from module_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1")
+    yield from module_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template")
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +150,14 @@ def test_a_server_with_a_reasoning_parser(client):
     deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
     assert "".join(delta.model_extra.get("reasoning") or "" for delta in deltas) == reply.model_extra["reasoning"]
     assert not "".join(delta.content or "" for delta in deltas)
+    # A template that closes the thinking in the prompt (as Qwen3's does with enable_thinking false): all answer.
+    closed = "{% for m in messages %}{{ m.content }}\n{% endfor %}Answer: <think>\n\n</think>\n\n"
+    answered = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
+                                              temperature=0, extra_body={"chat_template": closed}).choices[0].message
+    assert answered.content and "reasoning" not in (answered.model_extra or {})
+    hidden = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
+                                            temperature=0, extra_body={"include_reasoning": False}).choices[0]
+    assert hidden.message.content is None and "reasoning" not in (hidden.message.model_extra or {})
     constrained = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                                  temperature=0, extra_body={"guided_choice": ["Paris", "Rome"]})
     message = constrained.choices[0].message

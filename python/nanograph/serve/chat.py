@@ -16,7 +16,7 @@ from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
@@ -84,23 +84,27 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
     # A grammar constrains a reply from its first token, so such a reply has no thinking to take apart.
-    reasoning_parser = served.reasoning_parser if params.structured_outputs is None else None
+    reasoning = None
+    if served.reasoning_parser is not None and params.structured_outputs is None:
+        thinking = not prompt_closes_thinking(served.tokenizer.decode(prompts[0][-PROMPT_END_TOKENS:]))
+        reasoning = Reasoning(served.reasoning_parser, thinking, request.include_reasoning)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
-                                           request.return_tokens_as_token_ids, max_calls, reasoning_parser),
+                                           request.return_tokens_as_token_ids, max_calls, reasoning),
                                    stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
         """A choice's message (its thinking apart, with a reasoning parser), and whether it called tools."""
-        if reasoning_parser is None:
+        if reasoning is None:
             return answer(text)
-        reasoning, text = split_reasoning(reasoning_parser, text)
+        thought, text = split_reasoning(reasoning.parser, text, reasoning.thinking)
         reply, called = answer(text)
-        if reasoning is not None:
-            reply.reasoning = reply.reasoning_content = reasoning
+        if thought is not None:
+            if reasoning.include:
+                reply.reasoning = reply.reasoning_content = thought
             if reply.content == "":
                 reply.content = None
         return reply, called
@@ -144,6 +148,19 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     return await unless_disconnected(raw_request, complete())
 
 
+# The prompt's last tokens that say whether its template closed the thinking (<think></think> and blank lines).
+PROMPT_END_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Reasoning:
+    """How a request's replies are taken apart: the server's parser; whether a reply starts thinking (the prompt
+    did not close it); whether the thinking goes into the reply (the request's include_reasoning)."""
+    parser: str
+    thinking: bool
+    include: bool
+
+
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
                   as_token_ids: bool = False) -> ChatLogprobs:
     """Per token: its text (or "token_id:{id}"), logprob and its text's UTF-8 bytes, and the num_top most likely
@@ -174,13 +191,14 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   num_top: int, include_usage: bool, role: str, echoed: str,
                   continuous_usage: bool = False, parse_calls: type | None = None,
                   named: str | None = None, as_token_ids: bool = False,
-                  max_calls: int | None = None, reasoning_parser: str | None = None) -> AsyncIterator[str]:
+                  max_calls: int | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
     far. parse_calls: the class (ToolCallStream, RequiredCallStream) the text goes through, each call whole in one
     chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
-    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all); reasoning_parser: a
-    choice's thinking goes out in chunks of its own (delta.reasoning), and the rest as above."""
+    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all); reasoning: a choice's
+    thinking goes out in chunks of its own (delta.reasoning; none if not reasoning.include), and the rest as
+    above."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -233,7 +251,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                                                  stop_reason=delta.stop_reason if last and delta.finished else None)]))
         return "".join(events)
 
-    splitters = [ReasoningSplitter(reasoning_parser) for _ in range(n)] if reasoning_parser else None
+    splitters = [ReasoningSplitter(reasoning.parser, reasoning.thinking) for _ in range(n)] if reasoning else None
 
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
@@ -243,13 +261,21 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
             return answer_chunk(delta)
         splitter = splitters[delta.index]
         pieces = splitter.feed(delta.text) + (splitter.finish() if delta.finished else [])
-        reasoning = "".join(text for kind, text in pieces if kind == "reasoning")
+        thought = "".join(text for kind, text in pieces if kind == "reasoning") if reasoning.include else ""
         content = "".join(text for kind, text in pieces if kind == "content")
+        if thought and not content and not delta.finished:  # one chunk: the thinking, with its tokens' logprobs
+            return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(reasoning=thought,
+                                                                             reasoning_content=thought),
+                                          logprobs=step_logprobs(delta))])
         events = chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
-            reasoning=reasoning, reasoning_content=reasoning))]) if reasoning else ""
+            reasoning=thought, reasoning_content=thought))]) if thought else ""
         if not content and delta.logprobs is None and not delta.finished and not continuous_usage:
             return events
         return events + answer_chunk(dataclasses.replace(delta, text=content))
+
+    def step_logprobs(delta: CompletionDelta) -> ChatLogprobs | None:
+        return None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top,
+                                                                 as_token_ids)
 
     def answer_chunk(delta: CompletionDelta) -> str:
         """The chunks of a delta's answer (all of its text, but with a reasoning parser)."""

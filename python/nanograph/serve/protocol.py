@@ -224,6 +224,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[dict] | None = None  # given to the chat template (tool_calls.py: what comes back)
     tool_choice: str | dict | None = None  # "none", "auto" (a tool-call parser) or a named function
     parallel_tool_calls: bool | None = True  # false (or null, as vLLM tests it): a reply keeps its first call
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning parser's thinking out of the reply
     echo: bool = False  # vLLM's: the last message's content starts the reply when that message has the reply's role
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 

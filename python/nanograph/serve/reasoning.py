@@ -1,14 +1,12 @@
 """Reasoning parsers (`nanograph serve --reasoning-parser`): a chat reply's thinking, written between <think> and
 </think>, comes back apart from its answer, in the message's (or delta's) `reasoning` field, as vLLM's parsers give it.
 
-- qwen3: Qwen3 writes <think> itself when it thinks; a reply that does not start with it is all answer (as with
-  chat_template_kwargs {"enable_thinking": false}, whose template closes the thinking in the prompt).
-- deepseek_r1: the template opens the thinking in the prompt (DeepSeek-R1, QwQ), so the reply is thinking until
-  </think> (a <think> the model writes anyway is dropped).
-
-The answer is the text after </think>, as it is (Qwen3's starts with its blank line). A reply that ends while
-still thinking is all reasoning. The same state machine serves whole replies and streams, whose tags may arrive
-split over deltas."""
+Both parsers (qwen3: Qwen3; deepseek_r1: DeepSeek-R1, QwQ) read a reply the same way: it thinks from its start (a
+<think> the model writes itself is dropped; a template may have opened the thinking in the prompt) until </think>,
+and the rest is the answer, as it is (Qwen3's starts with its blank line). A reply that ends while still thinking
+is all reasoning. Where the prompt itself closed the thinking (Qwen3's chat_template_kwargs {"enable_thinking":
+false} renders an empty <think></think>), the reply is all answer: `thinking=False`. The same state machine serves
+whole replies and streams, whose tags may arrive split over deltas."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
@@ -18,15 +16,15 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 class ReasoningSplitter:
     """Feeds a reply's text as it comes; each feed returns ("reasoning" | "content", text) pieces in order."""
 
-    def __init__(self, parser: str):
+    def __init__(self, parser: str, thinking: bool = True):
+        """thinking: whether the reply starts in its thinking (False: the prompt closed it)."""
         if parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser {parser!r} is not one of {', '.join(REASONING_PARSERS)}")
-        # "start": not yet known whether the reply opens with <think> (qwen3), or whether a written <think> is
-        # to drop (deepseek_r1); "reasoning": until </think>; "content": the rest.
-        self.state = "start"
-        self.in_reasoning_at_start = parser == "deepseek_r1"
+        # "start": not yet known whether the reply opens with a <think> to drop; "reasoning": until </think>;
+        # "content": the rest.
+        self.state = "start" if thinking else "content"
         self.pending = ""  # text held back: it may be the start of a tag
-        self.thought = False  # whether the reply had a reasoning part (if empty)
+        self.thought = thinking  # whether the reply has a reasoning part (if empty)
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.pending += text
@@ -38,10 +36,7 @@ class ReasoningSplitter:
                     break  # could still be <think>
                 if stripped.startswith(START):
                     self.pending = stripped[len(START):]
-                    self.state = "reasoning"
-                else:
-                    self.state = "reasoning" if self.in_reasoning_at_start else "content"
-                self.thought = self.state == "reasoning"
+                self.state = "reasoning"
             elif self.state == "reasoning":
                 end = self.pending.find(END)
                 if end >= 0:
@@ -64,14 +59,18 @@ class ReasoningSplitter:
         if not text:
             return []
         if self.state == "start":  # a reply shorter than <think>, or only a part of it
-            self.state = "reasoning" if self.in_reasoning_at_start else "content"
-            self.thought = self.state == "reasoning"
+            self.state = "reasoning"
         return [(self.state, text)]
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+def prompt_closes_thinking(prompt_text: str) -> bool:
+    """Whether a rendered prompt's end closed the thinking (<think></think>), so that the reply is all answer."""
+    return prompt_text.rstrip().endswith(END)
+
+
+def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str]:
     """A whole reply's (reasoning, answer); reasoning None where the reply has none."""
-    splitter = ReasoningSplitter(parser)
+    splitter = ReasoningSplitter(parser, thinking)
     pieces = splitter.feed(text) + splitter.finish()
     reasoning = "".join(piece for kind, piece in pieces if kind == "reasoning")
     content = "".join(piece for kind, piece in pieces if kind == "content")
