@@ -28,6 +28,16 @@ def test_text_events_equal_the_models_json_on_random_texts():
         assert events.halves is not None
         for text in texts:
             assert events(text) == event(make_chunk(text)), repr(text)
+    # A reasoning delta holds its text twice.
+    events = TextEvents(reasoning_chunk, fields=2)
+    assert events.halves is not None and TextEvents(reasoning_chunk).halves is None
+    for text in texts:
+        assert events(text) == event(reasoning_chunk(text)), repr(text)
+
+
+def reasoning_chunk(text: str) -> ChatCompletionChunk:
+    return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[
+        ChatChunkChoice(index=0, delta=ChatDelta(reasoning=text, reasoning_content=text))])
 
 
 def test_a_model_name_holding_the_marker_takes_the_models_path():

@@ -252,6 +252,10 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         return "".join(events)
 
     splitters = [ReasoningSplitter(reasoning.parser, reasoning.thinking) for _ in range(n)] if reasoning else None
+    reasoning_events = [TextEvents(lambda text, index=index: ChatCompletionChunk(
+        id=response_id, created=created, model=model, choices=[ChatChunkChoice(
+            index=index, delta=ChatDelta(reasoning=text, reasoning_content=text))]), fields=2)
+        for index in range(n)] if reasoning else None
 
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
@@ -264,6 +268,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         thought = "".join(text for kind, text in pieces if kind == "reasoning") if reasoning.include else ""
         content = "".join(text for kind, text in pieces if kind == "content")
         if thought and not content and not delta.finished:  # one chunk: the thinking, with its tokens' logprobs
+            if delta.logprobs is None and not continuous_usage:
+                return reasoning_events[delta.index](thought)
             return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(reasoning=thought,
                                                                              reasoning_content=thought),
                                           logprobs=step_logprobs(delta))])

@@ -32,16 +32,17 @@ class TextEvents:
     MARKER = "NANOGRAPH_TEXT_MARKER"
     _encode = json.JSONEncoder(ensure_ascii=False).encode
 
-    def __init__(self, make_chunk: Callable[[str], BaseModel]):
-        """make_chunk(text): the chunk for a text."""
+    def __init__(self, make_chunk: Callable[[str], BaseModel], fields: int = 1):
+        """make_chunk(text): the chunk for a text, which it holds in `fields` fields (a reasoning delta's two)."""
         self.make_chunk = make_chunk
-        halves = event(make_chunk(self.MARKER)).split(f'"{self.MARKER}"')
-        self.halves = halves if len(halves) == 2 else None  # the marker also elsewhere (a model's name): no shortcut
+        parts = event(make_chunk(self.MARKER)).split(f'"{self.MARKER}"')
+        # The marker also elsewhere (a model's name): no shortcut.
+        self.halves = parts if len(parts) == fields + 1 else None
 
     def __call__(self, text: str) -> str:
         if self.halves is None:
             return event(self.make_chunk(text))
-        return self.halves[0] + self._encode(text) + self.halves[1]
+        return self._encode(text).join(self.halves)
 
 
 async def sse_body(stream: RequestStream, chunk_of: Callable[[int, CompletionDelta], str],
