@@ -10,6 +10,7 @@ from .sampling_params import SamplingParams
 
 MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
 
+
 def human_readable_int(text: str) -> int:
     """A token count as vLLM's command line reads it: 4096, 32k (32,000), 25.6k (25,600), 32K (32,768), 1m, 1M."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text.strip())
@@ -42,7 +43,8 @@ ENGINE_OPTIONS = {
                             "scale per layer, twice the tokens of bf16"),
     "tensor_parallel_size": (int, "processes that each hold a shard of the model (the torch backend: device cpu "
                                   "or torch:<torch device>)"),
-    "max_num_batched_tokens": (human_readable_int, "tokens in one step at most (a longer prompt is prefilled in chunks)"),
+    "max_num_batched_tokens": (human_readable_int,
+                               "tokens in one step at most (a longer prompt is prefilled in chunks)"),
     "max_logprobs": (int, "the most top logprobs a request may ask for; -1: no limit"),
     "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
     "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),

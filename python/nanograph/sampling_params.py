@@ -5,7 +5,7 @@ import copy
 import json
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np

@@ -215,6 +215,10 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     parsers = [parse_calls() for _ in range(n)] if parse_calls else None
     named_calls = [ToolCall(named, "") for _ in range(n)] if named is not None else None
 
+    def step_logprobs(delta: CompletionDelta) -> ChatLogprobs | None:
+        return None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top,
+                                                                 as_token_ids)
+
     def tool_chunk(delta: CompletionDelta) -> str:
         """A parsed or named choice's chunks for this delta: its content and its calls as they are complete."""
         index = delta.index
@@ -236,7 +240,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                         chunks[-1].tool_calls.append(call)
                     else:
                         chunks.append(ChatDelta(tool_calls=[call]))
-        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top, as_token_ids)
+        logprobs = step_logprobs(delta)
         finish_reason = None
         if delta.finished:
             called = named_calls is None and parsers[index].num_calls > 0
@@ -268,20 +272,17 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         thought = "".join(text for kind, text in pieces if kind == "reasoning") if reasoning.include else ""
         content = "".join(text for kind, text in pieces if kind == "content")
         if thought and not content and not delta.finished:  # one chunk: the thinking, with its tokens' logprobs
-            if delta.logprobs is None and not continuous_usage:
-                return reasoning_events[delta.index](thought)
-            return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(reasoning=thought,
-                                                                             reasoning_content=thought),
-                                          logprobs=step_logprobs(delta))])
-        events = chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(
-            reasoning=thought, reasoning_content=thought))]) if thought else ""
+            return thought_chunk(delta.index, thought, step_logprobs(delta))
+        events = thought_chunk(delta.index, thought) if thought else ""
         if not content and delta.logprobs is None and not delta.finished and not continuous_usage:
             return events
         return events + answer_chunk(dataclasses.replace(delta, text=content))
 
-    def step_logprobs(delta: CompletionDelta) -> ChatLogprobs | None:
-        return None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top,
-                                                                 as_token_ids)
+    def thought_chunk(index: int, thought: str, logprobs: ChatLogprobs | None = None) -> str:
+        if logprobs is None and not continuous_usage:
+            return reasoning_events[index](thought)
+        return chunk([ChatChunkChoice(index=index, delta=ChatDelta(reasoning=thought, reasoning_content=thought),
+                                      logprobs=logprobs)])
 
     def answer_chunk(delta: CompletionDelta) -> str:
         """The chunks of a delta's answer (all of its text, but with a reasoning parser)."""
@@ -289,7 +290,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
             return tool_chunk(delta)
         if delta.logprobs is None and not delta.finished and not continuous_usage:
             return text_events[delta.index](delta.text)
-        logprobs = None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top, as_token_ids)
+        logprobs = step_logprobs(delta)
         return chunk([ChatChunkChoice(index=delta.index, delta=ChatDelta(content=delta.text), logprobs=logprobs,
                                       finish_reason=delta.finish_reason if delta.finished else None,
                                       stop_reason=delta.stop_reason if delta.finished else None)])
