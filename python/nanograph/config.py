@@ -6,6 +6,8 @@ from os import PathLike
 
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
 SUPPORTED_QUANTIZATION = ("fp8",)
+from .reasoning import REASONING_PARSERS
+
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -44,6 +46,9 @@ class Config:
     # "auto": default sampling parameters from the model folder's generation_config.json; "vllm": none (vLLM's own
     # defaults); or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's: with a reasoning parser (reasoning.REASONING_PARSERS), a request's structured-output grammar applies to
+    # its reply's answer, from the token after </think>, and not to the thinking before it. None: from the first token.
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
@@ -78,6 +83,9 @@ class Config:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanograph runs FP8 weights "
                              f"(an FP8 checkpoint's, or quantized at load); use quantization="
                              f"{' or '.join(map(repr, SUPPORTED_QUANTIZATION))}, or None for the checkpoint's format")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one nanograph has; use "
+                             f"{' or '.join(map(repr, REASONING_PARSERS))}, or None")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanograph's KV cache "
                              f"holds the model's dtype or FP8 e4m3; use kv_cache_dtype='auto' (the model's dtype), "

@@ -33,6 +33,7 @@ def biased(row: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
 
 class FixedGrammar:
     """A grammar stand-in that allows the same tokens at every step: bitmask words (int32 [words])."""
+    applies = True
 
     def __init__(self, words: np.ndarray):
         self.words = words

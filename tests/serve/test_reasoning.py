@@ -8,9 +8,11 @@ import openai
 import pytest
 
 from nanograph.outputs import CompletionDelta, Logprob
+from nanograph.reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
 from nanograph.serve.chat import Reasoning, _events
-from nanograph.serve.reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
 from nanograph.serve.tool_calls import ToolCallStream
+
+from ..engine.test_reasoning_grammar import SHOTS
 
 from .server_process import module_server
 
@@ -126,6 +128,17 @@ def test_streamed_thinking_per_choice_with_logprobs_and_tool_calls():
     assert finishes == {0: "tool_calls", 1: "stop"}
 
 
+def test_a_named_functions_arguments_come_after_the_thinking():
+    """Under tool_choice naming a function the grammar applies after the thinking: the thinking streams as reasoning,
+    the answer as the call's arguments."""
+    chunks = chat_chunks([["Hmm", ", yes.</th", 'ink>{"yes"', ": true}"]], Reasoning("deepseek_r1", True, True),
+                         named="answer")
+    assert joined(chunks, 0, "reasoning") == "Hmm, yes." and not joined(chunks, 0, "content")
+    arguments = [call["function"].get("arguments") or "" for chunk in chunks
+                 for call in chunk["choices"][0]["delta"].get("tool_calls") or []]
+    assert "".join(arguments) == '{"yes": true}'
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     yield from module_server(tmp_path_factory, "--reasoning-parser", "deepseek_r1", "--trust-request-chat-template")
@@ -138,8 +151,8 @@ def client(server):
 
 
 def test_a_server_with_a_reasoning_parser(client):
-    """SmolLM2 writes no </think>: under deepseek_r1 (whose template opens the thinking) its whole reply is thinking,
-    streamed or not; a reply constrained by a grammar is all answer."""
+    """SmolLM2 writes no </think> to a question: under deepseek_r1 (whose template opens the thinking) its whole reply
+    is thinking, streamed or not."""
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                            temperature=0).choices[0].message
@@ -158,7 +171,27 @@ def test_a_server_with_a_reasoning_parser(client):
     hidden = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                             temperature=0, extra_body={"include_reasoning": False}).choices[0]
     assert hidden.message.content is None and "reasoning" not in (hidden.message.model_extra or {})
-    constrained = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
-                                                 temperature=0, extra_body={"guided_choice": ["Paris", "Rome"]})
+    # A grammar applies to the answer, after the thinking: a template of few-shot thinking (SmolLM2 then writes a
+    # thought and </think> in pieces) and a choice, whole and streamed, and a JSON schema.
+    shots = {"chat_template": SHOTS}
+    constrained = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24,
+                                                 temperature=0, extra_body={**shots, "guided_choice": ["yes", "no"]})
     message = constrained.choices[0].message
-    assert message.content in ("Paris", "Rome") and "reasoning" not in (message.model_extra or {})
+    assert message.content in ("yes", "no") and message.model_extra["reasoning"].strip()
+    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24,
+                                              temperature=0, stream=True,
+                                              extra_body={**shots, "guided_choice": ["yes", "no"]})
+    deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
+    assert "".join(delta.model_extra.get("reasoning") or "" for delta in deltas) == message.model_extra["reasoning"]
+    assert "".join(delta.content or "" for delta in deltas) == message.content
+    closed_constrained = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12, temperature=0,
+        extra_body={"chat_template": closed, "guided_choice": ["Paris", "Rome"]}).choices[0].message
+    assert closed_constrained.content in ("Paris", "Rome") and "reasoning" not in \
+        (closed_constrained.model_extra or {})
+    schema = {"type": "object", "properties": {"yes": {"type": "boolean"}}, "required": ["yes"]}
+    as_json = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=40, temperature=0,
+        extra_body={**shots, "structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    message = as_json.choices[0].message
+    assert message.model_extra["reasoning"].strip() and isinstance(json.loads(message.content)["yes"], bool)

@@ -9,6 +9,7 @@ import numpy as np
 
 from ..config import Config
 from ..inputs import PromptType, check_utf8
+from ..reasoning import ThinkingEnd, end_token_id, reply_thinks
 from ..sampling import seeded_generator
 from ..sampling.grammar import GrammarCompiler
 from ..sampling_params import SamplingParams
@@ -28,6 +29,9 @@ class ValidRequest:
     params: SamplingParams  # the request's own copy, max_tokens resolved
     bad_words_token_ids: list[list[int]]  # params.bad_words, tokenized
     grammar: str | None  # params.structured_outputs, compiled
+    # With the engine's reasoning parser: the grammar applies once the reply's thinking has ended (the prompt did
+    # not close the thinking).
+    grammar_after_thinking: bool = False
 
 
 def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
@@ -117,6 +121,9 @@ class Intake:
         """The tokenizer for text prompts, bad words and grammars (compiled anew against its vocabulary)."""
         self.tokenizer = tokenizer
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+        # </think>, where the tokenizer has it as one token (else the reply's text shows the thinking's end).
+        self.thinking_end_token = end_token_id(tokenizer) \
+            if tokenizer is not None and self.config.reasoning_parser is not None else None
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
         if not isinstance(params, SamplingParams):
@@ -159,7 +166,9 @@ class Intake:
         if params.allowed_token_ids is not None:
             self._check_something_allowed(params, bad_words_token_ids)
         grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
-        return ValidRequest(text, token_ids, params, bad_words_token_ids, grammar)
+        after_thinking = grammar is not None and self.config.reasoning_parser is not None and \
+            reply_thinks(self.tokenizer, token_ids)
+        return ValidRequest(text, token_ids, params, bad_words_token_ids, grammar, after_thinking)
 
     def _check_something_allowed(self, params: SamplingParams, bad_words_token_ids: list[list[int]]):
         """allowed_token_ids must leave a token to sample at every step: one that no one-token bad word bans,
@@ -191,6 +200,11 @@ class Intake:
             seq.bad_words_token_ids = valid.bad_words_token_ids
             if valid.grammar is not None:
                 seq.grammar = self.grammars.matcher(valid.grammar)
+                # Without a </think> token the thinking's end is read from the text: none without a detokenizer
+                # (detokenize=False), where the grammar applies from the first token.
+                if valid.grammar_after_thinking and (self.thinking_end_token is not None or
+                                                     seq.detokenizer is not None):
+                    seq.grammar.thinking = ThinkingEnd(self.thinking_end_token)
             seqs.append(seq)
         return Request(request_id, seqs, owner)
 

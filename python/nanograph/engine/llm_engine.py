@@ -447,7 +447,8 @@ class LLMEngine:
                 (masked if _masks_tokens(seq) else invalid).add(seq.request_id)
                 continue
             try:
-                if seq.grammar is not None and not seq.grammar.advance(token_id):
+                grammar = seq.grammar
+                if grammar is not None and grammar.applies and not grammar.advance(token_id):
                     ungrammatical.add(seq.request_id)
                     continue
                 seq.token_ids[-1] = token_id
@@ -456,6 +457,9 @@ class LLMEngine:
                     self._record_logprobs(seq, logprobs)
                 if self.stop_checker.check(seq):
                     self.scheduler.finish(seq)
+                elif grammar is not None and not grammar.applies and \
+                        grammar.thinking.ends_at(token_id, seq.detokenizer):
+                    grammar.thinking = None  # the next token is the answer's first, under the grammar
             except Exception as exc:  # its grammar, or its tokenizer on its text: that request ends, the rest go on
                 broken.setdefault(seq.request_id, exc)
                 continue

@@ -53,7 +53,7 @@ class Sampler:
         """Queues the sampling of one token per row (logits [num_rows, vocab], one row per sequence; the rows of
         sequences with a grammar are masked in place, the others left unmodified); the token ids on the device come
         as int64, or int32 from the core's argmax."""
-        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None and seq.grammar.applies]
         if constrained:
             self.bitmask.apply(logits, seqs, constrained)
         return self.path.sample(logits, seqs)

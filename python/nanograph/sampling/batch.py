@@ -42,6 +42,7 @@ class BatchRows:
         self.with_min_tokens = np.flatnonzero(table["min_tokens"] > 0).tolist()
         self.with_bad_words = [row for row, seq in enumerate(seqs) if seq.bad_words_token_ids]
         self.biases = BiasTable.of([seq.sparse_bias for seq in seqs])
+        # With a grammar, even one still waiting for the thinking's end (it may apply from the next token on).
         self.constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         logprobs = table["logprobs"]
         self.logprob_rows = np.flatnonzero(logprobs != NO_LOGPROBS).tolist()

@@ -83,6 +83,14 @@ class Grammar:
     def __init__(self, matcher, fill):
         self._matcher = matcher
         self._fill = fill
+        # With a reasoning parser, while the reply is still thinking: its reasoning.ThinkingEnd. The grammar applies
+        # from the token after the thinking's end; until then it masks nothing and takes no token.
+        self.thinking = None
+
+    @property
+    def applies(self) -> bool:
+        """Whether the grammar constrains the next token (it is not waiting for the thinking to end)."""
+        return self.thinking is None
 
     def fill(self, bitmask: np.ndarray, row: int):
         """Writes the tokens that may come next into bitmask[row] (int32 [*, bitmask_words(vocab)])."""

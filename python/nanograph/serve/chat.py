@@ -16,7 +16,7 @@ from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
-from .reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
+from ..reasoning import ReasoningSplitter, reply_thinks, split_reasoning
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
@@ -83,11 +83,12 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
     max_calls = None if request.parallel_tool_calls else 1  # a reply's tool calls kept
     response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
-    # A grammar constrains a reply from its first token, so such a reply has no thinking to take apart.
+    # The engine has the same parser: a grammar (response_format, tool_choice) applies to the answer after the
+    # thinking.
     reasoning = None
-    if served.reasoning_parser is not None and params.structured_outputs is None:
-        thinking = not prompt_closes_thinking(served.tokenizer.decode(prompts[0][-PROMPT_END_TOKENS:]))
-        reasoning = Reasoning(served.reasoning_parser, thinking, request.include_reasoning)
+    if served.reasoning_parser is not None:
+        reasoning = Reasoning(served.reasoning_parser, reply_thinks(served.tokenizer, prompts[0]),
+                              request.include_reasoning)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
@@ -146,10 +147,6 @@ async def create_chat_completion(served: ServedModel, raw_request: Request) -> R
                                       if request.prompt_logprobs is not None else None)
 
     return await unless_disconnected(raw_request, complete())
-
-
-# The prompt's last tokens that say whether its template closed the thinking (<think></think> and blank lines).
-PROMPT_END_TOKENS = 8
 
 
 @dataclasses.dataclass(frozen=True)

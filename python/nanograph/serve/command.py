@@ -21,7 +21,7 @@ from pathlib import Path
 from ..chat_template import CONTENT_FORMATS
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..config import Config
-from .reasoning import REASONING_PARSERS
+from ..reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
 INSTALL_HINT = "pip install 'nanograph[serve]'"
@@ -65,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser):
                              "Hermes)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="a chat reply's thinking (<think>...</think>) comes back apart from its answer, in the "
-                             "message's reasoning field: qwen3 (Qwen3), deepseek_r1 (DeepSeek-R1, QwQ)")
+                             "message's reasoning field, and a grammar applies to the answer after it: qwen3 "
+                             "(Qwen3), deepseek_r1 (DeepSeek-R1, QwQ)")
     parser.add_argument("--root-path", default="",
                         help="the path prefix a proxy serves the API under (ASGI root_path): each route answers "
                         "with or without it")
@@ -173,7 +174,7 @@ def serve(args: argparse.Namespace):
         raise SystemExit("nanograph serve: --enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     chat_template = read_chat_template(args.chat_template)
-    config = Config(model=model, **engine_kwargs(args))
+    config = Config(model=model, reasoning_parser=args.reasoning_parser, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
     api_keys = [key for key in args.api_key or () if key]
@@ -190,8 +191,7 @@ def serve(args: argparse.Namespace):
                              chat_template=chat_template, content_format=args.chat_template_content_format,
                              trust_remote_code=config.trust_remote_code,
                              response_role=args.response_role,
-                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                             reasoning_parser=args.reasoning_parser)
+                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

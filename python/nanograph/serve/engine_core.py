@@ -37,6 +37,7 @@ class EngineInfo:
     device: str
     kv_cache: str  # what the KV cache holds, in words (Runner.kv_cache_summary)
     cache_config: dict[str, str]  # vLLM's cache_config_info labels that apply here
+    reasoning_parser: str | None = None  # Config.reasoning_parser: how replies' thinking is taken apart
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
                     "num_gpu_blocks_override": config.num_kv_blocks}
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
-                      {name: str(value) for name, value in cache_config.items()})
+                      {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

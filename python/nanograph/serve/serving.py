@@ -37,7 +37,7 @@ class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
                  content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
@@ -45,7 +45,9 @@ class ServedModel:
         self.async_llm = async_llm
         self.response_role = response_role
         self.tool_call_parser = tool_call_parser  # tool_calls.TOOL_CALL_PARSERS; None: no "auto" tool choice
-        self.reasoning_parser = reasoning_parser  # reasoning.REASONING_PARSERS; None: a reply is all content
+        # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
+        # all content.
+        self.reasoning_parser = async_llm.info.reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.content_format = content_format

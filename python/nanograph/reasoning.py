@@ -1,12 +1,16 @@
-"""Reasoning parsers (`nanograph serve --reasoning-parser`): a chat reply's thinking, written between <think> and
-</think>, comes back apart from its answer, in the message's (or delta's) `reasoning` field, as vLLM's parsers give it.
+"""Reasoning parsers (LLM(reasoning_parser=...), `nanograph serve --reasoning-parser`): a reply's thinking, written
+between <think> and </think>, apart from its answer.
 
 Both parsers (qwen3: Qwen3; deepseek_r1: DeepSeek-R1, QwQ) read a reply the same way: it thinks from its start (a
 <think> the model writes itself is dropped; a template may have opened the thinking in the prompt) until </think>,
 and the rest is the answer, as it is (Qwen3's starts with its blank line). A reply that ends while still thinking
 is all reasoning. Where the prompt itself closed the thinking (Qwen3's chat_template_kwargs {"enable_thinking":
-false} renders an empty <think></think>), the reply is all answer: `thinking=False`. The same state machine serves
-whole replies and streams, whose tags may arrive split over deltas."""
+false} renders an empty <think></think>), the reply is all answer: `thinking=False`.
+
+The server gives the thinking back in a chat message's (or delta's) `reasoning` field, as vLLM's parsers do; the
+same state machine serves whole replies and streams, whose tags may arrive split over deltas. The engine applies a
+request's structured-output grammar to the answer only, from the token after </think> (ThinkingEnd), as vLLM
+does."""
 from __future__ import annotations
 
 START, END = "<think>", "</think>"
@@ -63,9 +67,41 @@ class ReasoningSplitter:
         return [(self.state, text)]
 
 
+# The prompt's last tokens that say whether its template closed the thinking (<think></think> and blank lines).
+PROMPT_END_TOKENS = 8
+
+
 def prompt_closes_thinking(prompt_text: str) -> bool:
     """Whether a rendered prompt's end closed the thinking (<think></think>), so that the reply is all answer."""
     return prompt_text.rstrip().endswith(END)
+
+
+def reply_thinks(tokenizer, prompt_token_ids: list[int]) -> bool:
+    """Whether a reply to this prompt starts in its thinking (the prompt's end did not close it)."""
+    return not prompt_closes_thinking(tokenizer.decode(prompt_token_ids[-PROMPT_END_TOKENS:]))
+
+
+def end_token_id(tokenizer) -> int | None:
+    """</think>'s token, where the tokenizer has it as one token (Qwen3's, DeepSeek-R1's), else None."""
+    token_ids = tokenizer.encode(END, add_special_tokens=False)
+    return token_ids[0] if len(token_ids) == 1 else None
+
+
+class ThinkingEnd:
+    """Watches a reply, token by token, for the end of its thinking: the token </think> where the tokenizer has it
+    as one token, else the first text that completes </think> (read from the reply's detokenizer)."""
+
+    def __init__(self, end_token: int | None):
+        self.end_token = end_token
+        self.searched = 0  # the text's characters already searched
+
+    def ends_at(self, token_id: int, detokenizer) -> bool:
+        """Whether token_id, the reply's newest token, ends its thinking (detokenizer: the reply's text so far)."""
+        if self.end_token is not None:
+            return token_id == self.end_token
+        text = detokenizer.text
+        start, self.searched = max(0, self.searched - len(END) + 1), len(text)
+        return text.find(END, start) >= 0
 
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str]:

@@ -1,0 +1,140 @@
+"""A structured-output grammar under a reasoning parser (LLM(reasoning_parser=...)) applies to the reply's answer only:
+from the token after </think>, whether the tokenizer has </think> as one token (Qwen3's, DeepSeek-R1's) or writes it
+in pieces (SmolLM2's); from the first token where the prompt closed the thinking, and without a reasoning parser."""
+import gc
+import shutil
+from contextlib import contextmanager
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from nanograph import LLM, SamplingParams, StructuredOutputsParams
+from nanograph.config import Config
+from nanograph.default_model import default_model_path
+from nanograph.engine.detokenizer import IncrementalDetokenizer
+from nanograph.reasoning import END, ThinkingEnd, end_token_id, reply_thinks
+
+from .tiny_models import _COMMON, SMOLLM2_SHAPED, TOKENIZER_FILES, _save_random_model
+
+pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
+
+CHOICES = ["yes", "no"]
+# Few-shot thinking: SmolLM2 continues it with a thought, "</think>" (written as "</", "think", ">") and an answer.
+SHOTS = ("<think>\nThe sky is blue.\n</think>\nyes\n<think>\nGrass is red.\n</think>\nno\n<think>\nSnow is white.\n"
+         "</think>\nyes\n<think>\n")
+
+
+def choice(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 24, **kwargs},
+                          structured_outputs=StructuredOutputsParams(choice=CHOICES))
+
+
+def assert_thought_then_answer(text: str):
+    thought, end, answer = text.partition(END)
+    assert end and thought.strip() and answer in CHOICES, text
+
+
+@pytest.fixture(scope="module")
+def think_folder(tmp_path_factory):
+    """A tiny random model with SmolLM2's tokenizer plus <think> and </think> as tokens of their own (added tokens,
+    not special, as in Qwen3's tokenizer), inside the model's vocabulary."""
+    folder = tmp_path_factory.mktemp("tiny-think")
+    _save_random_model(folder, {**_COMMON, **SMOLLM2_SHAPED, "vocab_size": 49152 + 64}, seed=3)
+    for name in TOKENIZER_FILES:
+        shutil.copy(f"{default_model_path()}/{name}", folder / name)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens(["<think>", END])
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@contextmanager
+def engine(device: str, model: str | None = None, **kwargs):
+    """An LLM on device, released (its GPU memory too) when the block ends."""
+    llm = LLM(model, device=device, max_model_len=256, max_num_seqs=8, **kwargs)
+    try:
+        yield llm
+    finally:
+        del llm
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_grammar_applies_after_a_thinking_written_in_pieces(device):
+    """SmolLM2 writes its thought and "</think>" freely, then one of the choices; a prompt that closed the thinking,
+    an engine without a reasoning parser, and a request without a detokenizer (no text to find the end in) get the
+    choice alone. On the GPU, a greedy request waiting for its thinking's end does not take the argmax inside the
+    step, which would skip the grammar's mask at the answer's first token."""
+    with engine(device, reasoning_parser="deepseek_r1") as llm:
+        greedy, sampled = llm.generate([SHOTS, SHOTS], [choice(), choice(temperature=0.8, seed=1, n=2)],
+                                       use_tqdm=False)
+        closed, untexted = llm.generate([SHOTS + "Fire is cold.\n</think>\n", SHOTS],
+                                        [choice(), choice(detokenize=False)], use_tqdm=False)
+        # Unconstrained, the same thought comes first: the grammar masked nothing before the end of the thinking.
+        free = llm.generate([SHOTS], [SamplingParams(temperature=0, max_tokens=24)], use_tqdm=False)[0]
+        tokenizer = llm.get_tokenizer()
+    for completion in [*greedy.outputs, *sampled.outputs]:
+        assert_thought_then_answer(completion.text)
+        assert completion.finish_reason == "stop"
+    assert closed.outputs[0].text in CHOICES
+    assert tokenizer.decode(untexted.outputs[0].token_ids[:-1]) in CHOICES  # the last is EOS
+    assert free.outputs[0].text.startswith(greedy.outputs[0].text.partition(END)[0] + END)
+    with engine(device) as plain:
+        assert plain.generate([SHOTS], [choice()], use_tqdm=False)[0].outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_grammar_applies_from_the_token_after_the_think_token(think_folder, device):
+    """A bias makes </think> the first token; the grammar then masks it, so the answer follows it at once."""
+    end = AutoTokenizer.from_pretrained(think_folder).convert_tokens_to_ids(END)
+    bias = {end: 100.0}
+    with engine(device, str(think_folder), reasoning_parser="qwen3") as llm:
+        greedy, sampled, closed = llm.generate(
+            ["hello", "hello", "hello <think></think>"],
+            [choice(logit_bias=bias), choice(logit_bias=bias, temperature=1.0, seed=5, n=2), choice(logit_bias=bias)],
+            use_tqdm=False)
+        # Plain greedy (no bias): what the model writes while it thinks is its own argmax.
+        thinking = llm.generate(["hello"], [choice(max_tokens=6)], use_tqdm=False)[0].outputs[0]
+        free = llm.generate(["hello"], [SamplingParams(temperature=0, max_tokens=6)], use_tqdm=False)[0].outputs[0]
+    for completion in [*greedy.outputs, *sampled.outputs]:
+        assert completion.token_ids[0] == end and completion.token_ids.count(end) == 1
+        assert completion.text.partition(END)[2] in CHOICES and completion.finish_reason == "stop"
+    assert closed.outputs[0].text in CHOICES
+    assert thinking.token_ids == free.token_ids
+
+
+def test_the_end_of_the_thinking_in_text_cut_anywhere():
+    """ThinkingEnd finds "</think>" however the tokens cut it, once, at the token that completes it."""
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    assert end_token_id(tokenizer) is None
+    for text in ["I think so.</think>yes", "a </think> b", "</think>", "x</think></think>"]:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        detokenizer = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
+        watch, ends = ThinkingEnd(None), []
+        for position, token_id in enumerate(token_ids):
+            detokenizer.append(token_id)
+            if watch.ends_at(token_id, detokenizer):
+                ends.append(position)
+        completed = next(i for i in range(len(token_ids)) if END in tokenizer.decode(token_ids[:i + 1]))
+        assert ends[:1] == [completed], (text, ends)
+    watch = ThinkingEnd(7)
+    assert watch.ends_at(7, None) and not watch.ends_at(8, None)
+
+
+def test_a_prompt_closes_the_thinking_only_at_its_end():
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    assert reply_thinks(tokenizer, tokenizer.encode("Question? <think>\n"))
+    assert reply_thinks(tokenizer, tokenizer.encode("Question?"))
+    assert not reply_thinks(tokenizer, tokenizer.encode("Question? <think>\n\n</think>\n\n"))
+
+
+def test_an_unknown_reasoning_parser_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="reasoning_parser='r2'.*'qwen3' or 'deepseek_r1'"):
+        Config(reasoning_parser="r2")
