@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from .chat import create_chat_completion
+from .responses import create_response
 from .completions import create_completion
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
@@ -79,6 +80,10 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         return await create_chat_completion(served, request)
+
+    @v1.post("/responses")
+    async def responses(request: Request):
+        return await create_response(served, request)
 
     app.include_router(v1)
 

@@ -25,7 +25,13 @@ from .tool_calls import (NO_PARAMETERS, RequiredCallStream, ToolCall, ToolCallSt
 
 
 async def create_chat_completion(served: ServedModel, raw_request: Request) -> Response | ChatCompletionResponse:
-    request = await parse_body(raw_request, ChatCompletionRequest)
+    return await chat_completion(served, await parse_body(raw_request, ChatCompletionRequest), raw_request)
+
+
+async def chat_completion(served: ServedModel, request: ChatCompletionRequest, raw_request: Request
+                          ) -> Response | ChatCompletionResponse:
+    """The reply to a parsed chat request: a ChatCompletionResponse, or the stream of its chunks (an
+    EventStreamResponse; a 499 Response where the client left before the reply was complete)."""
     served.check_model(request.model)
     include_usage = wants_usage_chunk(request)
     if request.top_logprobs and not request.logprobs:  # 0 asks for nothing, and is taken (as vLLM takes it)

@@ -50,9 +50,10 @@ def invalid_value(exc: ValueError | TypeError, request: SamplingRequest, renames
     return APIError(400, message, param, "invalid_value")
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+async def parse_body(request: Request, model: type[BaseModel], passed_on: tuple[str, ...] = ()) -> BaseModel:
     """The JSON body as `model`: 400 for a non-JSON Content-Type, malformed JSON, or a body that does not match the
-    schema (naming the field, as vLLM's 400 does)."""
+    schema (naming the field, as vLLM's 400 does). Unknown fields are logged, but for those in passed_on (which the
+    handler passes on to another request model)."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise APIError(400, f"Content-Type must be application/json, got {content_type or 'none'!r}; send the body "
@@ -74,8 +75,9 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         message = errors[0]["msg"].removeprefix("Value error, ")  # a validator's own message, as it is
         raise APIError(400, f"{path or 'the request body'}: {message}", path.split(".")[0] or None,
                        "invalid_type") from None
-    if parsed.model_extra:
-        logger.warning("ignoring unknown request fields: %s", ", ".join(sorted(parsed.model_extra)))
+    unknown = sorted(set(parsed.model_extra or ()) - set(passed_on))
+    if unknown:
+        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
     return parsed
 
 
