@@ -173,3 +173,16 @@ def test_thinking_an_answer_and_a_call_stream_as_items_of_their_own():
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')
     assert all(item["status"] == "completed" for item in final["output"])
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+@pytest.mark.parametrize("kind", ["message", "reasoning", "function_call"])
+def test_a_delta_event_is_the_json_the_generic_writer_gives(kind):
+    """The templated delta events: valid JSON, byte for byte what json.dumps writes, for any text."""
+    builder = ResponseBuilder(ResponsesRequest(input="hi"), "resp_1", "m")
+    item = builder._open([], None, kind, "call_1", "f")
+    for text in ['a "quoted"\n\\ é 😀 </script>', "", "\u2028\x00"]:
+        kind_line, data_line, *_ = builder._delta(item, text).split("\n")
+        data = json.loads(data_line.removeprefix("data: "))
+        assert kind_line == f"event: {data['type']}" and data["delta"] == text
+        assert data_line == "data: " + json.dumps(data, ensure_ascii=False)
+        assert data["item_id"] == item.item["id"] and data["output_index"] == 0
