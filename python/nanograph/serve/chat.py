@@ -20,7 +20,7 @@ from ..reasoning import ReasoningSplitter, reply_thinks, split_reasoning
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
-from .tool_calls import (NO_PARAMETERS, RequiredCallStream, ToolCall, ToolCallStream, extract_tool_calls,
+from .tool_calls import (CALL_STREAMS, NO_PARAMETERS, RequiredCallStream, ToolCall, extract_tool_calls,
                          named_function, required_calls_schema)
 
 
@@ -85,7 +85,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         except (ValueError, TypeError) as exc:
             raise APIError(400, f"the functions' parameters are not a JSON schema the server takes: {exc}",
                            "tools", "invalid_value") from None
-    parse_calls = {"auto": ToolCallStream, "required": RequiredCallStream}.get(tool_mode)
+    parse_calls = {"auto": CALL_STREAMS.get(served.tool_call_parser), "required": RequiredCallStream}.get(tool_mode)
     max_calls = None if request.parallel_tool_calls else 1  # a reply's tool calls kept
     response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
@@ -120,8 +120,8 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         if function is not None:
             call = ToolCall(function["name"], text)
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
-        if parse_calls is ToolCallStream:
-            content, calls = extract_tool_calls(text)
+        if tool_mode == "auto":
+            content, calls = extract_tool_calls(text, served.tool_call_parser)
             calls = calls[:max_calls]
             if calls:
                 content = echoed + content if content is not None else (echoed or None)
@@ -197,7 +197,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   max_calls: int | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
-    far. parse_calls: the class (ToolCallStream, RequiredCallStream) the text goes through, each call whole in one
+    far. parse_calls: the class (a CALL_STREAMS parser, RequiredCallStream) the text goes through, each call whole in one
     chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
     logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all); reasoning: a choice's
     thinking goes out in chunks of its own (delta.reasoning; none if not reasoning.include), and the rest as

@@ -13,6 +13,12 @@ parse leaves the whole reply as text, as vLLM's parser does. Streamed, the conte
 a call too), text that may open a call is held back until it is known, and each call is sent whole once its
 closing tag arrives (or the reply ends); a call that does not parse then goes out as text, the others stay calls.
 
+`--tool-call-parser llama3_json` reads Llama 3.1-3.3's JSON tool calls, as vLLM's parser of that name does: a reply
+that is one or more calls, each a JSON object {"name": ..., "parameters": {...}} (or "arguments"), separated by
+";" (after <|python_tag|>, where special tokens are kept), is the message's tool_calls with no content; any other
+reply, or one whose objects are not all calls, is all content. Streamed, a reply that starts with "{" is held back
+and each call sent whole as its object closes; one that does not is content as it comes.
+
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
 arguments. tool_choice "required" needs none either: the reply is constrained to a JSON array of one or more
@@ -25,7 +31,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + r"|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
@@ -59,9 +65,12 @@ def _call_of(call) -> ToolCall | None:
     return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-def extract_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """A whole reply -> (its content, its calls). Without a call, or with one that does not parse, the content is
-    the text and there are no calls; otherwise the content is the text before the first call (None if empty)."""
+def extract_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:
+    """A whole reply -> (its content, its calls), by the parser's format. Without a call, or with one that does not
+    parse, the content is the text and there are no calls; otherwise the content is the text before the first call
+    (None if empty)."""
+    if parser == "llama3_json":
+        return _json_calls(text)
     if OPEN not in text:
         return text, []
     calls = []
@@ -131,6 +140,99 @@ def _partial_open(text: str) -> int:
             return n
     return 0
 
+
+
+PYTHON_TAG = "<|python_tag|>"
+_decoder = json.JSONDecoder()
+
+
+def _json_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """llama3_json: a reply that is only calls, each a JSON object, separated by ";" -> (None, the calls); any
+    other reply -> (the text, no calls)."""
+    body = _after_python_tag(text.lstrip())
+    if not body.startswith("{"):
+        return text, []
+    calls, position = [], 0
+    while position < len(body):
+        try:
+            decoded, position = _decoder.raw_decode(body, position)
+        except ValueError:
+            return text, []
+        call = _call_of(decoded)
+        if call is None:
+            return text, []
+        calls.append(call)
+        position = _past_separator(body, position)
+    return None, calls
+
+
+def _after_python_tag(text: str) -> str:
+    return text[len(PYTHON_TAG):].lstrip() if text.startswith(PYTHON_TAG) else text
+
+
+def _past_separator(text: str, position: int) -> int:
+    """The position after the whitespace and the one ";" that may follow a call's object."""
+    while position < len(text) and text[position].isspace():
+        position += 1
+    if position < len(text) and text[position] == ";":
+        position += 1
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+class JsonCallStream:
+    """llama3_json, streamed: ToolCallStream's interface. A reply that starts with "{" (after <|python_tag|>) is
+    held back and each call given out whole as its object closes; a reply that starts otherwise, or an object that
+    is not a call, is content (all the text held back too, once known)."""
+
+    def __init__(self):
+        self.buffer = ""  # text not yet given out
+        self.mode = "start"  # "start": the reply's start is not known yet; "calls"; "content"
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | tuple[int, ToolCall]]:
+        self.buffer += text
+        if self.mode == "start":
+            start = self.buffer.lstrip()
+            if not start or (PYTHON_TAG.startswith(start) and len(start) < len(PYTHON_TAG)):
+                return []
+            self.mode = "calls" if _after_python_tag(start).startswith("{") else "content"
+        if self.mode == "content":
+            text, self.buffer = self.buffer, ""
+            return [text] if text else []
+        out: list[str | tuple[int, ToolCall]] = []
+        while True:
+            rest = _after_python_tag(self.buffer.lstrip()) if not self.num_calls else self.buffer
+            rest = rest[_past_separator(rest, 0):]
+            if not rest.startswith("{"):
+                if rest:  # something other than the next call: the rest of the reply is content
+                    self.mode = "content"
+                    out.append(rest)
+                    self.buffer = ""
+                return out
+            try:
+                decoded, end = _decoder.raw_decode(rest)
+            except ValueError:  # not closed yet
+                return out
+            call = _call_of(decoded)
+            if call is None:
+                self.mode, self.buffer = "content", ""
+                return out + [rest]
+            out.append((self.num_calls, call))
+            self.num_calls += 1
+            self.buffer = rest[end:]
+
+    def finish(self) -> list[str | tuple[int, ToolCall]]:
+        """The end of the reply: what is held back (an object left open) is content."""
+        rest, self.buffer = self.buffer, ""
+        if self.mode == "calls" and self.num_calls:
+            rest = rest[_past_separator(rest, 0):]
+        return [rest] if rest else []
+
+
+# The streamed parser of each --tool-call-parser.
+CALL_STREAMS = {"hermes": ToolCallStream, "llama3_json": JsonCallStream}
 
 # A function without parameters takes none: its arguments are an empty object (OpenAI's reading).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
