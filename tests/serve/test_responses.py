@@ -125,7 +125,7 @@ def test_a_named_function_is_called_and_its_result_goes_back_in(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"max_output_tokens": 100000}, "max_output_tokens"),
     ({"text": {"format": {"type": "yaml"}}}, "text"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": []}, "input"),
 ])
 def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, fields, param):
@@ -186,3 +186,22 @@ def test_a_delta_event_is_the_json_the_generic_writer_gives(kind):
         assert kind_line == f"event: {data['type']}" and data["delta"] == text
         assert data_line == "data: " + json.dumps(data, ensure_ascii=False)
         assert data["item_id"] == item.item["id"] and data["output_index"] == 0
+
+
+def test_logprobs_come_with_the_answer_when_included(client):
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"])
+    response = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    expected = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    logprobs = response.output[0].content[0].logprobs
+    assert [entry.model_dump() for entry in logprobs] == expected and len(expected) == 8
+    assert all(len(entry.top_logprobs) == 2 for entry in logprobs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert [entry.model_dump() for entry in streamed] == expected
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [entry.model_dump() for entry in done.logprobs] == expected
+    # Without the include, none.
+    assert not client.responses.create(**{**kwargs, "include": None}).output[0].content[0].logprobs

@@ -26,6 +26,7 @@ from .streaming import EventStreamResponse
 CHAT_FIELDS = (*(name for name in SAMPLING_FIELDS if name not in ("n", "best_of")), *GUIDED_FIELDS,
                "structured_outputs", "chat_template", "chat_template_kwargs", "include_reasoning",
                "truncate_prompt_tokens")
+LOGPROBS = "message.output_text.logprobs"  # the include that asks for the answer's logprobs
 # A chat field in an error's message or param -> the Responses request's name for it.
 RENAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
            "response_format.json_schema.schema": "text.format.schema", "response_format": "text.format"}
@@ -46,12 +47,14 @@ class ResponsesRequest(Body):
     metadata: dict | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response's id
+    # include "message.output_text.logprobs": each answer token's logprob and its top_logprobs most likely ones.
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     # Taken, and what this server does with them: store (nothing is stored), reasoning (the model thinks as its
-    # template says), truncation "disabled" (a prompt too long is a 400), include (nothing more to include).
+    # template says), truncation "disabled" (a prompt too long is a 400).
     store: bool | None = None
     reasoning: dict | None = None
     truncation: str | None = None
-    include: list[str] | None = None
     # Refused: they need stored responses.
     previous_response_id: str | None = None
     background: bool | None = None
@@ -69,14 +72,17 @@ class ResponsesRequest(Body):
             raise APIError(400, f"truncation {self.truncation!r} is not supported; use 'disabled' (a prompt longer "
                                 "than the model's context is a 400)", "truncation", "unsupported_value")
         for include in self.include or ():
-            raise APIError(400, f"include {include!r} is not supported; this server adds nothing to the output "
-                                "items (leave include out)", "include", "unsupported_value")
+            if include != LOGPROBS:
+                raise APIError(400, f"include {include!r} is not supported; this server can include "
+                                    f"{LOGPROBS!r} only", "include", "unsupported_value")
         body = {name: value for name, value in (self.model_extra or {}).items() if name in CHAT_FIELDS}
         body.update(model=self.model, messages=self._messages(), max_completion_tokens=self.max_output_tokens,
                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
                     parallel_tool_calls=self.parallel_tool_calls, user=self.user)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
+        if self.wants_logprobs:
+            body.update(logprobs=True, top_logprobs=self.top_logprobs or 0)
         if self.tools is not None:
             body["tools"] = [self._tool(i, tool) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -92,6 +98,10 @@ class ResponsesRequest(Body):
             message = errors[0]["msg"] if errors else str(exc)
             raise APIError(400, f"{_renamed(where)}: {message}", _renamed(where).split(".")[0],
                            "invalid_type") from None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
     def _messages(self) -> list[dict]:
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -235,6 +245,8 @@ class ResponseBuilder:
             self.output.append(_reasoning_item(message.reasoning, done))
         if message.content or not message.tool_calls:
             self.output.append(_message_item(message.content or "", done))
+            if choice.logprobs is not None:
+                self.output[-1]["content"][0]["logprobs"] = [entry.model_dump() for entry in choice.logprobs.content]
         for call in message.tool_calls or ():
             self.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], done))
         self.status = done
@@ -270,9 +282,15 @@ class ResponseBuilder:
                 if delta.get("reasoning"):
                     item = self._open(events, item, "reasoning")
                     events.append(self._delta(item, delta["reasoning"]))
+                logprobs = (choice.get("logprobs") or {}).get("content")
                 if delta.get("content"):
                     item = self._open(events, item, "message")
-                    events.append(self._delta(item, delta["content"]))
+                    events.append(self._delta(item, delta["content"]) if logprobs is None else
+                                  self._delta_with_logprobs(item, delta["content"], logprobs))
+                elif logprobs and not delta.get("reasoning") and not delta.get("tool_calls") and \
+                        (item is None or item.kind == "message"):  # tokens without text (held back, or the end's)
+                    item = self._open(events, item, "message")
+                    events.append(self._delta_with_logprobs(item, "", logprobs))
                 for call in delta.get("tool_calls") or ():
                     function = call.get("function") or {}
                     if call.get("id"):  # a new call: whole (a parsed one), or a named function's header
@@ -326,6 +344,12 @@ class ResponseBuilder:
         number, self.sequence_number = self.sequence_number, self.sequence_number + 1
         return f"{current.head}{number}{current.middle}{_encode(text)}{current.tail}"
 
+    def _delta_with_logprobs(self, current: _OpenItem, text: str, logprobs: list[dict]) -> str:
+        current.pieces.append(text)
+        current.logprobs += logprobs
+        return self._event("response.output_text.delta", item_id=current.item["id"], output_index=current.index,
+                           content_index=0, delta=text, logprobs=logprobs)
+
     def _close(self, events: list[str], current: _OpenItem, status: str):
         item, index, text = current.item, current.index, "".join(current.pieces)
         item["status"] = status
@@ -336,8 +360,9 @@ class ResponseBuilder:
         else:
             item["content"][0]["text"] = text
             if item["type"] == "message":
+                item["content"][0]["logprobs"] = current.logprobs
                 events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=text, logprobs=[]))
+                                          content_index=0, text=text, logprobs=current.logprobs))
             else:
                 events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                           content_index=0, text=text))
@@ -358,6 +383,7 @@ class _OpenItem:
 
     def __init__(self, item: dict, index: int):
         self.item, self.index, self.pieces = item, index, []
+        self.logprobs: list[dict] = []  # the message's tokens', where the request includes them
         self.kind = item["type"]
         event_type = DELTA_EVENTS[self.kind]
         content_index = "" if self.kind == "function_call" else ', "content_index": 0'
@@ -383,7 +409,7 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 def _part(item: dict, text: str) -> dict:
     if item["type"] == "message":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": item["content"][0]["logprobs"]}
     return {"type": "reasoning_text", "text": text}
 
 
