@@ -11,7 +11,9 @@ from transformers import AutoConfig, PretrainedConfig
 from .config import SUPPORTED_QUANTIZATION
 
 # Configs written from a GGUF (and some hand-made ones) carry model_type but no "architectures".
-_ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Mistral's decoder is Llama's; its sliding window caps the context (_max_context).
+_ARCHITECTURE_BY_MODEL_TYPE = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "mistral": "MistralForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_BY_MODEL_TYPE.values())
 
 
@@ -31,7 +33,8 @@ class ModelConfig:
     qk_norm: bool
     qkv_bias: bool
     max_position_embeddings: int
-    max_context: int  # the longest context the rope serves: max_position_embeddings, or YaRN's scaled length
+    # The longest context served: max_position_embeddings, or YaRN's scaled length; at most a sliding window.
+    max_context: int
     dtype: torch.dtype
     quantization: str | None  # the checkpoint's: "fp8" (e4m3 in 128 x 128 blocks, models/fp8.py) or None
     eos_token_ids: list[int]
@@ -141,14 +144,25 @@ def _max_context(hf: PretrainedConfig) -> int:
     max_position_embeddings at the original length), and linear scaling, which divides every position by its
     factor, stretches max_position_embeddings (as vLLM serves both). Every other rope type serves
     max_position_embeddings: dynamic NTK scaling changes its frequencies with the length past it, and nanograph
-    keeps one table."""
+    keeps one table. A sliding window (Mistral-7B-v0.1's 4,096) caps the context: nanograph attends over every
+    position, which is the window's attention only as long as the context fits in it."""
     params = rope_parameters(hf)
     if rope_type(hf) == "yarn" and params.get("factor"):
         original = params.get("original_max_position_embeddings") or hf.max_position_embeddings
-        return max(hf.max_position_embeddings, int(original * params["factor"]))
-    if rope_type(hf) == "linear" and params.get("factor", 1) > 1:
-        return int(hf.max_position_embeddings * params["factor"])
-    return hf.max_position_embeddings
+        positions = max(hf.max_position_embeddings, int(original * params["factor"]))
+    elif rope_type(hf) == "linear" and params.get("factor", 1) > 1:
+        positions = int(hf.max_position_embeddings * params["factor"])
+    else:
+        positions = hf.max_position_embeddings
+    window = sliding_window(hf)
+    return positions if window is None else min(positions, window)
+
+
+def sliding_window(hf: PretrainedConfig) -> int | None:
+    """The attention window of a config that uses one: Mistral's sliding_window; Qwen2's and Qwen3's only with
+    use_sliding_window, which _check_supported_options refuses."""
+    window = getattr(hf, "sliding_window", None)
+    return window if getattr(hf, "use_sliding_window", True) and isinstance(window, int) and window > 0 else None
 
 
 def _torch_dtype(hf: PretrainedConfig) -> torch.dtype:

@@ -15,6 +15,7 @@ EXPECTED = {  # architecture, head_dim, qk_norm, qkv_bias, tied
     "llama3-untied": ("LlamaForCausalLM", 16, False, False, False),
     "qwen2-tied": ("Qwen2ForCausalLM", 16, False, True, True),
     "qwen2-yarn-short": ("Qwen2ForCausalLM", 16, False, True, True),
+    "mistral": ("MistralForCausalLM", 16, False, False, False),
 }
 
 
@@ -29,7 +30,8 @@ def test_config_fields(tiny):
     mc = ModelConfig.from_pretrained(folder)
     assert (mc.architecture, mc.head_dim, mc.qk_norm, mc.qkv_bias, mc.tie_word_embeddings) == EXPECTED[name]
     assert (mc.hidden_size, mc.num_layers, mc.num_heads, mc.num_kv_heads) == (64, 2, 4, 2)
-    assert (mc.vocab_size, mc.intermediate_size, mc.max_context) == (256, 96, 256)  # YaRN: 64 x 4 for the short one
+    # YaRN: 64 x 4 for the short one; Mistral's sliding window caps its 256 positions.
+    assert (mc.vocab_size, mc.intermediate_size, mc.max_context) == (256, 96, 128 if name == "mistral" else 256)
     assert mc.max_position_embeddings == (64 if name == "qwen2-yarn-short" else 256)
     assert mc.dtype == torch.float32
 
@@ -184,3 +186,20 @@ def test_broken_checkpoints_name_the_file_at_fault(tmp_path):
     save_file(tensors, holder, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks tensor\(s\) \['model.norm.weight'\]"):
         load_weights(tmp_path, mc, torch.float32, "cpu")
+
+
+def test_a_sliding_window_caps_the_context(tmp_path):
+    """Mistral's sliding window (128 here, of 256 positions) is the longest context served: a longer max_model_len
+    is capped with a warning that says so, and a prompt within it matches transformers (whose window then covers
+    every position)."""
+    from nanograph import LLM, SamplingParams
+
+    hf = make_tiny_model(tmp_path, "mistral")
+    with pytest.warns(UserWarning, match="max_model_len 200 is more than the model's 128 positions.*sliding window"):
+        llm = LLM(str(tmp_path), device="cpu", max_model_len=200, skip_tokenizer_init=True)
+    assert llm.llm_engine.config.max_model_len == 128
+    prompt = list(range(3, 120))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+    assert out.token_ids == expected.tolist()

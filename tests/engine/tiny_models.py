@@ -22,6 +22,10 @@ TINY_CONFIGS = {
                                                         "original_max_position_embeddings": 64}),
     "qwen2-tied": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                        rope_theta=1e6),
+    # Mistral: Llama's decoder; a sliding window shorter than the positions caps the context (v0.1's 4,096 of
+    # 32,768; v0.3 has none).
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
+                    rope_theta=1e6, sliding_window=128),
     # Qwen2.5's long-context recipe: max_position_embeddings stays the original length, YaRN stretches it 4x.
     "qwen2-yarn-short": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True,
                              rope_theta=1e4, max_position_embeddings=64,

@@ -627,13 +627,14 @@ def _restore(seqs, states):
 
 def _model_len(asked: int | None, positions: int) -> int:
     """max_model_len before the KV cache is sized: the model's positions (max_position_embeddings, or the context
-    that YaRN or linear scaling stretches it to) unless a length was asked for, which is capped at them."""
+    that YaRN or linear scaling stretches it to, at most its sliding window) unless a length was asked for, which
+    is capped at them."""
     if asked is None:
         return positions
     if asked > positions:
         warnings.warn(f"max_model_len {asked} is more than the model's {positions} positions "
-                      f"(max_position_embeddings, or its context stretched by YaRN or linear scaling); using "
-                      f"{positions}", stacklevel=4)
+                      f"(max_position_embeddings, or its context stretched by YaRN or linear scaling, at most its "
+                      f"sliding window); using {positions}", stacklevel=4)
     return min(asked, positions)
 
 
