@@ -23,6 +23,11 @@ REAL_CONFIGS = {
                        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
                        rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    # Mistral-7B-Instruct-v0.3: Llama's decoder under its own architecture name, no sliding window.
+    "mistral-7b-v0.3": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            intermediate_size=14336, vocab_size=32768, tie_word_embeddings=False,
+                            rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None),
     # Qwen3-8B: untied lm_head.
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -13,7 +13,8 @@ from ..hf_models import make_random_model
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ["qwen3-0.6b", "llama-3.2-1b", "qwen2-0.5b"]
+MODELS = ["qwen3-0.6b", "llama-3.2-1b", "qwen2-0.5b", "mistral-7b-v0.3"]
+OVERRIDES = {"mistral-7b-v0.3": {"num_hidden_layers": 3}}  # its real layer shapes, fewer of them
 BLOCK = 16
 
 
@@ -23,7 +24,8 @@ def model_pair(request, tmp_path_factory):
 
     from nanograph.backends.cuda_backend import CudaRunner
 
-    folder = make_random_model(str(tmp_path_factory.mktemp(request.param)), request.param)
+    folder = make_random_model(str(tmp_path_factory.mktemp(request.param)), request.param,
+                               **OVERRIDES.get(request.param, {}))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     config = Config(model=folder, dtype="bfloat16", max_model_len=512, max_num_seqs=16,
                     max_num_batched_tokens=2048, num_kv_blocks=512, block_size=BLOCK, device="cuda")
