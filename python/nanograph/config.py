@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from os import PathLike
 
+from .reasoning import REASONING_PARSERS
+
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
 SUPPORTED_QUANTIZATION = ("fp8",)
-from .reasoning import REASONING_PARSERS
 
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).

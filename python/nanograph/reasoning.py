@@ -82,9 +82,8 @@ def reply_thinks(tokenizer, prompt_token_ids: list[int]) -> bool:
 
 
 def end_token_id(tokenizer) -> int | None:
-    """</think>'s token, where the tokenizer has it as one token (Qwen3's, DeepSeek-R1's), else None."""
-    token_ids = tokenizer.encode(END, add_special_tokens=False)
-    return token_ids[0] if len(token_ids) == 1 else None
+    """</think>'s token, where the tokenizer's vocabulary has it as one token (Qwen3's, DeepSeek-R1's), else None."""
+    return tokenizer.get_vocab().get(END)
 
 
 class ThinkingEnd:
@@ -95,13 +94,15 @@ class ThinkingEnd:
         self.end_token = end_token
         self.searched = 0  # the text's characters already searched
 
-    def ends_at(self, token_id: int, detokenizer) -> bool:
-        """Whether token_id, the reply's newest token, ends its thinking (detokenizer: the reply's text so far)."""
+    def ends_at(self, token_id: int, detokenizer) -> str | None:
+        """None while token_id, the reply's newest token, leaves it thinking; else the answer's text that came with
+        the end (what the token that completed </think> holds after it; "" for the token </think>)."""
         if self.end_token is not None:
-            return token_id == self.end_token
+            return "" if token_id == self.end_token else None
         text = detokenizer.text
         start, self.searched = max(0, self.searched - len(END) + 1), len(text)
-        return text.find(END, start) >= 0
+        end = text.find(END, start)
+        return None if end < 0 else text[end + len(END):]
 
 
 def split_reasoning(parser: str, text: str, thinking: bool = True) -> tuple[str | None, str]:

@@ -2,6 +2,7 @@
 from the token after </think>, whether the tokenizer has </think> as one token (Qwen3's, DeepSeek-R1's) or writes it
 in pieces (SmolLM2's); from the first token where the prompt closed the thinking, and without a reasoning parser."""
 import gc
+import json
 import importlib.util
 import shutil
 from contextlib import contextmanager
@@ -97,6 +98,23 @@ def test_the_grammar_applies_after_a_thinking_written_in_pieces(device):
         assert plain.generate([SHOTS], [choice()], use_tqdm=False)[0].outputs[0].text in CHOICES
 
 
+@pytest.mark.slow
+@NEEDS_DEFAULT_MODEL
+def test_answer_text_in_the_token_that_ends_the_thinking_is_under_the_grammar():
+    """SmolLM2 writes '</', 'think', '>"': the token that completes </think> also opens the answer's JSON string;
+    the grammar takes that quote as the answer's first character, so the answer is one JSON string."""
+    shots = ('<think>\nThe sky is blue.\n</think>"yes"\n<think>\nGrass is red.\n</think>"no"\n<think>\n'
+             'Snow is white.\n</think>"yes"\n<think>\n')
+    with engine("cpu", reasoning_parser="deepseek_r1") as llm:
+        spec = StructuredOutputsParams(json={"type": "string", "enum": CHOICES})
+        out = llm.generate([shots], [SamplingParams(temperature=0, max_tokens=30, structured_outputs=spec)],
+                           use_tqdm=False)[0].outputs[0]
+        tokenizer = llm.get_tokenizer()
+    assert any(tokenizer.decode([token]).startswith('>"') for token in out.token_ids), "the case is not exercised"
+    thought, end, answer = out.text.partition(END)
+    assert end and thought.strip() and json.loads(answer) in CHOICES and out.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_grammar_applies_from_the_token_after_the_think_token(think_folder, device):
     """A bias makes </think> the first token; the grammar then masks it, so the answer follows it at once."""
@@ -128,21 +146,25 @@ def test_a_request_waiting_for_its_thinking_is_never_plain_greedy():
 
 
 def test_the_end_of_the_thinking_in_text_cut_anywhere():
-    """ThinkingEnd finds "</think>" however the tokens cut it, once, at the token that completes it."""
+    """ThinkingEnd finds "</think>" however the tokens cut it, at the token that completes it, with the answer's
+    text that token holds after it."""
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     assert end_token_id(tokenizer) is None
-    for text in ["I think so.</think>yes", "a </think> b", "</think>", "x</think></think>"]:
+    for text in ["I think so.</think>yes", "a </think> b", "</think>", "x</think></think>", '</think>"no"']:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         detokenizer = IncrementalDetokenizer(tokenizer, [1], SamplingParams())
         watch, ends = ThinkingEnd(None), []
         for position, token_id in enumerate(token_ids):
             detokenizer.append(token_id)
-            if watch.ends_at(token_id, detokenizer):
-                ends.append(position)
+            answer = watch.ends_at(token_id, detokenizer)
+            if answer is not None:
+                ends.append((position, answer))
+                break
         completed = next(i for i in range(len(token_ids)) if END in tokenizer.decode(token_ids[:i + 1]))
-        assert ends[:1] == [completed], (text, ends)
+        answer = tokenizer.decode(token_ids[:completed + 1]).partition(END)[2]
+        assert ends == [(completed, answer)], (text, ends)
     watch = ThinkingEnd(7)
-    assert watch.ends_at(7, None) and not watch.ends_at(8, None)
+    assert watch.ends_at(7, None) == "" and watch.ends_at(8, None) is None
 
 
 def test_a_prompt_closes_the_thinking_only_at_its_end():

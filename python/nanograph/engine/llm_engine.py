@@ -457,9 +457,12 @@ class LLMEngine:
                     self._record_logprobs(seq, logprobs)
                 if self.stop_checker.check(seq):
                     self.scheduler.finish(seq)
-                elif grammar is not None and not grammar.applies and \
-                        grammar.thinking.ends_at(token_id, seq.detokenizer):
-                    grammar.thinking = None  # the next token is the answer's first, under the grammar
+                elif grammar is not None and not grammar.applies:
+                    answer = grammar.thinking.ends_at(token_id, seq.detokenizer)
+                    if answer is not None:  # the grammar applies from here, to the answer's text so far too
+                        grammar.thinking = None
+                        if answer and not grammar.advance_text(answer, self.intake.tokenizer):
+                            ungrammatical.add(seq.request_id)
             except Exception as exc:  # its grammar, or its tokenizer on its text: that request ends, the rest go on
                 broken.setdefault(seq.request_id, exc)
                 continue

@@ -100,6 +100,11 @@ class Grammar:
         """Whether the grammar is complete and can take no further token: only the end of text may come."""
         return self._matcher.is_stopped()
 
+    def advance_text(self, text: str, tokenizer) -> bool:
+        """Moves past text the grammar did not choose (the answer's first characters, in the token that ended the
+        thinking), as the tokenizer's tokens of it; False if the grammar does not allow it."""
+        return all(self.advance(token_id) for token_id in tokenizer.encode(text, add_special_tokens=False))
+
     def advance(self, token_id: int) -> bool:
         """Moves past a sampled token; False if the grammar does not allow it. StructuredOutputError where
         llguidance cannot follow the grammar any further (a grammar past its limits, e.g. nested repetitions)."""

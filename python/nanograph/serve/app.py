@@ -13,11 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from .chat import create_chat_completion
-from .responses import create_response
 from .completions import create_completion
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
+from .responses import create_response
 from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops

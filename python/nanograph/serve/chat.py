@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 from fastapi import Request, Response
 
 from ..outputs import CompletionDelta, Logprob
+from ..reasoning import ReasoningSplitter, reply_thinks, split_reasoning
 from ..sampling_params import StructuredOutputsParams
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
-from ..reasoning import ReasoningSplitter, reply_thinks, split_reasoning
 from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
