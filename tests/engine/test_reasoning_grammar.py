@@ -20,14 +20,12 @@ from nanograph.engine.sequence import Sequence
 from nanograph.reasoning import END, ThinkingEnd, end_token_id, reply_thinks
 from nanograph.sampling.batch import BatchRows
 
+from ..reasoning_prompts import SHOTS
 from .tiny_models import _COMMON, SMOLLM2_SHAPED, TOKENIZER_FILES, _save_random_model
 
 pytest.importorskip("llguidance", reason="structured outputs need the structured extra (llguidance)")
 
 CHOICES = ["yes", "no"]
-# Few-shot thinking: SmolLM2 continues it with a thought, "</think>" (written as "</", "think", ">") and an answer.
-SHOTS = ("<think>\nThe sky is blue.\n</think>\nyes\n<think>\nGrass is red.\n</think>\nno\n<think>\nSnow is white.\n"
-         "</think>\nyes\n<think>\n")
 
 
 def choice(**kwargs) -> SamplingParams:

@@ -12,7 +12,7 @@ from nanograph.reasoning import ReasoningSplitter, prompt_closes_thinking, split
 from nanograph.serve.chat import Reasoning, _events
 from nanograph.serve.tool_calls import ToolCallStream
 
-from ..engine.test_reasoning_grammar import SHOTS
+from ..reasoning_prompts import SHOTS
 
 from .server_process import module_server
 

@@ -127,6 +127,9 @@ def test_a_named_function_is_called_and_its_result_goes_back_in(client):
     ({"text": {"format": {"type": "yaml"}}}, "text"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": []}, "input"),
+    ({"text": {"format": "json"}}, "text"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input"),
 ])
 def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, fields, param):
     body = {"model": MODEL, "input": QUESTION, **fields}
@@ -205,3 +208,32 @@ def test_logprobs_come_with_the_answer_when_included(client):
     assert [entry.model_dump() for entry in done.logprobs] == expected
     # Without the include, none.
     assert not client.responses.create(**{**kwargs, "include": None}).output[0].content[0].logprobs
+
+
+def test_a_bad_tool_schema_is_named_as_the_responses_field(client):
+    tool = {**WEATHER, "parameters": {"type": "object", "properties": {"city": {"type": "nonsense"}}}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL, input=QUESTION, tools=[tool], max_output_tokens=8,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    assert "tools[0].parameters" in error.value.body["message"] and ".function." not in error.value.body["message"]
+
+
+def test_the_clients_stream_helper_sees_one_part_and_the_sampling_used(client):
+    """Items are announced without content (their part follows), so the client's accumulated snapshot holds one
+    part; temperature and top_p echo what the reply used."""
+    with client.responses.stream(model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0) as stream:
+        added = [streamed_event.item for streamed_event in stream
+                 if streamed_event.type == "response.output_item.added"]
+        final = stream.get_final_response()
+    assert [item.content for item in added] == [[]]
+    assert len(final.output[0].content) == 1 and final.output_text
+    assert (final.temperature, final.top_p) == (0.0, 1.0)
+
+
+def test_a_request_the_engine_fails_mid_stream_ends_with_response_failed(client):
+    """A grammar and allowed_token_ids that leave no token: an error event, then response.failed."""
+    events = list(client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=8, stream=True,
+                                          extra_body={"guided_choice": ["Paris"], "allowed_token_ids": [100]}))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
+    assert events[-1].response.status == "failed" and events[-1].response.error.message

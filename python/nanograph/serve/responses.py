@@ -32,6 +32,10 @@ RENAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
            "response_format.json_schema.schema": "text.format.schema", "response_format": "text.format"}
 
 
+class TextOptions(Body):
+    format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+
+
 class ResponsesRequest(Body):
     model: str | None = None
     input: str | list[dict]
@@ -43,7 +47,7 @@ class ResponsesRequest(Body):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = True
-    text: dict | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    text: TextOptions | None = None
     metadata: dict | None = None
     user: str | None = None
     request_id: str | None = None  # vLLM's: the response's id
@@ -55,9 +59,11 @@ class ResponsesRequest(Body):
     store: bool | None = None
     reasoning: dict | None = None
     truncation: str | None = None
-    # Refused: they need stored responses.
+    # Refused: they need stored responses, conversations or prompts.
     previous_response_id: str | None = None
     background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat request that answers this one; APIError naming the field for what this server cannot do."""
@@ -65,6 +71,11 @@ class ResponsesRequest(Body):
             raise APIError(400, "this server stores no responses, so previous_response_id cannot be followed; send "
                                 "the conversation so far in input (the earlier output items included)",
                            "previous_response_id", "unsupported_value")
+        for name in ("conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"this server stores no {name}s, so {name} cannot be read; send the whole "
+                                    "conversation in input (and the instructions as instructions)", name,
+                               "unsupported_value")
         if self.background:
             raise APIError(400, "background responses are not supported (nothing is stored to poll); set background "
                                 "to false, or stream the response", "background", "unsupported_value")
@@ -158,7 +169,7 @@ class ResponsesRequest(Body):
         return choice
 
     def _response_format(self) -> dict | None:
-        form = (self.text or {}).get("format")
+        form = self.text.format if self.text is not None else None
         if form is None or form.get("type") == "text":
             return None
         if form.get("type") == "json_object":
@@ -179,9 +190,11 @@ def _text(content, where: str) -> str | list[dict]:
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if kind not in ("input_text", "output_text", "text"):
             raise APIError(400, f"{where}[{j}] has type {kind!r}; this server takes text parts only ({{\"type\": "
                                 "\"input_text\", \"text\": ...}})", "input", "invalid_value")
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, f"{where}[{j}].text must be a string", "input", "invalid_value")
         parts.append({"type": "text", "text": part["text"]})
     return parts
 
@@ -195,7 +208,7 @@ def _string(item: dict, key: str, i: int) -> str:
 def _renamed(text: str) -> str:
     for chat_name, name in RENAMES.items():
         text = re.sub(rf"\b{re.escape(chat_name)}\b", name, text)
-    return text
+    return re.sub(r"\b(tools\[[^]]*\])\.function\.", r"\1.", text)  # a Responses tool is flat
 
 
 async def create_response(served: ServedModel, raw_request: Request) -> Response | dict:
@@ -205,7 +218,7 @@ async def create_response(served: ServedModel, raw_request: Request) -> Response
         reply = await chat_completion(served, request.chat_request(), raw_request)
     except APIError as exc:
         raise APIError(exc.status, _renamed(exc.message), exc.param and _renamed(exc.param), exc.code) from None
-    response = ResponseBuilder(request, response_id, served.name)
+    response = ResponseBuilder(request, response_id, served.name, served.sampling_defaults)
     if isinstance(reply, ChatCompletionResponse):
         return response.whole(reply)
     if isinstance(reply, EventStreamResponse):
@@ -217,33 +230,42 @@ class ResponseBuilder:
     """A response object and its output items, built whole from a chat response or item by item from a chat
     stream's chunks."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, model: str):
+    def __init__(self, request: ResponsesRequest, response_id: str, model: str, sampling_defaults: dict | None = None):
+        """sampling_defaults: the model's (its generation_config.json's), which fields the request left out take."""
         self.request, self.id, self.model = request, response_id, model
+        self.defaults = sampling_defaults or {}
         self.created_at = int(time.time())
         self.output: list[dict] = []
         self.usage: dict | None = None
         self.status = "in_progress"
+        self.error: dict | None = None
         self.sequence_number = 0
 
     def body(self) -> dict:
         request = self.request
-        form = (request.text or {}).get("format") or {"type": "text"}
+        form = (request.text.format if request.text is not None else None) or {"type": "text"}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
-                "status": self.status, "output": self.output, "usage": self.usage, "error": None,
+                "status": self.status, "output": self.output, "usage": self.usage, "error": self.error,
                 "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
                 "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-                "metadata": request.metadata, "parallel_tool_calls": request.parallel_tool_calls is not False,
+                "metadata": request.metadata, "parallel_tool_calls": bool(request.parallel_tool_calls),
                 "previous_response_id": None, "reasoning": request.reasoning, "store": False,
-                "temperature": request.temperature, "top_p": request.top_p, "text": {"format": form},
+                "temperature": self._sampling("temperature", 1.0), "top_p": self._sampling("top_p", 1.0),
+                "text": {"format": form},
                 "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
                 "tools": request.tools or [], "truncation": "disabled", "user": request.user, "background": False}
+
+    def _sampling(self, name: str, default: float) -> float:
+        """A sampling field as the reply used it: the request's, else the model's default, else vLLM's."""
+        value = getattr(self.request, name)
+        return value if value is not None else self.defaults.get(name, default)
 
     def whole(self, chat: ChatCompletionResponse) -> dict:
         choice = chat.choices[0]
         message, done = choice.message, "incomplete" if choice.finish_reason == "length" else "completed"
         if message.reasoning is not None:
             self.output.append(_reasoning_item(message.reasoning, done))
-        if message.content or not message.tool_calls:
+        if message.content or not self.output and not message.tool_calls:  # an empty reply: an empty message
             self.output.append(_message_item(message.content or "", done))
             if choice.logprobs is not None:
                 self.output[-1]["content"][0]["logprobs"] = [entry.model_dump() for entry in choice.logprobs.content]
@@ -266,11 +288,15 @@ class ResponseBuilder:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
+                if "error" in chunk:  # the engine failed the request: the error, then the response as it stands
                     error = chunk["error"]
-                    self.status = "failed"
                     events.append(self._event("error", code=error.get("code"), message=error.get("message"),
                                               param=error.get("param")))
+                    if item is not None:
+                        self._close(events, item, "incomplete")
+                    self.status, self.error = "failed", {"code": error.get("code") or "server_error",
+                                                         "message": error.get("message") or ""}
+                    events.append(self._event("response.failed", response=self.body()))
                     yield "".join(events)
                     return
                 if chunk.get("usage") and not chunk["choices"]:
@@ -307,8 +333,8 @@ class ResponseBuilder:
         closing: list[str] = []
         if header is not None:  # a named function's call with no arguments written
             item = self._open(closing, item, "function_call", *header)
-        if not any(output["type"] in ("message", "function_call") for output in self.output):
-            item = self._open(closing, item, "message")  # an empty answer: an empty message, as whole() gives
+        if not self.output:
+            item = self._open(closing, item, "message")  # an empty reply: an empty message, as whole() gives
         if item is not None:
             self._close(closing, item, done)
         self.status = done
@@ -330,12 +356,14 @@ class ResponseBuilder:
         item = {"message": lambda: _message_item("", "in_progress"),
                 "reasoning": lambda: _reasoning_item("", "in_progress"),
                 "function_call": lambda: _call_item(call_id, name, "", "in_progress")}[kind]()
+        if kind != "function_call":
+            item["content"] = []  # its part is announced next, and put in when the item closes
         self.output.append(item)
         new = _OpenItem(item, len(self.output) - 1)
         events.append(self._event("response.output_item.added", output_index=new.index, item=item))
         if kind != "function_call":
             events.append(self._event("response.content_part.added", item_id=item["id"], output_index=new.index,
-                                      content_index=0, part=_part(item, "")))
+                                      content_index=0, part=_part(kind, "")))
         return new
 
     def _delta(self, current: _OpenItem, text: str) -> str:
@@ -358,16 +386,15 @@ class ResponseBuilder:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                       output_index=index, name=item["name"], arguments=text))
         else:
-            item["content"][0]["text"] = text
+            item["content"] = [_part(item["type"], text, current.logprobs)]
             if item["type"] == "message":
-                item["content"][0]["logprobs"] = current.logprobs
                 events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                           content_index=0, text=text, logprobs=current.logprobs))
             else:
                 events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                           content_index=0, text=text))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=_part(item, text)))
+                                      content_index=0, part=item["content"][0]))
         events.append(self._event("response.output_item.done", output_index=index, item=item))
 
 
@@ -394,12 +421,12 @@ class _OpenItem:
 
 def _message_item(text: str, status: str) -> dict:
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [_part("message", text)]}
 
 
 def _reasoning_item(text: str, status: str) -> dict:
     return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": status, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+            "content": [_part("reasoning", text)]}
 
 
 def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
@@ -407,9 +434,10 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict:
             "name": name, "arguments": arguments}
 
 
-def _part(item: dict, text: str) -> dict:
-    if item["type"] == "message":
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": item["content"][0]["logprobs"]}
+def _part(kind: str, text: str, logprobs: list[dict] = ()) -> dict:
+    """A message's (output_text) or a reasoning item's (reasoning_text) content part."""
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
     return {"type": "reasoning_text", "text": text}
 
 
