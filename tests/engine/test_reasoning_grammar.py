@@ -43,7 +43,7 @@ def think_folder(tmp_path_factory):
     """A tiny random model with SmolLM2's tokenizer plus <think> and </think> as tokens of their own (added tokens,
     not special, as in Qwen3's tokenizer), inside the model's vocabulary."""
     folder = tmp_path_factory.mktemp("tiny-think")
-    _save_random_model(folder, {**_COMMON, **SMOLLM2_SHAPED, "vocab_size": 49152 + 64}, seed=3)
+    _save_random_model(folder, {**_COMMON, **SMOLLM2_SHAPED, "vocab_size": 49152 + 64, "head_dim": 64}, seed=3)
     for name in TOKENIZER_FILES:
         shutil.copy(f"{default_model_path()}/{name}", folder / name)
     tokenizer = AutoTokenizer.from_pretrained(folder)
