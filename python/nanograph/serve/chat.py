@@ -64,6 +64,8 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
     renames = {"max_tokens": field_name, "logprobs": "top_logprobs"}
     params = served.sampling_params(request, max_tokens, num_top if request.logprobs else None, renames)
     params = served.with_prompt_logprobs(request, params, request.prompt_logprobs)
+    if tool_mode == "auto" and served.tool_call_parser == "mistral":
+        params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] is a special token
     if tool_mode in ("named", "required"):
         if params.structured_outputs is not None:
             raise APIError(400, f"tool_choice {'naming a function' if function else 'required'} constrains the "

@@ -19,6 +19,11 @@ that is one or more calls, each a JSON object {"name": ..., "parameters": {...}}
 reply, or one whose objects are not all calls, is all content. Streamed, a reply that starts with "{" is held back
 and each call sent whole as its object closes; one that does not is content as it comes.
 
+`--tool-call-parser mistral` reads Mistral's: the text before [TOOL_CALLS] is the content, and the JSON array after
+it ([{"name": ..., "arguments": {...}}, ...]) the calls, each with a 9-character id (Mistral's chat template takes
+no other). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
+asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends).
+
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
 arguments. tool_choice "required" needs none either: the reply is constrained to a JSON array of one or more
@@ -31,7 +36,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + r"|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
@@ -71,6 +76,8 @@ def extract_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, l
     (None if empty)."""
     if parser == "llama3_json":
         return _json_calls(text)
+    if parser == "mistral":
+        return _mistral_calls(text)
     if OPEN not in text:
         return text, []
     calls = []
@@ -135,10 +142,7 @@ class ToolCallStream:
 
 def _partial_open(text: str) -> int:
     """How many characters at text's end could be the start of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
+    return _partial_tag(text, OPEN)
 
 
 
@@ -231,8 +235,93 @@ class JsonCallStream:
         return [rest] if rest else []
 
 
+MISTRAL_TAG = "[TOOL_CALLS]"
+
+
+def _mistral_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """mistral: the text before [TOOL_CALLS] and the calls of the JSON array after it; the whole text and no calls
+    when there is no tag or the array does not parse."""
+    content, tag, rest = text.partition(MISTRAL_TAG)
+    calls = _mistral_array(rest) if tag else None
+    if calls is None:
+        return text, []
+    return (content or None), calls
+
+
+def _mistral_array(text: str) -> list[ToolCall] | None:
+    """The calls of the JSON array of {"name", "arguments"} objects that text starts with (a lone object is one
+    call; what follows it is not read, as vLLM's parser reads the array alone), or None."""
+    try:
+        decoded, _ = _decoder.raw_decode(text.strip())
+    except ValueError:
+        return None
+    calls = [_call_of(call) for call in (decoded if isinstance(decoded, list) else [decoded])]
+    if not calls or None in calls:
+        return None
+    for call in calls:
+        call.id = mistral_call_id()
+    return calls
+
+
+def mistral_call_id() -> str:
+    """A call id Mistral's chat template takes back: 9 letters and digits."""
+    return uuid.uuid4().hex[:9]
+
+
+class MistralCallStream:
+    """mistral, streamed: ToolCallStream's interface. Text before [TOOL_CALLS] is content as it comes (a possible
+    start of the tag held back); after it, the array is held back and its calls given out whole once it closes. An
+    array that never parses comes out as text at the end, its tag included."""
+
+    def __init__(self):
+        self.buffer = ""
+        self.in_calls = False
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | tuple[int, ToolCall]]:
+        self.buffer += text
+        if not self.in_calls:
+            start = self.buffer.find(MISTRAL_TAG)
+            if start < 0:
+                keep = _partial_tag(self.buffer, MISTRAL_TAG)
+                out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return [out] if out else []
+            content, self.buffer, self.in_calls = self.buffer[:start], self.buffer[start + len(MISTRAL_TAG):], True
+            return ([content] if content else []) + self._calls()
+        return self._calls()
+
+    def _calls(self) -> list[str | tuple[int, ToolCall]]:
+        rest = self.buffer.lstrip()
+        try:
+            _, end = _decoder.raw_decode(rest)
+        except ValueError:  # not closed yet
+            return []
+        calls = _mistral_array(rest[:end])
+        if calls is None:
+            return []
+        out = [(self.num_calls + i, call) for i, call in enumerate(calls)]
+        self.num_calls += len(calls)
+        self.buffer, self.in_calls = "", False  # text after the array is content again
+        return out + self.feed(rest[end:])
+
+    def finish(self) -> list[str | tuple[int, ToolCall]]:
+        """The end of the reply: held text is content (the tag too, before an array that did not parse)."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_calls:
+            rest = MISTRAL_TAG + rest
+        return [rest] if rest else []
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """How many characters at text's end could be the start of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 # The streamed parser of each --tool-call-parser.
-CALL_STREAMS = {"hermes": ToolCallStream, "llama3_json": JsonCallStream}
+CALL_STREAMS = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, "mistral": MistralCallStream}
 
 # A function without parameters takes none: its arguments are an empty object (OpenAI's reading).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
