@@ -1,0 +1,122 @@
+"""The other tool-call parsers, as vLLM's parsers of those names read them: llama3_json (Llama 3.1-3.3's JSON calls,
+{"name": ..., "parameters": {...}}, several separated by ";") and mistral (the content before [TOOL_CALLS], the calls
+of the JSON array after it, each with a 9-character id, as Mistral's template takes no other); whole and streamed in
+any pieces; and on a real server of each, a reply forced into that format comes back as tool calls."""
+import json
+import re
+
+import openai
+import pytest
+
+from nanograph.serve.tool_calls import JsonCallStream, MistralCallStream, extract_tool_calls
+
+from .server_process import module_server
+from .test_tool_calls import TOOLS
+
+WEATHER = ("get_weather", {"city": "Paris", "unit": "°C"})
+TIME = ("get_time", {"zone": "CET"})
+ONE = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}}'
+TWO = ONE + '; {"name": "get_time", "arguments": {"zone": "CET"}}'
+MISTRAL = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}, ' \
+          '{"name": "get_time", "arguments": {"zone": "CET"}}]'
+
+
+def streamed(stream_class, text: str, piece: int) -> tuple[str, list[tuple]]:
+    """The text fed in pieces: (the content given out, the calls as (index, name, arguments))."""
+    stream, out = stream_class(), []
+    for i in range(0, len(text), piece):
+        out += stream.feed(text[i:i + piece])
+    out += stream.finish()
+    return ("".join(item for item in out if isinstance(item, str)),
+            [(item[0], item[1].name, json.loads(item[1].arguments)) for item in out if not isinstance(item, str)])
+
+
+def named(calls) -> list[tuple]:
+    return [(call.name, json.loads(call.arguments)) for call in calls]
+
+
+def test_llama3_json_a_reply_of_calls_is_its_calls_and_no_content():
+    content, calls = extract_tool_calls(TWO, "llama3_json")
+    assert content is None and named(calls) == [WEATHER, TIME]
+    assert '"°C"' in calls[0].arguments and calls[0].id != calls[1].id
+    assert named(extract_tool_calls("\n <|python_tag|>" + ONE + " ;\n", "llama3_json")[1]) == [WEATHER]
+    # Anything else is all content: text, JSON that is not a call, a call with text after it, a broken object.
+    for text in ["The weather is fine.", '{"city": "Paris"}', ONE + " That is all.", ONE[:-3],
+                 "Sure: " + ONE, ONE + '; {"city": 1}']:
+        assert extract_tool_calls(text, "llama3_json") == (text, []), text
+    assert extract_tool_calls(ONE, "hermes") == (ONE, [])  # the hermes parser does not read this format
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_llama3_json_streamed_gives_each_call_whole_or_the_text_in_any_pieces(piece):
+    content, calls = streamed(JsonCallStream, "  " + TWO, piece)
+    assert not content.strip() and calls == [(0, *WEATHER), (1, *TIME)]
+    # Text, JSON that is not a call, and an object left open at the end: the text, as it was written.
+    for text in ["No call { here }.", '{"city": "Paris"} is the answer', ONE[:-3]]:
+        assert streamed(JsonCallStream, text, piece) == (text, [])
+
+
+def test_mistral_a_reply_with_the_tag_gives_its_content_and_calls():
+    content, calls = extract_tool_calls("Let me check. " + MISTRAL, "mistral")
+    assert content == "Let me check. " and named(calls) == [WEATHER, TIME]
+    assert all(re.fullmatch(r"[0-9a-zA-Z]{9}", c.id) for c in calls) and calls[0].id != calls[1].id
+    assert extract_tool_calls(MISTRAL, "mistral")[0] is None
+    # A lone object is one call; text after the array is not read.
+    assert [c.name for c in extract_tool_calls('[TOOL_CALLS]{"name": "f", "arguments": {}} ok', "mistral")[1]] == ["f"]
+    for text in ["No calls.", "[TOOL_CALLS] not json", '[TOOL_CALLS] [{"city": "Paris"}]', "[TOOL_CALLS]"]:
+        assert extract_tool_calls(text, "mistral") == (text, []), text
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_mistral_streamed_gives_the_same_content_and_calls_in_any_pieces(piece):
+    assert streamed(MistralCallStream, "Let me [TOOL] check. " + MISTRAL, piece) == \
+        ("Let me [TOOL] check. ", [(0, *WEATHER), (1, *TIME)])
+    broken = "Hi [TOOL_CALLS] [{not json"  # an array that never parses: the text it was
+    assert streamed(MistralCallStream, broken, piece) == (broken, [])
+
+
+# The replies the grammar forces, in each parser's format: (regex, the content expected).
+FORCED = {
+    "llama3_json": (r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Oslo)"\}\}; '
+                    r'\{"name": "get_weather", "parameters": \{"city": "Oslo"\}\}', None),
+    "mistral": (r'Checking\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}, '
+                r'\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\]', "Checking. "),
+}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Oslo?"}]
+
+
+@pytest.fixture(scope="module", params=list(FORCED))
+def parser_client(request, tmp_path_factory):
+    for server in module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", request.param):
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            yield request.param, client
+
+
+def test_a_server_returns_the_calls_whole_and_streamed(parser_client):
+    parser, client = parser_client
+    regex, content = FORCED[parser]
+    model = client.models.list().data[0].id
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
+    calls = choice.message.tool_calls
+    assert [call.function.name for call in calls] == ["get_weather"] * 2
+    assert json.loads(calls[1].function.arguments) == {"city": "Oslo"}
+    if parser == "mistral":
+        assert all(re.fullmatch(r"[0-9a-f]{9}", call.id) for call in calls)
+    streamed_calls, streamed_content, finish = [], "", None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for streamed_choice in chunk.choices:
+            streamed_calls += streamed_choice.delta.tool_calls or []
+            streamed_content += streamed_choice.delta.content or ""
+            finish = streamed_choice.finish_reason or finish
+    assert streamed_content == (content or "") and finish == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed_calls] == [
+        (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
+    # Plain text stays content; under mistral, special tokens stay in the text of a request with tools
+    # ([TOOL_CALLS] is one; SmolLM2's <|im_start|>, forced here, stands in for it).
+    forced = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=2,
+                                            temperature=0, logit_bias={"1": 100}).choices[0]
+    assert forced.message.content == ("<|im_start|>" * 2 if parser == "mistral" else "")
+    assert not forced.message.tool_calls
