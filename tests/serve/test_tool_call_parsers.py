@@ -1,14 +1,15 @@
 """The other tool-call parsers, as vLLM's parsers of those names read them: llama3_json (Llama 3.1-3.3's JSON calls,
-{"name": ..., "parameters": {...}}, several separated by ";") and mistral (the content before [TOOL_CALLS], the calls
-of the JSON array after it, each with a 9-character id, as Mistral's template takes no other); whole and streamed in
-any pieces; and on a real server of each, a reply forced into that format comes back as tool calls."""
+{"name": ..., "parameters": {...}}, several separated by ";"), mistral (the content before [TOOL_CALLS], the calls
+of the JSON array after it, each with a 9-character id, as Mistral's template takes no other) and pythonic (a Python
+list of calls with keyword arguments); whole and streamed in any pieces; and on a real server of each, a reply
+forced into that format comes back as tool calls."""
 import json
 import re
 
 import openai
 import pytest
 
-from nanograph.serve.tool_calls import JsonCallStream, MistralCallStream, extract_tool_calls
+from nanograph.serve.tool_calls import JsonCallStream, MistralCallStream, PythonicCallStream, extract_tool_calls
 
 from .server_process import module_server
 from .test_tool_calls import TOOLS
@@ -81,6 +82,7 @@ FORCED = {
                     r'\{"name": "get_weather", "parameters": \{"city": "Oslo"\}\}', None),
     "mistral": (r'Checking\. \[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}, '
                 r'\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\]', "Checking. "),
+    "pythonic": (r'\[get_weather\(city="(Paris|Oslo)"\), get_weather\(city="Oslo"\)\]', None),
 }
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Oslo?"}]
 
@@ -120,3 +122,27 @@ def test_a_server_returns_the_calls_whole_and_streamed(parser_client):
                                             temperature=0, logit_bias={"1": 100}).choices[0]
     assert forced.message.content == ("<|im_start|>" * 2 if parser == "mistral" else "")
     assert not forced.message.tool_calls
+
+
+PYTHONIC = '[get_weather(city="Paris", unit="°C"), get_time(zone=\'CET\')]'
+
+
+def test_pythonic_a_list_of_calls_is_its_calls_and_no_content():
+    content, calls = extract_tool_calls(PYTHONIC, "pythonic")
+    assert content is None and named(calls) == [WEATHER, TIME]
+    assert named(extract_tool_calls('[f(a=[1, {"b": None}], c=True, d=-2.5)]', "pythonic")[1]) == [
+        ("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})]
+    assert named(extract_tool_calls(" [f()]\n", "pythonic")[1]) == [("f", {})]
+    # Anything else is all content: text, a list that is not calls, positional or non-literal arguments, values
+    # JSON cannot hold, a list cut short.
+    for text in ["Sure: [f()]", "[1, 2]", "[]", '[f("Paris")]', "[f(a=g())]", "[f(**d)]", "[f(a={1, 2})]",
+                 "[f(a=float('nan'))]", "[f(a=b'x')]", "[a.b(c=1)]", PYTHONIC[:-1]]:
+        assert extract_tool_calls(text, "pythonic") == (text, []), text
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_pythonic_streamed_gives_the_calls_once_the_list_closes(piece):
+    assert streamed(PythonicCallStream, PYTHONIC, piece) == ("", [(0, *WEATHER), (1, *TIME)])
+    assert streamed(PythonicCallStream, '[f(a=[1, 2])]', piece) == ("", [(0, "f", {"a": [1, 2]})])
+    for text in ["No call [f()] here.", "[f(a=1), oops", "[1, 2]"]:
+        assert streamed(PythonicCallStream, text, piece) == (text, [])

@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                         help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
                              "Hermes), llama3_json ({\"name\": ..., \"parameters\": {...}}: Llama 3.1-3.3), mistral "
-                             "([TOOL_CALLS][{...}]: Mistral)")
+                             "([TOOL_CALLS][{...}]: Mistral), pythonic ([f(a=1), ...]: Llama 3.2 and 4 with a "
+                             "pythonic template)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                         help="a chat reply's thinking (<think>...</think>) comes back apart from its answer, in the "
                              "message's reasoning field, and a grammar applies to the answer after it: qwen3 "

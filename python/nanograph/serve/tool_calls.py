@@ -24,6 +24,11 @@ it ([{"name": ..., "arguments": {...}}, ...]) the calls, each with a 9-character
 no other). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
 asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends).
 
+`--tool-call-parser pythonic` reads calls written as a Python list of calls with keyword arguments,
+[get_weather(city="Paris"), get_time()] (Llama 3.2 and 4 with a pythonic template, ToolACE): a reply that is such
+a list (its arguments literals: strings, numbers, True/False/None, lists, dicts) is its calls with no content; any
+other reply is all content. Streamed, a reply that starts with "[" is held back until the list closes.
+
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
 arguments. tool_choice "required" needs none either: the reply is constrained to a JSON array of one or more
@@ -31,12 +36,13 @@ arguments. tool_choice "required" needs none either: the reply is constrained to
 schema), and each object is a call, sent whole once it closes when streamed."""
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + r"|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
@@ -78,6 +84,9 @@ def extract_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, l
         return _json_calls(text)
     if parser == "mistral":
         return _mistral_calls(text)
+    if parser == "pythonic":
+        calls = _pythonic_calls(text)
+        return (text, []) if calls is None else (None, calls)
     if OPEN not in text:
         return text, []
     calls = []
@@ -320,8 +329,64 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """pythonic: the calls of a reply that is a Python list of calls with literal keyword arguments, else None."""
+    text = text.strip()
+    if not (text.startswith("[") and text.endswith("]")):
+        return None
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+            if None in arguments:  # **kwargs
+                return None
+            # JSON's values only (no sets, bytes, complex numbers, NaN).
+            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return None
+    return calls
+
+
+class PythonicCallStream:
+    """pythonic, streamed: ToolCallStream's interface. A reply that starts with "[" is held back and its calls given
+    out once the list closes and parses; a reply that starts otherwise, or a list that is not calls, is content."""
+
+    def __init__(self):
+        self.buffer = ""
+        self.mode = "start"  # "start", "calls" (held back), "content"
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[str | tuple[int, ToolCall]]:
+        self.buffer += text
+        if self.mode == "start" and self.buffer.strip():
+            self.mode = "calls" if self.buffer.lstrip().startswith("[") else "content"
+        if self.mode == "content":
+            text, self.buffer = self.buffer, ""
+            return [text] if text else []
+        if self.mode == "calls" and self.buffer.rstrip().endswith("]"):
+            calls = _pythonic_calls(self.buffer)
+            if calls is not None:
+                self.buffer, self.mode = "", "content"  # what follows the list is content
+                self.num_calls = len(calls)
+                return list(enumerate(calls))
+        return []
+
+    def finish(self) -> list[str | tuple[int, ToolCall]]:
+        rest, self.buffer = self.buffer, ""
+        return [rest] if rest else []
+
+
 # The streamed parser of each --tool-call-parser.
-CALL_STREAMS = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, "mistral": MistralCallStream}
+CALL_STREAMS = {"hermes": ToolCallStream, "llama3_json": JsonCallStream, "mistral": MistralCallStream,
+                "pythonic": PythonicCallStream}
 
 # A function without parameters takes none: its arguments are an empty object (OpenAI's reading).
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
