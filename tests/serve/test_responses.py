@@ -237,3 +237,25 @@ def test_a_request_the_engine_fails_mid_stream_ends_with_response_failed(client)
     kinds = [e.type for e in events]
     assert kinds[0] == "response.created" and kinds[-2:] == ["error", "response.failed"], kinds
     assert events[-1].response.status == "failed" and events[-1].response.error.message
+
+
+def test_input_items_become_the_chats_messages():
+    """Instructions first; an assistant turn's reasoning, text and calls one assistant message (its thinking as
+    reasoning_content, which Qwen3's template keeps in a tool loop); a call's output a tool message."""
+    request = ResponsesRequest(instructions="Be brief.", input=[
+        {"role": "developer", "content": "Use tools."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Let me look.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    messages = [message.model_dump(exclude_defaults=True) for message in request.chat_request().messages]
+    assert messages == [
+        {"role": "system", "content": "Be brief."}, {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "reasoning_content": "Hmm.",
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                        {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]

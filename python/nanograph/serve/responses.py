@@ -118,6 +118,7 @@ class ResponsesRequest(Body):
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
+        thought = None  # a reasoning item's text, for the assistant turn that follows it
         for i, item in enumerate(self.input):
             kind = item.get("type", "message" if "role" in item else None)
             if kind == "message":
@@ -127,21 +128,28 @@ class ResponsesRequest(Body):
                                         f"{role!r}", "input", "invalid_value")
                 messages.append({"role": "system" if role == "developer" else role,
                                  "content": _text(item.get("content"), f"input[{i}].content")})
+                if role == "assistant" and thought is not None:
+                    messages[-1]["reasoning_content"], thought = thought, None
             elif kind == "function_call":
                 call = {"id": _string(item, "call_id", i), "type": "function",
                         "function": {"name": _string(item, "name", i), "arguments": _string(item, "arguments", i)}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                    last["tool_calls"].append(call)  # one assistant turn calls several functions
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)  # one assistant turn: its text and its calls
                 else:
                     messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                    if thought is not None:
+                        messages[-1]["reasoning_content"], thought = thought, None
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                                  "content": output if isinstance(output, str) else
                                  _text(output, f"input[{i}].output")})
             elif kind == "reasoning":
-                continue  # an earlier turn's thinking: chat templates leave it out of the prompt
+                # An earlier turn's thinking goes to the template with that turn, as reasoning_content (Qwen3's
+                # template keeps it for the turns after the last user message: a tool loop's).
+                parts = item.get("content") or item.get("summary") or []
+                thought = "\n".join(part.get("text", "") for part in parts if isinstance(part, dict)) or None
             else:
                 raise APIError(400, f"input[{i}] has type {kind!r}; this server takes message, function_call, "
                                     "function_call_output and reasoning items", "input", "invalid_value")
