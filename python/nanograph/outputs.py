@@ -65,3 +65,5 @@ class CompletionDelta:
     scheduled_time: float | None = None  # the request's RequestMetrics.first_scheduled_time (None: not yet)
     # On a completion's last delta, where the request asked for them: RequestOutput.prompt_logprobs.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # On a completion's last delta: its prompt's tokens found in the prefix cache (None: never scheduled).
+    num_cached_tokens: int | None = None

@@ -23,7 +23,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield from module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--enable-prompt-tokens-details")
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +260,25 @@ def test_input_items_become_the_chats_messages():
          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
                         {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+
+
+def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
+    """--enable-prompt-tokens-details: a prompt sent again finds its whole blocks in the prefix cache, in the chat's,
+    the completion's (per prompt, summed) and the response's usage, whole and streamed."""
+    text = "Tell me about the history of Paris. " * 12
+    messages = [{"role": "user", "content": text}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0).usage
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0).usage
+    cached = again.prompt_tokens_details.cached_tokens
+    assert cached >= first.prompt_tokens - 16 and cached % 16 == 0 and cached < again.prompt_tokens
+    streamed = [chunk.usage for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True}) if chunk.usage]
+    assert streamed[-1].prompt_tokens_details.cached_tokens == cached
+    prompts = [text, text + "Also Rome."]
+    cold = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, temperature=0).usage
+    warm = client.completions.create(model=MODEL, prompt=prompts, max_tokens=2, temperature=0).usage
+    both = warm.prompt_tokens_details.cached_tokens  # each prompt's whole blocks, summed
+    assert cold.prompt_tokens_details.cached_tokens < both and both >= warm.prompt_tokens - 2 * 16 and both % 16 == 0
+    response = client.responses.create(model=MODEL, input=text, max_output_tokens=2, temperature=0)
+    assert response.usage.input_tokens_details.cached_tokens == cached

@@ -78,6 +78,7 @@ class Request:
                                                seq.finish_reason, seq.stop_reason, logprobs,
                                                self.error if seq.is_finished else None,
                                                self.seqs[0].first_scheduled_time,
-                                               self.seqs[0].prompt_logprobs if seq.is_finished else None))
+                                               self.seqs[0].prompt_logprobs if seq.is_finished else None,
+                                               seq.num_cached_tokens if seq.is_finished else None))
         deltas, self._taken = self._taken, []
         return deltas

@@ -17,7 +17,7 @@ from .errors import APIError, parse_body
 from .protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                        ChatDelta, ChatLogprobs, ChatResponseMessage, TokenLogprob, TopLogprob)
 from .completions import token_label
-from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
+from .serving import (CachedTokens, ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 from .tool_calls import (CALL_STREAMS, NO_PARAMETERS, RequiredCallStream, ToolCall, extract_tool_calls,
@@ -102,7 +102,8 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
-                                           request.return_tokens_as_token_ids, max_calls, reasoning),
+                                           request.return_tokens_as_token_ids, max_calls, reasoning,
+                                           served.cached_tokens()),
                                    stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
@@ -140,7 +141,8 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
 
     async def complete() -> ChatCompletionResponse:
         stream = await served.generate(request, prompts, params, renames)
-        completions = await served.collect(stream, params.n)
+        cached = served.cached_tokens()
+        completions = await served.collect(stream, params.n, cached)
         choices = []
         for i, c in enumerate(completions):
             reply, called = message(c.text)
@@ -150,7 +152,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
                                                              request.return_tokens_as_token_ids)
                                       if request.logprobs else None))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
-                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions)),
+                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions), cached),
                                       prompt_logprobs=api_prompt_logprobs(completions[0].prompt_logprobs)
                                       if request.prompt_logprobs is not None else None)
 
@@ -196,14 +198,16 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   num_top: int, include_usage: bool, role: str, echoed: str,
                   continuous_usage: bool = False, parse_calls: type | None = None,
                   named: str | None = None, as_token_ids: bool = False,
-                  max_calls: int | None = None, reasoning: Reasoning | None = None) -> AsyncIterator[str]:
+                  max_calls: int | None = None, reasoning: Reasoning | None = None,
+                  cached: CachedTokens | None = None) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
-    far. parse_calls: the class (a CALL_STREAMS parser, RequiredCallStream) the text goes through, each call whole in one
-    chunk; named: the reply is the arguments of a call of that function, streamed as they come; as_token_ids:
-    logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all); reasoning: a choice's
-    thinking goes out in chunks of its own (delta.reasoning; none if not reasoning.include), and the rest as
-    above."""
+    far. parse_calls: the class (a CALL_STREAMS parser, RequiredCallStream) the text goes through, each call
+    whole in one chunk; named: the reply is the arguments of a call of that function, streamed as they come;
+    as_token_ids: logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all);
+    reasoning: a choice's thinking goes out in chunks of its own (delta.reasoning; none if not
+    reasoning.include), and the rest as above; cached: counts the prompt's cached tokens for the usage chunk
+    (None: it reports none)."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -269,6 +273,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     def chunk_of(_, delta: CompletionDelta) -> str:
         nonlocal num_tokens
         num_tokens += len(delta.token_ids)
+        if cached is not None and delta.finished:
+            cached.add(0, delta)
         choice_tokens[delta.index] += len(delta.token_ids)
         if splitters is None:
             return answer_chunk(delta)
@@ -302,7 +308,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
 
     def usage_chunk() -> str:
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
-                                         usage=usage(prompts, num_tokens)))
+                                         usage=usage(prompts, num_tokens, cached)))
 
     yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
                   for index in range(n))

@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="accepted for vLLM's command lines: requests are not logged one by one")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="accepted for vLLM's command lines: uvicorn's access log is off")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens found in the "
+                             "prefix cache")
     parser.add_argument("--enable-request-id-headers", action="store_true",
                         help="every response carries an X-Request-Id header: the request's own, else a new id")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
@@ -193,7 +196,8 @@ def serve(args: argparse.Namespace):
                              chat_template=chat_template, content_format=args.chat_template_content_format,
                              trust_remote_code=config.trust_remote_code,
                              response_role=args.response_role,
-                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                             prompt_tokens_details=args.enable_prompt_tokens_details)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

@@ -11,7 +11,7 @@ from ..outputs import CompletionDelta, Logprob
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
 from .protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from .serving import (ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
+from .serving import (CachedTokens, ServedModel, api_logprob, api_prompt_logprobs, make_response_id, usage,
                       wants_continuous_usage, wants_usage_chunk)
 from .streaming import DONE, EventStreamResponse, TextEvents, event, sse_body, unless_disconnected
 
@@ -49,16 +49,19 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
         if request.stream:
             return EventStreamResponse(_echo_events(response_id, model, prompts, choices, include_usage,
                                                     wants_continuous_usage(request)), lambda: None)
-        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(prompts, 0))
+        return CompletionResponse(id=response_id, model=model, choices=choices,
+                                  usage=usage(prompts, 0, served.cached_tokens()))
     if request.stream:
         stream = await served.generate(request, prompts, params)
         return EventStreamResponse(_events(stream, response_id, model, prompts, echoed, params.n, include_usage,
-                                           wants_continuous_usage(request), request.return_tokens_as_token_ids),
+                                           wants_continuous_usage(request), request.return_tokens_as_token_ids,
+                                           served.cached_tokens()),
                                    stream.close)
 
     async def complete() -> CompletionResponse:
         stream = await served.generate(request, prompts, params)
-        completions = await served.collect(stream, params.n)
+        cached = served.cached_tokens()
+        completions = await served.collect(stream, params.n, cached)
         choices = []
         for i, c in enumerate(completions):
             logprobs = None
@@ -76,7 +79,8 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
                 stop_reason=None if echo_only else c.stop_reason, logprobs=logprobs,
                 prompt_logprobs=api_prompt_logprobs(c.prompt_logprobs)))
         generated = 0 if echo_only else sum(len(c.token_ids) for c in completions)
-        return CompletionResponse(id=response_id, model=model, choices=choices, usage=usage(prompts, generated))
+        return CompletionResponse(id=response_id, model=model, choices=choices,
+                                  usage=usage(prompts, generated, cached))
 
     return await unless_disconnected(raw_request, complete())
 
@@ -154,10 +158,11 @@ async def _echo_events(response_id: str, model: str, prompts: list[list[int]], c
 
 
 def _events(stream: RequestStream, response_id: str, model: str, prompts: list[list[int]], echoed: list[str],
-            n: int, include_usage: bool, continuous_usage: bool = False, as_token_ids: bool = False
-            ) -> AsyncIterator[str]:
+            n: int, include_usage: bool, continuous_usage: bool = False, as_token_ids: bool = False,
+            cached: CachedTokens | None = None) -> AsyncIterator[str]:
     """One chunk per choice per step that gave it something (echo's prompt in its first), finish_reason on its
-    last; with continuous_usage, each chunk carries its choice's usage so far (its own prompt's tokens)."""
+    last; with continuous_usage, each chunk carries its choice's usage so far (its own prompt's tokens); cached:
+    counts the prompts' cached tokens for the usage chunk (None: it reports none)."""
     created = int(time.time())
     offsets, num_tokens = {}, 0
     choice_tokens = [0] * (len(prompts) * n)
@@ -168,6 +173,8 @@ def _events(stream: RequestStream, response_id: str, model: str, prompts: list[l
         index = prompt_index * n + delta.index
         text = delta.text
         num_tokens += len(delta.token_ids)
+        if cached is not None and delta.finished:
+            cached.add(prompt_index, delta)
         choice_tokens[index] += len(delta.token_ids)
         plain = text_events.get(index)
         if plain is None:
@@ -189,6 +196,6 @@ def _events(stream: RequestStream, response_id: str, model: str, prompts: list[l
 
     def usage_chunk() -> str:
         return event(CompletionResponse(id=response_id, created=created, model=model, choices=[],
-                                        usage=usage(prompts, num_tokens)))
+                                        usage=usage(prompts, num_tokens, cached)))
 
     return sse_body(stream, chunk_of, usage_chunk if include_usage else None)

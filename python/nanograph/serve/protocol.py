@@ -273,10 +273,15 @@ class DetokenizeRequest(Request):
     tokens: list[int]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # the prompt tokens found in the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details (vLLM's)
 
 
 class CompletionLogprobs(BaseModel):

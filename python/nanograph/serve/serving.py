@@ -14,12 +14,12 @@ from transformers import AutoTokenizer
 from ..chat_template import ChatOptionError, ChatTemplateError, chat_prompt_token_ids
 from ..engine.intake import check_prompt_token_ids, truncated
 from ..engine.llm_engine import NoTokenLeftError
-from ..outputs import Logprob
+from ..outputs import CompletionDelta, Logprob
 from ..sampling.grammar import StructuredOutputError
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
-from .protocol import ChatMessage, PromptLogprob, PromptLogprobs, SamplingRequest, Usage
+from .protocol import ChatMessage, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, Usage
 
 
 @dataclass
@@ -37,7 +37,7 @@ class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
                  content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, prompt_tokens_details: bool = False):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
@@ -45,6 +45,7 @@ class ServedModel:
         self.async_llm = async_llm
         self.response_role = response_role
         self.tool_call_parser = tool_call_parser  # tool_calls.TOOL_CALL_PARSERS; None: no "auto" tool choice
+        self.prompt_tokens_details = prompt_tokens_details  # usage reports the prompt tokens the prefix cache held
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
@@ -190,10 +191,14 @@ class ServedModel:
         except Exception as exc:  # the engine failed to take this request (and goes on with the others)
             raise engine_failure(f"{type(exc).__name__}: {exc}") from None
 
+    def cached_tokens(self) -> CachedTokens | None:
+        """A response's count of cached prompt tokens, where usage reports them (None: it does not)."""
+        return CachedTokens() if self.prompt_tokens_details else None
+
     @staticmethod
-    async def collect(stream: RequestStream, n: int) -> list[Completion]:
-        """Every choice of a non-streamed request (prompt i's completion j is choice i * n + j); a failure inside
-        the engine is a 500."""
+    async def collect(stream: RequestStream, n: int, cached: CachedTokens | None = None) -> list[Completion]:
+        """Every choice of a non-streamed request (prompt i's completion j is choice i * n + j), the prompts' cached
+        tokens counted into cached; a failure inside the engine is a 500."""
         completions: dict[int, Completion] = {}
         try:
             async for deltas in stream:
@@ -207,6 +212,8 @@ class ServedModel:
                     if delta.finished:
                         completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
                         completion.prompt_logprobs = delta.prompt_logprobs
+                        if cached is not None:
+                            cached.add(prompt_index, delta)
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
         finally:
@@ -272,7 +279,26 @@ def wants_continuous_usage(request: SamplingRequest) -> bool:
     return options is not None and bool(options.include_usage) and options.continuous_usage_stats
 
 
-def usage(prompts: list[list[int]], num_completion_tokens: int) -> Usage:
+def usage(prompts: list[list[int]], num_completion_tokens: int, cached: CachedTokens | None = None) -> Usage:
+    """The usage of a response; with cached (the server's --enable-prompt-tokens-details), its prompts' tokens
+    found in the prefix cache."""
     num_prompt_tokens = sum(map(len, prompts))
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                 total_tokens=num_prompt_tokens + num_completion_tokens)
+                 total_tokens=num_prompt_tokens + num_completion_tokens,
+                 prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached.total))
+
+
+class CachedTokens:
+    """A response's prompt tokens found in the prefix cache, per prompt, as its completions finish (a prompt's
+    completions may find different amounts: the largest counts, as in RequestOutput.num_cached_tokens)."""
+
+    def __init__(self):
+        self.by_prompt: dict[int, int] = {}
+
+    def add(self, prompt_index: int, delta: CompletionDelta):
+        if delta.num_cached_tokens is not None:
+            self.by_prompt[prompt_index] = max(self.by_prompt.get(prompt_index, 0), delta.num_cached_tokens)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_prompt.values())
