@@ -49,7 +49,7 @@ def test_a_max_model_len_past_the_models_positions_is_capped_with_a_warning(tmp_
     make_tiny_model(tmp_path, "qwen3-tied")  # 256 positions
     with pytest.warns(UserWarning, match="max_model_len 100000 is more than the model's 256 positions "
                                          r"\(max_position_embeddings, or its context stretched by YaRN or linear "
-                                         r"scaling\); using 256"):
+                                         r"scaling, at most its sliding window\); using 256"):
         llm = LLM(str(tmp_path), device="cpu", max_model_len=100000, num_kv_blocks=24, block_size=16)
     assert llm.engine.config.max_model_len == 256
     with warnings.catch_warnings():
