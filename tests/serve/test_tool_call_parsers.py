@@ -146,3 +146,16 @@ def test_pythonic_streamed_gives_the_calls_once_the_list_closes(piece):
     assert streamed(PythonicCallStream, '[f(a=[1, 2])]', piece) == ("", [(0, "f", {"a": [1, 2]})])
     for text in ["No call [f()] here.", "[f(a=1), oops", "[1, 2]"]:
         assert streamed(PythonicCallStream, text, piece) == (text, [])
+
+
+@pytest.mark.parametrize("parser, stream_class", [("hermes", None), ("llama3_json", JsonCallStream),
+                                                  ("mistral", MistralCallStream)])
+def test_json_nested_too_deep_or_a_record_with_a_name_is_text(parser, stream_class):
+    """JSON nested past the decoder's depth (a model stuck opening brackets) and an object with a "name" but no
+    arguments or parameters (a JSON record the user asked for) are text, not a crash or a call."""
+    prefix = {"hermes": "<tool_call>", "llama3_json": "", "mistral": "[TOOL_CALLS] "}[parser]
+    deep = ["[" * 1100 + "]" * 1100, "{" + '"a": {' * 1100]
+    for text in [prefix + body for body in [*deep, '{"name": "Alice", "age": 30}']]:
+        assert extract_tool_calls(text, parser) == (text, [])
+        if stream_class is not None:
+            assert streamed(stream_class, text, 7)[1] == []

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+JSON_ERRORS = (ValueError, RecursionError)  # what decoding a model's JSON raises (RecursionError: nested too deep)
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE) + r"|" + re.escape(OPEN) + r"(.*)", re.DOTALL)
 
 
@@ -64,15 +65,16 @@ def _parsed(body: str) -> ToolCall | None:
     """A call's JSON ({"name": ..., "arguments": {...}}), or None when it is not one."""
     try:
         return _call_of(json.loads(body))
-    except ValueError:
+    except JSON_ERRORS:
         return None
 
 
 def _call_of(call) -> ToolCall | None:
     """A decoded call ({"name": ..., "arguments" or "parameters": {...}}), or None when it is not one."""
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
+            not ("arguments" in call or "parameters" in call):  # {"name": "Alice", "age": 30} is no call
         return None
-    arguments = call.get("arguments", call.get("parameters", {}))
+    arguments = call["arguments"] if "arguments" in call else call["parameters"]
     return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
@@ -169,7 +171,7 @@ def _json_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     while position < len(body):
         try:
             decoded, position = _decoder.raw_decode(body, position)
-        except ValueError:
+        except JSON_ERRORS:
             return text, []
         call = _call_of(decoded)
         if call is None:
@@ -226,7 +228,7 @@ class JsonCallStream:
                 return out
             try:
                 decoded, end = _decoder.raw_decode(rest)
-            except ValueError:  # not closed yet
+            except JSON_ERRORS:  # not closed yet (or nested too deep: text at the end)
                 return out
             call = _call_of(decoded)
             if call is None:
@@ -262,7 +264,7 @@ def _mistral_array(text: str) -> list[ToolCall] | None:
     call; what follows it is not read, as vLLM's parser reads the array alone), or None."""
     try:
         decoded, _ = _decoder.raw_decode(text.strip())
-    except ValueError:
+    except JSON_ERRORS:
         return None
     calls = [_call_of(call) for call in (decoded if isinstance(decoded, list) else [decoded])]
     if not calls or None in calls:
@@ -303,7 +305,7 @@ class MistralCallStream:
         rest = self.buffer.lstrip()
         try:
             _, end = _decoder.raw_decode(rest)
-        except ValueError:  # not closed yet
+        except JSON_ERRORS:  # not closed yet (or nested too deep: text at the end)
             return []
         calls = _mistral_array(rest[:end])
         if calls is None:
@@ -461,7 +463,7 @@ class RequiredCallStream:
                 rest = rest[1:].lstrip()
             try:
                 decoded, end = self._decoder.raw_decode(rest)
-            except ValueError:  # not closed yet
+            except JSON_ERRORS:  # not closed yet (or nested too deep: text at the end)
                 return out
             call = _call_of(decoded) if isinstance(decoded, dict) and "parameters" in decoded else None
             if call is None:
