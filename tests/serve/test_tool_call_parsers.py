@@ -90,7 +90,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Osl
 @pytest.fixture(scope="module", params=list(FORCED))
 def parser_client(request, tmp_path_factory):
     for server in module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", request.param):
-        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+        with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=180) as client:
             yield request.param, client
 
 
