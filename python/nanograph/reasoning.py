@@ -48,7 +48,7 @@ class ReasoningSplitter:
                     self.pending = self.pending[end + len(END):]
                     self.state = "content"
                     continue
-                held = _tag_prefix_at_end(self.pending, END)
+                held = tag_prefix_at_end(self.pending, END)
                 _add(pieces, "reasoning", self.pending[:len(self.pending) - held])
                 self.pending = self.pending[len(self.pending) - held:]
                 break
@@ -119,7 +119,7 @@ def _add(pieces: list[tuple[str, str]], kind: str, text: str):
         pieces.append((kind, text))
 
 
-def _tag_prefix_at_end(text: str, tag: str) -> int:
+def tag_prefix_at_end(text: str, tag: str) -> int:
     """The length of the longest end of text that begins tag (held back until the next text says which)."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-length:]):

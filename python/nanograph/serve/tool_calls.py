@@ -42,6 +42,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from ..reasoning import tag_prefix_at_end
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 JSON_ERRORS = (ValueError, RecursionError)  # what decoding a model's JSON raises (RecursionError: nested too deep)
@@ -153,7 +155,7 @@ class ToolCallStream:
 
 def _partial_open(text: str) -> int:
     """How many characters at text's end could be the start of OPEN."""
-    return _partial_tag(text, OPEN)
+    return tag_prefix_at_end(text, OPEN)
 
 
 
@@ -294,7 +296,7 @@ class MistralCallStream:
         if not self.in_calls:
             start = self.buffer.find(MISTRAL_TAG)
             if start < 0:
-                keep = _partial_tag(self.buffer, MISTRAL_TAG)
+                keep = tag_prefix_at_end(self.buffer, MISTRAL_TAG)
                 out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 return [out] if out else []
             content, self.buffer, self.in_calls = self.buffer[:start], self.buffer[start + len(MISTRAL_TAG):], True
@@ -321,14 +323,6 @@ class MistralCallStream:
         if self.in_calls:
             rest = MISTRAL_TAG + rest
         return [rest] if rest else []
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many characters at text's end could be the start of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def _pythonic_calls(text: str) -> list[ToolCall] | None:
