@@ -175,3 +175,34 @@ def test_a_prompt_closes_the_thinking_only_at_its_end():
 def test_an_unknown_reasoning_parser_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="reasoning_parser='r2'.*'qwen3' or 'deepseek_r1'"):
         Config(reasoning_parser="r2")
+
+
+def sentencepiece_tokenizer():
+    """A small trained tokenizer of Llama 2's and Mistral's kind: words start with "▁", and encode() gives text a
+    word start ("Paris" -> "▁", "Pa", "ris"), which the middle of a reply does not have."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokenizer.train_from_iterator(['The capital of France is Paris. London is in England. {"city": "Paris"}'] * 8,
+                                  trainers.BpeTrainer(vocab_size=400, special_tokens=special))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("answer, allowed", [("Paris", True), ("Pa", True), (" Paris", False), ("Lyon", False)])
+def test_answer_text_is_fed_as_the_middle_of_a_reply_with_a_sentencepiece_tokenizer(answer, allowed):
+    """The answer's first characters, fed through the grammar as tokens, are the text itself: no "▁" word start in
+    front of them (which a choice of "Paris" would refuse as " Paris")."""
+    from nanograph.sampling.grammar import GrammarCompiler
+
+    tokenizer = sentencepiece_tokenizer()
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("Paris", add_special_tokens=False))[0] == "▁"
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = compiler.matcher(compiler.compile(StructuredOutputsParams(choice=["Paris", "London"])))
+    assert grammar.advance_text(answer) is allowed
+    if answer == "Paris":
+        assert grammar.ended()

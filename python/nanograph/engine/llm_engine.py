@@ -461,7 +461,7 @@ class LLMEngine:
                     answer = grammar.thinking.ends_at(token_id, seq.detokenizer)
                     if answer is not None:  # the grammar applies from here, to the answer's text so far too
                         grammar.thinking = None
-                        if answer and not grammar.advance_text(answer, self.intake.tokenizer):
+                        if answer and not grammar.advance_text(answer):
                             ungrammatical.add(seq.request_id)
             except Exception as exc:  # its grammar, or its tokenizer on its text: that request ends, the rest go on
                 broken.setdefault(seq.request_id, exc)

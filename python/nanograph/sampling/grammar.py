@@ -74,15 +74,17 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> Grammar:
         """A new sequence's matcher for a compiled grammar."""
         llguidance = _llguidance()
-        return Grammar(llguidance.LLMatcher(self._tokenizer, grammar), llguidance.numpy.fill_next_token_bitmask)
+        return Grammar(llguidance.LLMatcher(self._tokenizer, grammar), llguidance.numpy.fill_next_token_bitmask,
+                       self._tokenizer.tokenize_str)
 
 
 class Grammar:
     """One sequence's position in its grammar."""
 
-    def __init__(self, matcher, fill):
+    def __init__(self, matcher, fill, tokenize):
         self._matcher = matcher
         self._fill = fill
+        self._tokenize = tokenize  # text -> token ids, as a piece of a reply (no prefix space, no special tokens)
         # With a reasoning parser, while the reply is still thinking: its reasoning.ThinkingEnd. The grammar applies
         # from the token after the thinking's end; until then it masks nothing and takes no token.
         self.thinking = None
@@ -100,10 +102,11 @@ class Grammar:
         """Whether the grammar is complete and can take no further token: only the end of text may come."""
         return self._matcher.is_stopped()
 
-    def advance_text(self, text: str, tokenizer) -> bool:
+    def advance_text(self, text: str) -> bool:
         """Moves past text the grammar did not choose (the answer's first characters, in the token that ended the
-        thinking), as the tokenizer's tokens of it; False if the grammar does not allow it."""
-        return all(self.advance(token_id) for token_id in tokenizer.encode(text, add_special_tokens=False))
+        thinking), as tokens of that text in the middle of a reply (a SentencePiece tokenizer's encode would add a
+        word start, "▁", before it); False if the grammar does not allow it."""
+        return all(self.advance(token_id) for token_id in self._tokenize(text))
 
     def advance(self, token_id: int) -> bool:
         """Moves past a sampled token; False if the grammar does not allow it. StructuredOutputError where
