@@ -9,7 +9,8 @@ import re
 import openai
 import pytest
 
-from nanograph.serve.tool_calls import JsonCallStream, MistralCallStream, PythonicCallStream, extract_tool_calls
+from nanograph.serve.tool_calls import (JsonCallStream, MistralCallStream, PythonicCallStream, ToolCall,
+                                        extract_tool_calls)
 
 from .server_process import module_server
 from .test_tool_calls import TOOLS
@@ -87,9 +88,29 @@ FORCED = {
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris and in Oslo?"}]
 
 
+# Mistral's template's way with tool calls, in short: it raises on a call id that is not 9 characters long.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message.role == 'user' %}[INST] {{ message.content }} [/INST]"
+    "{% elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] ["
+    "{% for tool_call in message.tool_calls %}"
+    "{% if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ tool_call.function | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}"
+    "{% elif message.role == 'assistant' %}{{ message.content }}{{ eos_token }}"
+    "{% elif message.role == 'tool' %}[TOOL_RESULTS] {{ message.content }}[/TOOL_RESULTS]{% endif %}"
+    "{% endfor %}")
+
+
 @pytest.fixture(scope="module", params=list(FORCED))
 def parser_client(request, tmp_path_factory):
-    for server in module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", request.param):
+    template = []
+    if request.param == "mistral":
+        path = tmp_path_factory.mktemp("template") / "mistral.jinja"
+        path.write_text(MISTRAL_TEMPLATE)
+        template = ["--chat-template", str(path)]
+    for server in module_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", request.param,
+                                *template):
         with openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=180) as client:
             yield request.param, client
 
@@ -124,6 +145,45 @@ def test_a_server_returns_the_calls_whole_and_streamed(parser_client):
     assert not forced.message.tool_calls
 
 
+def test_named_and_required_calls_have_ids_the_template_takes_back(parser_client):
+    """A named or required tool choice's calls, whole and streamed, get 9-character ids under the mistral parser
+    (whose template raises on others: the next turn, which sends the calls back, renders), the usual ones else."""
+    parser, client = parser_client
+    model = client.models.list().data[0].id
+    id_rule = r"[0-9a-zA-Z]{9}" if parser == "mistral" else r"chatcmpl-tool-[0-9a-f]{32}"
+    for tool_choice in [{"type": "function", "function": {"name": "get_weather"}}, "required"]:
+        kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0,
+                      tool_choice=tool_choice)
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.tool_calls and all(re.fullmatch(id_rule, call.id) for call in message.tool_calls)
+        streamed_ids = [call.id for chunk in client.chat.completions.create(**kwargs, stream=True)
+                        for choice in chunk.choices for call in choice.delta.tool_calls or [] if call.id]
+        assert streamed_ids and all(re.fullmatch(id_rule, call_id) for call_id in streamed_ids)
+        turn = [*MESSAGES, message.model_dump(exclude_none=True),
+                *[{"role": "tool", "tool_call_id": call.id, "content": "Sunny."} for call in message.tool_calls]]
+        assert client.chat.completions.create(model=model, messages=turn, tools=TOOLS, max_tokens=2,
+                                              temperature=0).choices[0].finish_reason == "length"
+
+
+def test_a_template_that_checks_for_nine_character_ids_gets_them_under_any_parser():
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from nanograph.default_model import default_model_path
+    from nanograph.serve.serving import ServedModel
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    engine = SimpleNamespace(info=SimpleNamespace(reasoning_parser=None, model="m", max_model_len=64,
+                                                  sampling_defaults={}, tokenizer=None))
+    checks_equal = MISTRAL_TEMPLATE.replace("!=", "==")
+    for template, parser, nine in [(MISTRAL_TEMPLATE, "hermes", True), (checks_equal, None, True),
+                                   (None, "hermes", False), (None, "mistral", True)]:
+        served = ServedModel(engine, "m", tokenizer=tokenizer, chat_template=template, tool_call_parser=parser)
+        call_id = served.with_call_id(ToolCall("f", "{}")).id
+        assert (re.fullmatch(r"[0-9a-f]{9}", call_id) is not None) is nine, (template, parser, call_id)
+
+
 PYTHONIC = '[get_weather(city="Paris", unit="°C"), get_time(zone=\'CET\')]'
 
 
@@ -141,11 +201,50 @@ def test_pythonic_a_list_of_calls_is_its_calls_and_no_content():
 
 
 @pytest.mark.parametrize("piece", [1, 4, 1000])
-def test_pythonic_streamed_gives_the_calls_once_the_list_closes(piece):
+def test_pythonic_streamed_gives_the_calls_at_the_end_of_a_reply_that_is_a_list_of_calls(piece):
     assert streamed(PythonicCallStream, PYTHONIC, piece) == ("", [(0, *WEATHER), (1, *TIME)])
-    assert streamed(PythonicCallStream, '[f(a=[1, 2])]', piece) == ("", [(0, "f", {"a": [1, 2]})])
-    for text in ["No call [f()] here.", "[f(a=1), oops", "[1, 2]"]:
-        assert streamed(PythonicCallStream, text, piece) == (text, [])
+    assert streamed(PythonicCallStream, '[f(a=[1, 2])]\n', piece) == ("", [(0, "f", {"a": [1, 2]})])
+    # Text after the list makes the reply text, as the whole reply's parse reads it.
+    for text in ["No call [f()] here.", "[f(a=1), oops", "[1, 2]", "[f(a=1)] That is the call.", "[f()] [g()]"]:
+        assert streamed(PythonicCallStream, text, piece) == (text, []) == (extract_tool_calls(text, "pythonic")[0],
+                                                                           [])
+
+
+STREAMS = {"llama3_json": JsonCallStream, "mistral": MistralCallStream, "pythonic": PythonicCallStream}
+
+
+@pytest.mark.parametrize("parser", list(STREAMS))
+@pytest.mark.parametrize("piece", [1, 2, 3, 1000])
+def test_a_reply_streamed_in_any_pieces_reads_as_the_whole_reply(parser, piece):
+    """The content and calls of a stream are those of the whole reply's parse, for replies of calls and of text:
+    a reply's text given back as it was written (its whitespace and <|python_tag|> too)."""
+    texts = {
+        "llama3_json": ["<|python_tag|>" + ONE, "\n <|python_tag|> " + TWO, "<|python_tag|>", "<|python_tag|> x",
+                        "  <|python_tag|>{\"city\": 1}", " \n{\"city\": \"Paris\"} and text", "\n\n" + ONE[:-2]],
+        "mistral": [MISTRAL, "Checking. " + MISTRAL, "[TOOL", "Text [TOOL_CALLS] [{broken", "[TOOL_CALLS]"],
+        "pythonic": [PYTHONIC, "  " + PYTHONIC + "\n", " [f(a=1)] done", "\n[1, 2]", "[f(a=1"],
+    }[parser]
+    for text in texts:
+        content, calls = extract_tool_calls(text, parser)
+        whole = ("" if content is None else content,
+                 [(i, call.name, json.loads(call.arguments)) for i, call in enumerate(calls)])
+        assert streamed(STREAMS[parser], text, piece) == whole, text
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "pythonic"])
+def test_a_lone_surrogate_in_the_arguments_is_an_escape_in_their_json(parser):
+    """A model's "\\ud800" (a lone surrogate, which UTF-8 cannot carry) stays an escape in the arguments' JSON text,
+    the rest of it as it is; in a function's name it makes the reply text."""
+    body = {"hermes": '<tool_call>{{"name": "{name}", "arguments": {{"a": "°\\ud800"}}}}</tool_call>',
+            "llama3_json": '{{"name": "{name}", "parameters": {{"a": "°\\ud800"}}}}',
+            "mistral": '[TOOL_CALLS] [{{"name": "{name}", "arguments": {{"a": "°\\ud800"}}}}]',
+            "pythonic": '[{name}(a="°\\ud800")]'}[parser]
+    [call] = extract_tool_calls(body.format(name="f"), parser)[1]
+    call.arguments.encode()
+    assert json.loads(call.arguments) == {"a": "°\ud800"}
+    if parser != "pythonic":  # a Python name cannot hold one
+        text = body.format(name="\\udc00")
+        assert extract_tool_calls(text, parser) == (text, [])
 
 
 @pytest.mark.parametrize("parser, stream_class", [("hermes", None), ("llama3_json", JsonCallStream),

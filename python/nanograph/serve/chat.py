@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request, Response
 
@@ -103,7 +103,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
                                            request.return_tokens_as_token_ids, max_calls, reasoning,
-                                           served.cached_tokens()),
+                                           served.cached_tokens(), served.with_call_id),
                                    stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
@@ -121,11 +121,11 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
 
     def answer(text: str) -> tuple[ChatResponseMessage, bool]:
         if function is not None:
-            call = ToolCall(function["name"], text)
+            call = served.with_call_id(ToolCall(function["name"], text))
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
         if tool_mode == "auto":
             content, calls = extract_tool_calls(text, served.tool_call_parser)
-            calls = calls[:max_calls]
+            calls = [served.with_call_id(call) for call in calls[:max_calls]]
             if calls:
                 content = echoed + content if content is not None else (echoed or None)
                 return ChatResponseMessage(role=role, content=content,
@@ -133,7 +133,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         if parse_calls is RequiredCallStream:
             parser = RequiredCallStream()
             items = parser.feed(text) + parser.finish()
-            calls = [item[1].as_dict() for item in items if not isinstance(item, str)][:max_calls]
+            calls = [served.with_call_id(item[1]).as_dict() for item in items if not isinstance(item, str)][:max_calls]
             if calls:
                 return ChatResponseMessage(role=role, content=echoed + "".join(
                     item for item in items if isinstance(item, str)), tool_calls=calls), True
@@ -199,7 +199,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                   continuous_usage: bool = False, parse_calls: type | None = None,
                   named: str | None = None, as_token_ids: bool = False,
                   max_calls: int | None = None, reasoning: Reasoning | None = None,
-                  cached: CachedTokens | None = None) -> AsyncIterator[str]:
+                  cached: CachedTokens | None = None,
+                  with_call_id: Callable[[ToolCall], ToolCall] = lambda call: call) -> AsyncIterator[str]:
     """Each choice's role chunk (and, with echo, a chunk of the echoed content), then one chunk per step that gave a
     choice something, finish_reason on its last; with continuous_usage, each chunk carries its choice's usage so
     far. parse_calls: the class (a CALL_STREAMS parser, RequiredCallStream) the text goes through, each call
@@ -207,7 +208,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     as_token_ids: logprobs name tokens by id; max_calls: the parsed calls kept of each choice (None: all);
     reasoning: a choice's thinking goes out in chunks of its own (delta.reasoning; none if not
     reasoning.include), and the rest as above; cached: counts the prompt's cached tokens for the usage chunk
-    (None: it reports none)."""
+    (None: it reports none); with_call_id: gives a call the id it goes out with (ServedModel.with_call_id)."""
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
@@ -222,7 +223,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         choices=[ChatChunkChoice(index=index, delta=ChatDelta(content=text))])) for index in range(n)]
 
     parsers = [parse_calls() for _ in range(n)] if parse_calls else None
-    named_calls = [ToolCall(named, "") for _ in range(n)] if named is not None else None
+    named_calls = [with_call_id(ToolCall(named, "")) for _ in range(n)] if named is not None else None
 
     def step_logprobs(delta: CompletionDelta) -> ChatLogprobs | None:
         return None if delta.logprobs is None else chat_logprobs(delta.token_ids, delta.logprobs, num_top,
@@ -244,7 +245,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                     else:
                         chunks.append(ChatDelta(content=item))
                 elif max_calls is None or item[0] < max_calls:
-                    call = {"index": item[0], **item[1].as_dict()}
+                    call = {"index": item[0], **with_call_id(item[1]).as_dict()}
                     if chunks and chunks[-1].tool_calls is not None:
                         chunks[-1].tool_calls.append(call)
                     else:

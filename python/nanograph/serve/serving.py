@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
 from .protocol import ChatMessage, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, Usage
+from .tool_calls import ToolCall, mistral_call_id
+
+
+_CHECKS_NINE_CHARACTER_IDS = re.compile(r"\.id\s*\|\s*length\s*[!=]=\s*9\b")
 
 
 @dataclass
@@ -60,6 +65,19 @@ class ServedModel:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path,
                                                                     trust_remote_code=trust_remote_code)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # Mistral's chat templates raise on a tool call id that is not 9 characters long, so the calls this server
+        # returns, which a client sends back in the next turn, get such ids where the template checks for them or
+        # the parser is Mistral's (named and required tool choices too).
+        templates = chat_template or getattr(self.tokenizer, "chat_template", None) or ""
+        self.short_call_ids = tool_call_parser == "mistral" or any(
+            _CHECKS_NINE_CHARACTER_IDS.search(text) for text in
+            (templates.values() if isinstance(templates, dict) else [templates]) if isinstance(text, str))
+
+    def with_call_id(self, call: ToolCall) -> ToolCall:
+        """call, its id one that this model's chat template takes back (see short_call_ids)."""
+        if self.short_call_ids and len(call.id) != 9:
+            call.id = mistral_call_id()
+        return call
 
     def check_model(self, model: str | None):
         if model and model not in self.names:

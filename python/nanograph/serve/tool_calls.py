@@ -17,17 +17,20 @@ closing tag arrives (or the reply ends); a call that does not parse then goes ou
 that is one or more calls, each a JSON object {"name": ..., "parameters": {...}} (or "arguments"), separated by
 ";" (after <|python_tag|>, where special tokens are kept), is the message's tool_calls with no content; any other
 reply, or one whose objects are not all calls, is all content. Streamed, a reply that starts with "{" is held back
-and each call sent whole as its object closes; one that does not is content as it comes.
+and each call sent whole as its object closes; one that does not is content as it comes, as it was written.
 
 `--tool-call-parser mistral` reads Mistral's: the text before [TOOL_CALLS] is the content, and the JSON array after
 it ([{"name": ..., "arguments": {...}}, ...]) the calls, each with a 9-character id (Mistral's chat template takes
-no other). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
+no other; the server gives named and required tool choices' calls such ids too, ServedModel.with_call_id). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
 asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends).
 
 `--tool-call-parser pythonic` reads calls written as a Python list of calls with keyword arguments,
 [get_weather(city="Paris"), get_time()] (Llama 3.2 and 4 with a pythonic template, ToolACE): a reply that is such
 a list (its arguments literals: strings, numbers, True/False/None, lists, dicts) is its calls with no content; any
-other reply is all content. Streamed, a reply that starts with "[" is held back until the list closes.
+other reply (text after the list too) is all content. Streamed, a reply that starts with "[" is held back to its
+end.
+
+Arguments are JSON text as the model wrote their characters; a lone surrogate (a model's "\\ud800") is escaped.
 
 A named tool_choice ({"type": "function", "function": {"name": ...}}) needs no parser: the reply is constrained
 to JSON that follows the function's parameters schema (structured outputs), and that JSON is the call's
@@ -76,8 +79,25 @@ def _call_of(call) -> ToolCall | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or \
             not ("arguments" in call or "parameters" in call):  # {"name": "Alice", "age": 30} is no call
         return None
+    if not _utf8(call["name"]):
+        return None
     arguments = call["arguments"] if "arguments" in call else call["parameters"]
-    return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(call["name"], json_text(arguments))
+
+
+def json_text(value, allow_nan: bool = True) -> str:
+    """A decoded value as JSON text, its characters as they are, but for those UTF-8 cannot carry (a lone surrogate,
+    which a model's "\\ud800" decodes to): then every non-ASCII character is escaped."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=allow_nan)
+    return text if _utf8(text) else json.dumps(value, allow_nan=allow_nan)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def extract_tool_calls(text: str, parser: str = "hermes") -> tuple[str | None, list[ToolCall]]:
@@ -212,8 +232,9 @@ class JsonCallStream:
         self.buffer += text
         if self.mode == "start":
             start = self.buffer.lstrip()
-            if not start or (PYTHON_TAG.startswith(start) and len(start) < len(PYTHON_TAG)):
-                return []
+            if not start or (PYTHON_TAG.startswith(start) and len(start) < len(PYTHON_TAG)) or \
+                    (start.startswith(PYTHON_TAG) and not _after_python_tag(start)):
+                return []  # still whitespace, <|python_tag|> or a part of it
             self.mode = "calls" if _after_python_tag(start).startswith("{") else "content"
         if self.mode == "content":
             text, self.buffer = self.buffer, ""
@@ -223,22 +244,25 @@ class JsonCallStream:
             rest = _after_python_tag(self.buffer.lstrip()) if not self.num_calls else self.buffer
             rest = rest[_past_separator(rest, 0):]
             if not rest.startswith("{"):
-                if rest:  # something other than the next call: the rest of the reply is content
-                    self.mode = "content"
-                    out.append(rest)
-                    self.buffer = ""
-                return out
+                # Something other than the next call: the rest of the reply is content.
+                return out + (self._content(rest) if rest else [])
             try:
                 decoded, end = _decoder.raw_decode(rest)
             except JSON_ERRORS:  # not closed yet (or nested too deep: text at the end)
                 return out
             call = _call_of(decoded)
             if call is None:
-                self.mode, self.buffer = "content", ""
-                return out + [rest]
+                return out + self._content(rest)
             out.append((self.num_calls, call))
             self.num_calls += 1
             self.buffer = rest[end:]
+
+    def _content(self, rest: str) -> list[str]:
+        """The reply from rest on is content: before any call, all of it as written (its <|python_tag|> and
+        whitespace too, as the whole reply's parse gives it back)."""
+        text = rest if self.num_calls else self.buffer
+        self.mode, self.buffer = "content", ""
+        return [text]
 
     def finish(self) -> list[str | tuple[int, ToolCall]]:
         """The end of the reply: what is held back (an object left open) is content."""
@@ -345,15 +369,16 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
             if None in arguments:  # **kwargs
                 return None
             # JSON's values only (no sets, bytes, complex numbers, NaN).
-            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+            calls.append(ToolCall(node.func.id, json_text(arguments, allow_nan=False)))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return None
     return calls
 
 
 class PythonicCallStream:
-    """pythonic, streamed: ToolCallStream's interface. A reply that starts with "[" is held back and its calls given
-    out once the list closes and parses; a reply that starts otherwise, or a list that is not calls, is content."""
+    """pythonic, streamed: ToolCallStream's interface. A reply that starts with "[" is held back to its end and is
+    then its calls if it is a list of calls, as the whole reply's parse reads it (text after the list makes the
+    reply content); a reply that starts otherwise is content as it comes."""
 
     def __init__(self):
         self.buffer = ""
@@ -367,16 +392,14 @@ class PythonicCallStream:
         if self.mode == "content":
             text, self.buffer = self.buffer, ""
             return [text] if text else []
-        if self.mode == "calls" and self.buffer.rstrip().endswith("]"):
-            calls = _pythonic_calls(self.buffer)
-            if calls is not None:
-                self.buffer, self.mode = "", "content"  # what follows the list is content
-                self.num_calls = len(calls)
-                return list(enumerate(calls))
         return []
 
     def finish(self) -> list[str | tuple[int, ToolCall]]:
         rest, self.buffer = self.buffer, ""
+        calls = _pythonic_calls(rest) if self.mode == "calls" else None
+        if calls is not None:
+            self.num_calls = len(calls)
+            return list(enumerate(calls))
         return [rest] if rest else []
 
 
