@@ -86,6 +86,26 @@ def end_token_id(tokenizer) -> int | None:
     return tokenizer.get_vocab().get(END)
 
 
+def count_reasoning_tokens(token_ids: list[int], thinking: bool, end_token: int | None, decode) -> int:
+    """How many of a reply's tokens are its thinking: those up to the one that completes </think>, that one
+    included; all of them where the reply never closes it; none where the prompt closed it (not thinking).
+    end_token: end_token_id's; decode: token ids -> text, searched where the tokenizer has no such token."""
+    if not thinking:
+        return 0
+    if end_token is not None:
+        return token_ids.index(end_token) + 1 if end_token in token_ids else len(token_ids)
+    if END not in decode(token_ids):
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # the fewest first tokens whose text holds </think>
+    while low < high:
+        middle = (low + high) // 2
+        if END in decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 class ThinkingEnd:
     """Watches a reply, token by token, for the end of its thinking: the token </think> where the tokenizer has it
     as one token, else the first text that completes </think> (read from the reply's detokenizer)."""

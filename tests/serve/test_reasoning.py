@@ -8,7 +8,8 @@ import openai
 import pytest
 
 from nanograph.outputs import CompletionDelta, Logprob
-from nanograph.reasoning import ReasoningSplitter, prompt_closes_thinking, split_reasoning
+from nanograph.default_model import default_model_path
+from nanograph.reasoning import ReasoningSplitter, count_reasoning_tokens, prompt_closes_thinking, split_reasoning
 from nanograph.serve.chat import Reasoning, _events
 from nanograph.serve.tool_calls import ToolCallStream
 
@@ -53,6 +54,19 @@ def test_a_prompt_that_closed_the_thinking():
     assert prompt_closes_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_closes_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_closes_thinking("<|im_start|>assistant\n")
+
+
+def test_the_thinkings_tokens_end_with_the_one_that_completes_the_end_tag():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    for text in ["Hmm, let me see.</think>yes", "</think>no", "a>\"</think>>\"x", "no end tag at all"]:
+        ids = tokenizer.encode(text)
+        expected = next((k for k in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k])), len(ids))
+        assert count_reasoning_tokens(ids, True, None, tokenizer.decode) == expected, text
+        assert count_reasoning_tokens(ids, False, None, tokenizer.decode) == 0
+    ids = [5, 9, 7, 9]
+    assert count_reasoning_tokens(ids, True, 9, None) == 2 and count_reasoning_tokens(ids, True, 8, None) == 4
 
 
 def test_unknown_parser_is_refused():
@@ -158,6 +172,9 @@ def test_a_server_with_a_reasoning_parser(client):
                                            temperature=0).choices[0].message
     assert reply.content is None and reply.model_extra["reasoning"] and \
         reply.model_extra["reasoning_content"] == reply.model_extra["reasoning"]
+    reply_usage = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
+                                                 temperature=0).usage
+    assert reply_usage.completion_tokens_details.reasoning_tokens == reply_usage.completion_tokens > 0
     streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                               temperature=0, stream=True)
     deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
@@ -168,6 +185,9 @@ def test_a_server_with_a_reasoning_parser(client):
     answered = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                               temperature=0, extra_body={"chat_template": closed}).choices[0].message
     assert answered.content and "reasoning" not in (answered.model_extra or {})
+    assert client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12, temperature=0,
+        extra_body={"chat_template": closed}).usage.completion_tokens_details.reasoning_tokens == 0
     hidden = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12,
                                             temperature=0, extra_body={"include_reasoning": False}).choices[0]
     assert hidden.message.content is None and "reasoning" not in (hidden.message.model_extra or {})
@@ -184,6 +204,17 @@ def test_a_server_with_a_reasoning_parser(client):
     deltas = [chunk.choices[0].delta for chunk in streamed if chunk.choices]
     assert "".join(delta.model_extra.get("reasoning") or "" for delta in deltas) == message.model_extra["reasoning"]
     assert "".join(delta.content or "" for delta in deltas) == message.content
+    # The thinking's tokens: up to the one that completed </think>, whole, streamed and in a response's usage.
+    thought = constrained.usage.completion_tokens_details.reasoning_tokens
+    assert 0 < thought < constrained.usage.completion_tokens
+    streamed = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24,
+                                              temperature=0, stream=True, stream_options={"include_usage": True},
+                                              extra_body={**shots, "guided_choice": ["yes", "no"]})
+    assert [chunk.usage.completion_tokens_details.reasoning_tokens for chunk in streamed if chunk.usage] == [thought]
+    response = client.responses.create(model="SmolLM2-135M-Instruct", input=messages[0]["content"],
+                                       max_output_tokens=24, temperature=0,
+                                       extra_body={**shots, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert response.output_text in ("yes", "no") and response.usage.output_tokens_details.reasoning_tokens == thought
     closed_constrained = client.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=messages, max_tokens=12, temperature=0,
         extra_body={"chat_template": closed, "guided_choice": ["Paris", "Rome"]}).choices[0].message

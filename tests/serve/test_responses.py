@@ -8,7 +8,7 @@ import json
 import openai
 import pytest
 
-from nanograph.serve.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta, Usage
+from nanograph.serve.protocol import ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionTokensDetails, Usage
 from nanograph.serve.responses import ResponseBuilder, ResponsesRequest
 from nanograph.serve.streaming import DONE, event
 
@@ -155,7 +155,8 @@ def test_thinking_an_answer_and_a_call_stream_as_items_of_their_own():
               chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"a": '}}]),
               chunk(tool_calls=[{"index": 0, "function": {"arguments": "1}"}}]),
               event(ChatCompletionChunk(id="c", model="m", choices=[], usage=Usage(
-                  prompt_tokens=5, completion_tokens=7, total_tokens=12))) + DONE]
+                  prompt_tokens=5, completion_tokens=7, total_tokens=12,
+                  completion_tokens_details=CompletionTokensDetails(reasoning_tokens=3)))) + DONE]
 
     async def source():
         for text in chunks:
@@ -172,6 +173,7 @@ def test_thinking_an_answer_and_a_call_stream_as_items_of_their_own():
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Hmm, sure."
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed" and final["usage"]["total_tokens"] == 12
+    assert final["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     reasoning, message, call = final["output"]
     assert reasoning["content"][0]["text"] == "Hmm, sure." and message["content"][0]["text"] == "Yes."
     assert (call["call_id"], call["name"], call["arguments"]) == ("call_1", "f", '{"a": 1}')

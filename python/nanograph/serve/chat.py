@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request, Response
 
 from ..outputs import CompletionDelta, Logprob
-from ..reasoning import ReasoningSplitter, reply_thinks, split_reasoning
+from ..reasoning import ReasoningSplitter, count_reasoning_tokens, reply_thinks, split_reasoning
 from ..sampling_params import StructuredOutputsParams
 from .async_llm import RequestStream
 from .errors import APIError, parse_body
@@ -96,7 +96,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
     reasoning = None
     if served.reasoning_parser is not None:
         reasoning = Reasoning(served.reasoning_parser, reply_thinks(served.tokenizer, prompts[0]),
-                              request.include_reasoning)
+                              request.include_reasoning, served.think_end_token, served.tokenizer.decode)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
@@ -152,7 +152,9 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
                                                              request.return_tokens_as_token_ids)
                                       if request.logprobs else None))
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
-                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions), cached),
+                                      usage=usage(prompts, sum(len(c.token_ids) for c in completions), cached,
+                                                  None if reasoning is None else
+                                                  sum(reasoning.count_tokens(c.token_ids) for c in completions)),
                                       prompt_logprobs=api_prompt_logprobs(completions[0].prompt_logprobs)
                                       if request.prompt_logprobs is not None else None)
 
@@ -162,10 +164,18 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
 @dataclasses.dataclass(frozen=True)
 class Reasoning:
     """How a request's replies are taken apart: the server's parser; whether a reply starts thinking (the prompt
-    did not close it); whether the thinking goes into the reply (the request's include_reasoning)."""
+    did not close it); whether the thinking goes into the reply (the request's include_reasoning); the tokenizer,
+    whose </think> token (reasoning.end_token_id's) or decoded text says how many of a reply's tokens are its
+    thinking."""
     parser: str
     thinking: bool
     include: bool
+    end_token: int | None = None
+    decode: Callable[[list[int]], str] | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def count_tokens(self, token_ids: list[int]) -> int:
+        """How many of a reply's tokens are its thinking (usage's completion_tokens_details.reasoning_tokens)."""
+        return count_reasoning_tokens(token_ids, self.thinking, self.end_token, self.decode)
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
@@ -212,6 +222,7 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
     created = int(time.time())
     num_tokens = 0
     choice_tokens = [0] * n
+    reply_tokens = [[] for _ in range(n)] if reasoning else None  # each reply's token ids, for its thinking's count
 
     def chunk(choices: list[ChatChunkChoice], **fields) -> str:
         if continuous_usage:
@@ -277,6 +288,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
         if cached is not None and delta.finished:
             cached.add(0, delta)
         choice_tokens[delta.index] += len(delta.token_ids)
+        if reply_tokens is not None:
+            reply_tokens[delta.index] += delta.token_ids
         if splitters is None:
             return answer_chunk(delta)
         splitter = splitters[delta.index]
@@ -309,7 +322,8 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
 
     def usage_chunk() -> str:
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
-                                         usage=usage(prompts, num_tokens, cached)))
+                                         usage=usage(prompts, num_tokens, cached, None if reasoning is None else
+                                                     sum(map(reasoning.count_tokens, reply_tokens)))))
 
     yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
                   for index in range(n))

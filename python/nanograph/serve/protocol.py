@@ -277,11 +277,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int  # the prompt tokens found in the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details (vLLM's)
+    completion_tokens_details: CompletionTokensDetails | None = None  # a chat's, with --reasoning-parser
 
 
 class CompletionLogprobs(BaseModel):

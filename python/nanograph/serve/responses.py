@@ -281,8 +281,10 @@ class ResponseBuilder:
             self.output.append(_call_item(call["id"], call["function"]["name"], call["function"]["arguments"], done))
         self.status = done
         details = chat.usage.prompt_tokens_details
+        thinking = chat.usage.completion_tokens_details
         self.usage = _usage(chat.usage.prompt_tokens, chat.usage.completion_tokens,
-                            details.cached_tokens if details is not None else 0)
+                            details.cached_tokens if details is not None else 0,
+                            thinking.reasoning_tokens if thinking is not None else 0)
         return self.body()
 
     async def events(self, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -312,7 +314,8 @@ class ResponseBuilder:
                 if chunk.get("usage") and not chunk["choices"]:
                     usage = chunk["usage"]
                     self.usage = _usage(usage["prompt_tokens"], usage["completion_tokens"],
-                                        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+                                        (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                                        (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0))
                     continue
                 choice = chunk["choices"][0]
                 delta = choice["delta"]
@@ -452,7 +455,7 @@ def _part(kind: str, text: str, logprobs: list[dict] = ()) -> dict:
     return {"type": "reasoning_text", "text": text}
 
 
-def _usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+def _usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}

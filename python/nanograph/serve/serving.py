@@ -16,11 +16,13 @@ from ..chat_template import ChatOptionError, ChatTemplateError, chat_prompt_toke
 from ..engine.intake import check_prompt_token_ids, truncated
 from ..engine.llm_engine import NoTokenLeftError
 from ..outputs import CompletionDelta, Logprob
+from ..reasoning import end_token_id
 from ..sampling.grammar import StructuredOutputError
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
-from .protocol import ChatMessage, PromptLogprob, PromptLogprobs, PromptTokensDetails, SamplingRequest, Usage
+from .protocol import (ChatMessage, CompletionTokensDetails, PromptLogprob, PromptLogprobs, PromptTokensDetails,
+                       SamplingRequest, Usage)
 from .tool_calls import ToolCall, mistral_call_id
 
 
@@ -65,6 +67,8 @@ class ServedModel:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path,
                                                                     trust_remote_code=trust_remote_code)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # </think>'s token, where the tokenizer has one: what counts a reply's thinking's tokens (usage).
+        self.think_end_token = end_token_id(self.tokenizer) if self.reasoning_parser is not None else None
         # Mistral's chat templates raise on a tool call id that is not 9 characters long, so the calls this server
         # returns, which a client sends back in the next turn, get such ids where the template checks for them or
         # the parser is Mistral's (named and required tool choices too).
@@ -297,13 +301,17 @@ def wants_continuous_usage(request: SamplingRequest) -> bool:
     return options is not None and bool(options.include_usage) and options.continuous_usage_stats
 
 
-def usage(prompts: list[list[int]], num_completion_tokens: int, cached: CachedTokens | None = None) -> Usage:
+def usage(prompts: list[list[int]], num_completion_tokens: int, cached: CachedTokens | None = None,
+          reasoning_tokens: int | None = None) -> Usage:
     """The usage of a response; with cached (the server's --enable-prompt-tokens-details), its prompts' tokens
-    found in the prefix cache."""
+    found in the prefix cache; with reasoning_tokens (a chat under a reasoning parser), its replies' thinking's
+    tokens."""
     num_prompt_tokens = sum(map(len, prompts))
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
                  total_tokens=num_prompt_tokens + num_completion_tokens,
-                 prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached.total))
+                 prompt_tokens_details=None if cached is None else PromptTokensDetails(cached_tokens=cached.total),
+                 completion_tokens_details=None if reasoning_tokens is None else
+                 CompletionTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 class CachedTokens:
