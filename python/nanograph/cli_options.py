@@ -3,6 +3,7 @@ the sampling options (chat, generate), each declared once, with what each become
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 from .config import Config
@@ -28,6 +29,19 @@ def human_readable_int(text: str) -> int:
     return int(number) * 1024 ** ("KMG".index(suffix) + 1)
 
 
+def json_object(text: str) -> dict:
+    """A JSON object given on the command line (vLLM's --hf-overrides '{"rope_scaling": {...}}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc}); give an object, such as "
+                                         "'{\"max_position_embeddings\": 65536}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object; give one, such as "
+                                         "'{\"max_position_embeddings\": 65536}'")
+    return value
+
+
 # Config field -> (type, help). An option left out is absent from the parsed arguments, so that the Config default
 # (or a benchmark's own) applies.
 ENGINE_OPTIONS = {
@@ -49,6 +63,10 @@ ENGINE_OPTIONS = {
     "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
     "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),
     "download_dir": (str, "the Hub cache to download into (default: $HF_HUB_CACHE)"),
+    "hf_overrides": (json_object, "a JSON object of config.json values to use instead of the model folder's (e.g. "
+                                  "Qwen3's YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                  "\"original_max_position_embeddings\": 32768}}'); a rope_scaling updates the rope "
+                                  "parameters, rope_theta kept"),
     "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "
                                "none; or a folder holding a generation_config.json"),
 }

@@ -1,6 +1,7 @@
 """Engine configuration: one dataclass, validated on construction."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from os import PathLike
 
@@ -50,6 +51,10 @@ class Config:
     # vLLM's: with a reasoning parser (reasoning.REASONING_PARSERS), a request's structured-output grammar applies to
     # its reply's answer, from the token after </think>, and not to the thinking before it. None: from the first token.
     reasoning_parser: str | None = None
+    # vLLM's: config.json values to use instead of the folder's ({"rope_scaling": {...}, "max_position_embeddings":
+    # ...}), or a function that takes the loaded transformers config and returns it changed. A rope_scaling (or
+    # rope_parameters) dict is merged into the config's rope parameters, so that rope_theta stays.
+    hf_overrides: dict | Callable | None = None
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
@@ -62,6 +67,10 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+        if self.hf_overrides is not None and not callable(self.hf_overrides) and not (
+                isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a dict of config.json fields (such as {{\"rope_scaling\": {{...}}}}) "
+                             f"or a function of the loaded config, got {self.hf_overrides!r}.")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}.")

@@ -31,7 +31,6 @@ VLLM_ARGS = {
     "runner": EngineArg(("auto", "generate"), "nanograph generates text"),
     "enable_lora": EngineArg((False,), "LoRA adapters are not implemented"),
     "speculative_config": EngineArg((None,), "speculative decoding is not implemented"),
-    "hf_overrides": EngineArg((None,), "config.json is read as it is"),
     "hf_token": EngineArg((None,), "a Hub token comes from HF_TOKEN (or `hf auth login`)"),
     "limit_mm_per_prompt": EngineArg((None,), "nanograph's models take text only"),
     "enable_sleep_mode": EngineArg((False,), "the engine keeps its weights and KV cache on the device"),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +42,8 @@ class ModelConfig:
     hf_config: PretrainedConfig
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+    def from_pretrained(cls, path: str | Path, hf_overrides: dict | Callable | None = None) -> ModelConfig:
+        """hf_overrides: Config.hf_overrides, applied to config.json's values before anything reads them."""
         path = Path(path)
         if not path.is_dir():
             raise FileNotFoundError(f"model folder {str(path)!r} does not exist; pass a local folder "
@@ -52,8 +54,17 @@ class ModelConfig:
             raw = json.loads((path / "config.json").read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{str(path / 'config.json')!r} is not valid JSON: {exc}") from None
-        architecture = _architecture(raw)
         hf = AutoConfig.from_pretrained(path)
+        if isinstance(hf_overrides, dict):
+            raw = {**raw, **hf_overrides}
+            _override(hf, hf_overrides)
+        elif hf_overrides is not None:
+            hf = hf_overrides(hf)
+            if not isinstance(hf, PretrainedConfig):
+                raise ValueError(f"hf_overrides returned {type(hf).__name__}; a function given as hf_overrides "
+                                 "returns the transformers config it was given, changed")
+            raw = {**raw, **hf.to_dict()}
+        architecture = _architecture(raw)
         _check_supported_options(hf, architecture)
         return cls(
             path=str(path),
@@ -76,6 +87,17 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(hf, path),
             hf_config=hf,
         )
+
+
+def _override(hf: PretrainedConfig, overrides: dict):
+    """Config.hf_overrides on the loaded config. A rope_scaling or rope_parameters dict updates the rope parameters
+    (Qwen's YaRN recipe gives rope_type, factor and original_max_position_embeddings, and rope_theta stays)."""
+    for key, value in overrides.items():
+        if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
+            value = {**rope_parameters(hf), **value}
+            if "type" in value and key == "rope_scaling" and "rope_type" not in overrides[key]:
+                value["rope_type"] = value["type"]  # the older name of the field
+        setattr(hf, key, value)
 
 
 def _architecture(raw: dict) -> str:

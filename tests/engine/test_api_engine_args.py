@@ -42,7 +42,6 @@ def reference(folder):
     ("task", "embed", "task='auto' or 'generate'"),
     ("enable_lora", True, "enable_lora=False"),
     ("speculative_config", {"method": "ngram"}, "speculative_config=None"),
-    ("hf_overrides", {"rope_theta": 1.0}, "hf_overrides=None"),
     ("distributed_executor_backend", "ray", "distributed_executor_backend=None or 'uni'"),
 ])
 def test_an_unsupported_value_is_a_value_error_naming_the_argument(folder, name, value, supported):

@@ -93,7 +93,7 @@ class LLMEngine:
             else default_model_path()
         tokenizer_path = model if config.tokenizer is None else \
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
-        model_config = ModelConfig.from_pretrained(model)
+        model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
         tokenizer = None if config.skip_tokenizer_init else \
             _load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)

@@ -1,0 +1,66 @@
+"""vLLM's hf_overrides (--hf-overrides): config.json values given at load, as if the folder's config.json had them
+(Qwen's YaRN recipe for contexts past the native length is the common one: rope_theta stays); a function of the
+loaded config; bad values named."""
+import json
+import re
+
+import pytest
+
+from nanograph import LLM, SamplingParams
+
+from .tiny_models import make_tiny_model
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [200, 1, 1, 1, 54]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """The same weights (qwen3-tied: rope_theta 1e6, 256 positions), with and without YaRN in config.json."""
+    plain, yarn = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("yarn")
+    make_tiny_model(plain, "qwen3-tied", seed=5)
+    make_tiny_model(yarn, "qwen3-tied", seed=5, config_overrides={"rope_scaling": dict(YARN)})  # (transformers adds to it)
+    return str(plain), str(yarn)
+
+
+def run(folder, **kwargs):
+    llm = LLM(folder, device="cpu", skip_tokenizer_init=True, max_num_seqs=2, **kwargs)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=6, logprobs=2, detokenize=False))
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    logprobs = [entry[t].logprob for o in outputs for t, entry in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+    return llm.llm_engine.config.max_model_len, tokens, logprobs
+
+
+def test_a_yarn_override_runs_as_the_same_rope_scaling_in_config_json(folders):
+    plain, yarn = folders
+    assert json.loads(open(f"{plain}/config.json").read()).get("rope_scaling") is None
+    expected = run(yarn)
+    assert expected[0] == 512  # YaRN's 4 x 128 positions, past the 256 of max_position_embeddings
+    assert set(YARN) == {"rope_type", "factor", "original_max_position_embeddings"}  # Qwen's recipe: no rope_theta
+    overridden = run(plain, hf_overrides={"rope_scaling": dict(YARN)})
+    assert overridden[0] == expected[0] and overridden[1] == expected[1]
+    assert overridden[2] == pytest.approx(expected[2], abs=1e-5)
+    # The same through a function of the loaded config.
+    def stretch(config):
+        config.rope_scaling = {**config.rope_scaling, **YARN}
+        return config
+    assert run(plain, hf_overrides=stretch)[1] == expected[1]
+    assert run(plain)[0] == 256 and run(plain)[2] != pytest.approx(expected[2], abs=1e-5)
+
+
+def test_an_override_of_a_plain_value_is_read(folders):
+    plain, _ = folders
+    assert run(plain, hf_overrides={"max_position_embeddings": 96})[0] == 96
+
+
+@pytest.mark.parametrize("value, message", [
+    ("rope", "hf_overrides must be a dict of config.json fields"),
+    ({1: 2}, "hf_overrides must be a dict of config.json fields"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture ['GPT2LMHeadModel']"),
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    (lambda config: None, "hf_overrides returned NoneType"),
+])
+def test_a_bad_override_is_a_value_error_naming_it(folders, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(folders[0], device="cpu", skip_tokenizer_init=True, hf_overrides=value)
