@@ -59,6 +59,8 @@ ENGINE_OPTIONS = {
                                   "or torch:<torch device>)"),
     "max_num_batched_tokens": (human_readable_int,
                                "tokens in one step at most (a longer prompt is prefilled in chunks)"),
+    "scheduling_policy": (str, "fcfs: requests in arrival order; priority: by each request's priority (lower "
+                               "first), then arrival"),
     "max_logprobs": (int, "the most top logprobs a request may ask for; -1: no limit"),
     "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
     "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),

@@ -10,6 +10,8 @@ from .reasoning import REASONING_PARSERS
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
 SUPPORTED_QUANTIZATION = ("fp8",)
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -28,6 +30,9 @@ class Config:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # vLLM's: "fcfs", requests served in arrival order; "priority", by each request's priority (lower first), then
+    # arrival (engine/scheduler.py).
+    scheduling_policy: str = "fcfs"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -93,6 +98,9 @@ class Config:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: nanograph runs FP8 weights "
                              f"(an FP8 checkpoint's, or quantized at load); use quantization="
                              f"{' or '.join(map(repr, SUPPORTED_QUANTIZATION))}, or None for the checkpoint's format")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is not one nanograph has; use 'fcfs' "
+                             f"(first come, first served) or 'priority' (each request's priority, lower first)")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one nanograph has; use "
                              f"{' or '.join(map(repr, REASONING_PARSERS))}, or None")

@@ -66,19 +66,14 @@ class LLM:
                  tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, a TextPrompt or TokensPrompt, or a list of those. Outputs come back
         in input order. use_tqdm: show a progress bar, or the tqdm class to show it with (vLLM's). lora_request:
-        vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, None or zeros (requests are served
-        first come, first served); tokenization_kwargs: vLLM's, None only."""
+        vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, one int per prompt (lower first)
+        with scheduling_policy="priority", else None or zeros; tokenization_kwargs: vLLM's, None only."""
         check_no_lora(lora_request)
         if tokenization_kwargs is not None:
             raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer "
                              "does by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
         prompts, params = self._requests(prompts, sampling_params)
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
-        if priority is not None and any(value != 0 for value in priority):
-            raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass "
-                             "priority=None")
-        return self.engine.generate(prompts, params, use_tqdm)
+        return self.engine.generate(prompts, params, use_tqdm, priority)
 
     def stream(self, prompts: Prompt | list[Prompt],
                sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -285,7 +285,8 @@ def test_vllms_add_request_keywords_and_unfinished_count():
                        lora_request=None, priority=0, tokenization_kwargs=None, trace_headers=None)
     engine.add_request("b", PROMPT, SamplingParams(temperature=0, max_tokens=2), arrived)  # vLLM's positional one
     for kwargs, error, message in [(dict(lora_request=object()), ValueError, "lora_request"),
-                                   (dict(priority=1), ValueError, "priority=1"),
+                                   (dict(priority=1), ValueError, "priority=1: .*scheduling_policy='priority'"),
+                                   (dict(priority=1.5), TypeError, "priority must be an int"),
                                    (dict(tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
                                    (dict(prompt_adapter_request=None), TypeError, "prompt_adapter_request")]:
         with pytest.raises(error, match=message):

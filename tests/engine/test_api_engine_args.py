@@ -140,11 +140,27 @@ def test_generate_takes_vllms_priority_of_zeros_and_refuses_others(folder, refer
     for priority in (None, [0]):
         out = llm.generate([PROMPT], GREEDY, use_tqdm=False, priority=priority)[0]
         assert out.outputs[0].token_ids == reference.outputs[0].token_ids
-    with pytest.raises(ValueError, match=r"priority=\[1\]: requests are served first come, first served; pass "
-                                         "priority=None"):
+    with pytest.raises(ValueError, match=r"priority=1: this engine serves requests first come, first served; start it "
+                                         r"with scheduling_policy='priority'"):
         llm.generate([PROMPT], GREEDY, priority=[1])
     with pytest.raises(ValueError, match="priority has 2 values for 1 prompts; give one per prompt"):
         llm.generate([PROMPT], GREEDY, priority=[0, 0])
+
+
+def test_under_the_priority_policy_generate_serves_lower_priorities_first(folder):
+    """scheduling_policy="priority": with one sequence at a time, the requests run in priority order (ties in input
+    order), each with the tokens it has under fcfs."""
+    prompts = ["The sky is", "One, two,", "Paris is", "A cat"]
+    fcfs = LLM(str(folder), **ENGINE, max_num_seqs=1).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(str(folder), **ENGINE, max_num_seqs=1, scheduling_policy="priority")
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=[3, -2, 3, 0])
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in fcfs]
+    started = sorted(range(len(prompts)), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert started == [1, 3, 0, 2]
+    with pytest.raises(TypeError, match="priority must be an int, got '1'"):
+        llm.generate(prompts[:1], GREEDY, priority=["1"])
+    with pytest.raises(ValueError, match="scheduling_policy='lifo' is not one nanograph has; use 'fcfs'"):
+        LLM(str(folder), **ENGINE, scheduling_policy="lifo")
 
 
 def test_vllms_call_options_tqdm_class_tokenization_kwargs_and_clone(folder, reference):

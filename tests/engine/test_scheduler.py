@@ -167,3 +167,58 @@ def test_the_prefix_cache_counts_each_prompt_once_when_it_is_admitted():
                     use_tqdm=False)
     assert engine.scheduler.num_preemptions > 0
     assert (blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens) == (48, 0)  # no two share a block
+
+
+def prioritized(scheduler, priorities, prompt_len=4, max_tokens=16) -> list[Sequence]:
+    """Requests arriving in list order, with these priorities."""
+    seqs = [Sequence(str(i), None, [100 * i + j for j in range(1, prompt_len + 1)],
+                     SamplingParams(max_tokens=max_tokens)) for i in range(len(priorities))]
+    for i, (seq, priority) in enumerate(zip(seqs, priorities)):
+        seq.priority, seq.arrival_time, seq.queue_order = priority, 1000.0 + i, i
+        scheduler.add(seq)
+    return seqs
+
+
+@pytest.mark.parametrize("policy, expected", [("fcfs", ["0", "1", "2", "3"]), ("priority", ["1", "3", "2", "0"])])
+def test_the_priority_policy_admits_lower_priorities_first_then_earlier_arrivals(policy, expected):
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy=policy)
+    seqs = prioritized(scheduler, [5, -1, 3, -1], max_tokens=2)
+    admitted = []
+    while scheduler.has_unfinished():
+        batch = step(scheduler)
+        admitted += [seq.request_id for seq in batch.seqs if seq.request_id not in admitted]
+    assert admitted == expected
+    assert all(seq.is_finished for seq in seqs)
+
+
+@pytest.mark.parametrize("policy, victim", [("fcfs", "2"), ("priority", "1")])
+def test_the_priority_policy_preempts_the_largest_priority_value(policy, victim):
+    """Three one-block prompts fill 3 of 5 blocks; their next tokens need a block each: one is preempted. fcfs
+    takes the latest admitted, the priority policy the one of the largest priority value; it comes back first
+    among the waiting (of equal or larger values) and recomputes its tokens."""
+    scheduler = make_scheduler(num_blocks=5, max_num_seqs=8, max_num_batched_tokens=64, scheduling_policy=policy)
+    seqs = prioritized(scheduler, [0, 2, 1], prompt_len=BLOCK_SIZE)
+    assert sorted(seq.request_id for seq in step(scheduler).seqs) == ["0", "1", "2"]
+    batch = step(scheduler)
+    assert scheduler.num_preemptions == 1
+    assert sorted(seq.request_id for seq in batch.seqs) == sorted({"0", "1", "2"} - {victim})
+    assert [seq.request_id for seq in scheduler.waiting] == [victim]
+    later = prioritized(scheduler, [3])[0]  # arrives after: behind the preempted one (priority 1 or 2 < 3)
+    later.request_id = "late"
+    assert [seq.request_id for seq in scheduler.waiting] == [victim, "late"]
+    assert seqs[int(victim)].num_computed_tokens == 0 and seqs[int(victim)].num_tokens == BLOCK_SIZE + 1
+
+
+def test_a_prompt_chunk_leaves_a_token_for_each_sequence_stepped_after_it():
+    """Under the priority policy a prompt cut short by the budget may come before decoding sequences (a lower
+    priority value): its chunk leaves each of them its token."""
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4, scheduling_policy="priority")
+    decoding = prioritized(scheduler, [5, 5], prompt_len=2)
+    step(scheduler)  # both prompts computed: they decode from here
+    long = prioritized(scheduler, [0], prompt_len=40)[0]
+    long.queue_order = 9
+    batch = step(scheduler)  # admitted into the 6 tokens the decodes left
+    assert batch.seqs[2] is long and batch.num_new_tokens == [1, 1, 6]
+    batch = step(scheduler)  # now stepped first, by its priority: 6 tokens, then a token for each decode
+    assert batch.seqs[0] is long and batch.num_new_tokens == [6, 1, 1]
+    assert batch.num_tokens == 8 and all(n > 0 for n in batch.num_new_tokens)

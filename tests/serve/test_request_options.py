@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from transformers import AutoTokenizer
 
@@ -144,3 +145,12 @@ def test_input_text_output_text_and_refusal_parts_are_text(server):
     response = post(server, "/tokenize", {"messages": [{"role": "assistant", "content": [{"type": "refusal",
                                                                                             "text": "no"}]}]})
     assert response.status_code == 400 and "content part 0 of type 'refusal' needs its 'refusal' string" in response.text
+
+
+def test_a_priority_other_than_0_needs_the_priority_policy(client, model):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body={"priority": 1})
+    body = error.value.body
+    assert body["param"] == "priority" and "--scheduling-policy priority" in body["message"]
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                     extra_body={"priority": 0}).choices[0].text

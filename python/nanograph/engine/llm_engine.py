@@ -75,6 +75,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}  # unfinished
         self._request_ids = count()
+        self._queue_order = count()  # the order requests were queued in (the priority policy's last tie-break)
         self._in_flight: tuple[list[Sequence], PendingTokens] | None = None  # sampled, not read yet
         # Prompt logprobs queued by the last step, not read yet: each sequence with its first target position and
         # count, in the order of the pending result's tokens.
@@ -138,23 +139,23 @@ class LLMEngine:
         finished. stream: take_deltas() also reports what each step adds to it. An invalid request raises
         (ValueError, TypeError) and changes nothing. vLLM's order, add_request(request_id, prompt, params,
         arrival_time), is taken too, and its keywords: arrival_time (the request's metrics count from it),
-        lora_request=None, priority=0 (requests are served first come, first served), tokenization_kwargs=None and
-        trace_headers=None."""
+        lora_request=None, priority (an int: under scheduling_policy "priority", lower values are served first; else
+        0), tokenization_kwargs=None and trace_headers=None."""
         if isinstance(request_id, SamplingParams) and isinstance(prompt, str) and not isinstance(params,
                                                                                                SamplingParams):
             prompt, params, request_id = params, request_id, prompt
             if stream is not False and stream is not True:  # vLLM's fourth argument is an arrival time
                 arrival_time, stream = stream, False
-        _check_vllm_request_kwargs(lora_request, priority, vllm_kwargs)
+        _check_vllm_request_kwargs(lora_request, vllm_kwargs)
+        self._check_priority(priority)
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
             raise TypeError(f"arrival_time must be a time in seconds (time.time()'s), got {arrival_time!r}")
         with self._lock:
             if request_id is not None and (not isinstance(request_id, str) or self._id_in_use(request_id)):
                 raise ValueError(f"request_id must be a string that no unfinished request has, nor a finished one "
                                  f"whose output step() or take_deltas() has yet to return; got {request_id!r}")
-            request_id = self._queue(self.intake.validate(prompt, params), None, request_id)
-            if arrival_time is not None:
-                self.requests[request_id].metrics.arrival_time = float(arrival_time)
+            request_id = self._queue(self.intake.validate(prompt, params), None, request_id, priority,
+                                     None if arrival_time is None else float(arrival_time))
             if stream:
                 self._streamed[request_id] = self.requests[request_id]
             return request_id
@@ -239,14 +240,15 @@ class LLMEngine:
                     seq.detokenizer.discard_pending()
             return request.take_deltas()
 
-    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | Callable = True
-                 ) -> list[RequestOutput]:
+    def generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | Callable = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every request to completion; outputs in input order. All are validated before any is queued.
-        use_tqdm: whether to show a progress bar, or the tqdm class that shows it."""
+        use_tqdm: whether to show a progress bar, or the tqdm class that shows it; priority: each request's (see
+        add_request)."""
         progress = use_tqdm if callable(use_tqdm) else tqdm
         with self._lock:
             owner = object()
-            index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params, owner))}
+            index = {request_id: i for i, request_id in enumerate(self._queue_all(prompts, params, owner, priority))}
             outputs: list[RequestOutput | None] = [None] * len(prompts)
             throughput = {"prefill": 0.0, "decode": 0.0}
             try:
@@ -514,8 +516,15 @@ class LLMEngine:
 
     # Queueing and ending.
 
-    def _queue_all(self, prompts: list[Prompt], params: list[SamplingParams], owner: object) -> list[str]:
+    def _queue_all(self, prompts: list[Prompt], params: list[SamplingParams], owner: object,
+                   priority: list[int] | None = None) -> list[str]:
         """All or nothing: every request is validated before any is queued."""
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per "
+                                 "prompt")
+            for value in priority:
+                self._check_priority(value)
         validated = []
         for i, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
@@ -525,26 +534,40 @@ class LLMEngine:
         self._end_open_streams()  # only once the new call is known to be valid
         request_ids = []
         try:
-            for valid in validated:
-                request_ids.append(self._queue(valid, owner))
+            for i, valid in enumerate(validated):
+                request_ids.append(self._queue(valid, owner, priority=priority[i] if priority is not None else 0))
         except BaseException:  # what was queued before the failure is taken back
             for request_id in request_ids:
                 self.abort_request(request_id)
             raise
         return request_ids
 
+    def _check_priority(self, priority):
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority}: this engine serves requests first come, first served; start it "
+                             f"with scheduling_policy='priority' (--scheduling-policy priority) to order them by "
+                             f"priority, or pass priority=0")
+
     def _id_in_use(self, request_id: str) -> bool:
         """Whether a request of that id is unfinished, or finished with its output not yet returned."""
         return request_id in self.requests or request_id in self._streamed or \
             any(output.request_id == request_id for output in self._unclaimed)
 
-    def _queue(self, valid, owner: object | None, request_id: str | None = None) -> str:
+    def _queue(self, valid, owner: object | None, request_id: str | None = None, priority: int = 0,
+               arrival_time: float | None = None) -> str:
         if request_id is None:
             request_id = str(next(self._request_ids))
             while self._id_in_use(request_id):
                 request_id = str(next(self._request_ids))
         request = self.intake.request(request_id, valid, owner)
         self.requests[request_id] = request
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
+        queue_order = next(self._queue_order)
+        for seq in request.seqs:  # its place under the priority policy
+            seq.priority, seq.arrival_time, seq.queue_order = priority, request.metrics.arrival_time, queue_order
         # Without a prefix cache, no prompt blocks to wait for: the siblings queue with the first.
         for seq in request.seqs[:1] if self.config.enable_prefix_caching else request.seqs:
             self.scheduler.add(seq)
@@ -584,11 +607,9 @@ def check_no_lora(lora_request):
                          "adapter into the model's weights)")
 
 
-def _check_vllm_request_kwargs(lora_request, priority, kwargs: dict):
+def _check_vllm_request_kwargs(lora_request, kwargs: dict):
     """add_request's vLLM keywords that nanograph has no use for: each must be its default."""
     check_no_lora(lora_request)
-    if priority != 0:
-        raise ValueError(f"priority={priority!r}: requests are served first come, first served; pass priority=0")
     unknown = [name for name in kwargs if name not in ("tokenization_kwargs", "trace_headers")]
     if unknown:
         raise TypeError(f"add_request() got an unexpected keyword argument {unknown[0]!r}")

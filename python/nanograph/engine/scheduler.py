@@ -1,7 +1,14 @@
 """Continuous batching: which sequences run in the next step and how many of their tokens; KV blocks for them,
-preemption when blocks run out, and the blocks back when a sequence ends."""
+preemption when blocks run out, and the blocks back when a sequence ends.
+
+Two policies, vLLM's (Config.scheduling_policy): "fcfs" serves requests in arrival order and preempts the latest
+admitted sequence when KV blocks run out; "priority" serves them by (priority, arrival): the waiting queue is kept in
+that order, the running sequences are stepped in that order, and the one preempted is the running sequence of the
+largest priority value (the latest to arrive among equals). A waiting request never preempts a running one; it
+waits for room, as in vLLM."""
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +45,7 @@ class Scheduler:
         # max_num_seqs.
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.by_priority = config.scheduling_policy == "priority"
         self.block_manager = block_manager
         # Both may still hold sequences finished since the last step (finish() is O(1)); schedule() drops them.
         self.waiting: deque[Sequence] = deque()  # hold no KV blocks
@@ -47,7 +55,10 @@ class Scheduler:
 
     def add(self, seq: Sequence):
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=Sequence.priority_key)
+        else:
+            self.waiting.append(seq)
         self.num_unfinished += 1
 
     def add_siblings(self, seqs: list[Sequence]):
@@ -55,6 +66,10 @@ class Scheduler:
         request's place, ahead of every request that came after it (behind the preempted sequences and the siblings
         released before them, at the front of the queue)."""
         if not seqs:
+            return
+        if self.by_priority:  # the request's place in the queue is its key's
+            for seq in seqs:
+                self.add(seq)
             return
         position = 0
         while position < len(self.waiting) and (self.waiting[position].first_scheduled_time is not None
@@ -77,13 +92,16 @@ class Scheduler:
         return self.num_unfinished - self.num_running
 
     def schedule(self) -> ScheduledBatch:
-        """Chunked prefill mixed with decodes: every running sequence continues, in admission order (a decode
-        feeds one token; the one prompt that the budget cut short, always admitted last, its next chunk), then
-        waiting prompts are admitted into what is left of the token budget, the last one possibly cut short."""
+        """Chunked prefill mixed with decodes: every running sequence continues, in admission order (by priority
+        under that policy; a decode feeds one token; a prompt that the budget cut short, its next chunk, leaving a
+        token for each sequence after it), then waiting prompts are admitted into what is left of the token
+        budget, the last one possibly cut short."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         num_preemptions = self.num_preemptions
         unscheduled, self.running = self.running, deque()
+        if self.by_priority:
+            unscheduled = deque(sorted(unscheduled, key=Sequence.priority_key))
         while unscheduled:
             seq = unscheduled.popleft()
             if seq.is_finished:
@@ -91,7 +109,8 @@ class Scheduler:
             if seq.has_pending_token and seq.reached_length:
                 self.running.append(seq)  # it ends when its pending token is read: feeding it would be wasted
                 continue
-            num_new = min(seq.num_pending_tokens, budget)
+            # Under fcfs the prompt cut short is the last admitted, with no sequence after it.
+            num_new = min(seq.num_pending_tokens, budget - len(unscheduled) if seq.num_pending_tokens > 1 else budget)
             if self._reserve(seq, num_new, unscheduled):
                 self.running.append(seq)
                 batch.add(seq, num_new)
@@ -121,8 +140,9 @@ class Scheduler:
             budget -= num_new
 
     def _reserve(self, seq: Sequence, num_new_tokens: int, victims: deque[Sequence]) -> bool:
-        """Find KV room for seq, preempting the latest admitted of victims (running, not yet scheduled in this
-        step); when none is left, preempt seq itself and return False."""
+        """Find KV room for seq, preempting the last of victims (running, not yet scheduled in this step: the latest
+        admitted, or under the priority policy the one that comes last by priority); when none is left, preempt
+        seq itself and return False."""
         while not self.block_manager.append_slots(seq, num_new_tokens):
             while victims and victims[-1].is_finished:
                 victims.pop()
@@ -137,7 +157,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=Sequence.priority_key)
+        else:
+            self.waiting.appendleft(seq)
 
     def advance(self, batch: ScheduledBatch):
         """The batch's tokens are in the KV cache now (queued on the device, in order): count them, and offer the

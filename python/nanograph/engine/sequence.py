@@ -37,6 +37,11 @@ class Sequence:
             len(token_ids) + (params.max_tokens if params.max_tokens is not None else 1 << 62)
         self.params = params
         self.status = SequenceStatus.WAITING
+        # Its request's place under the priority scheduling policy: priority (lower first), then arrival
+        # (time.time()'s), then the order requests were queued in (LLMEngine sets all three).
+        self.priority = 0
+        self.arrival_time = 0.0
+        self.queue_order = 0
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose KV is in the cache; the rest are fed in the next step(s)
         self.num_cached_tokens: int | None = None  # prefix-cache hit tokens at first scheduling
@@ -64,6 +69,9 @@ class Sequence:
         self._params = params
         self.sampling_row = parameter_row(params)  # the sampler reads it every step
         self.sparse_bias = sparse_bias(params)
+
+    def priority_key(self) -> tuple[int, float, int, int]:
+        return self.priority, self.arrival_time, self.queue_order, self.index
 
     @property
     def num_tokens(self) -> int:

@@ -135,9 +135,11 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._reader.is_alive() and self.error is None and not self.stopping
 
-    async def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> RequestStream:
+    async def generate(self, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0
+                       ) -> RequestStream:
         """Queue one engine request per prompt (token ids), all or none: an invalid one raises the engine's
-        ValueError or TypeError ("prompt i: ..." when there are several) and none runs."""
+        ValueError or TypeError ("prompt i: ..." when there are several) and none runs. priority: the engine's
+        add_request's, for each."""
         loop = asyncio.get_running_loop()
         stream_id = next(self._stream_ids)
         num_completions = sum(request_params.n for request_params in params)
@@ -151,7 +153,7 @@ class AsyncLLM:
             self._adds[stream_id] = (added, time.monotonic(), [
                 (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 1))
                 for prompt, p in zip(prompts, params)])
-        self._send(("add", stream_id, prompts, params))
+        self._send(("add", stream_id, prompts, params, priority))
         try:
             await added
         except BaseException:  # a cancelled caller, too: what was queued is aborted (and counted, once it ends)

@@ -158,13 +158,13 @@ class EngineCore:
                 return False
         return True
 
-    def _add(self, stream_id: int, prompts: list[list[int]], params: list[SamplingParams]):
+    def _add(self, stream_id: int, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0):
         """All of an API request's prompts, or none: an invalid one aborts those queued before it (their last
         deltas go to a stream the frontend has dropped). Any error in an add is that request's, never the loop's."""
         request_ids = self._streams[stream_id] = []
         for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
-                request_id = self.engine.add_request(prompt, request_params, stream=True)
+                request_id = self.engine.add_request(prompt, request_params, stream=True, priority=priority)
             except Exception as exc:
                 self._abort(request_ids)
                 if not request_ids:

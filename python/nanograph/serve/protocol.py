@@ -110,6 +110,8 @@ class SamplingRequest(Request):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:{id}", not by its text
     # vLLM's: each prompt token's logprob and the top ones (-1: all), on non-streamed requests.
     prompt_logprobs: int | None = None
+    # vLLM's: under --scheduling-policy priority, lower values are served first (else only 0 is taken).
+    priority: int = 0
     # vLLM's field that this server does not implement: a 400 rather than silently ignored.
     use_beam_search: bool = False
 

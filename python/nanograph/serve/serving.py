@@ -205,7 +205,7 @@ class ServedModel:
                        renames: dict[str, str] | None = None) -> RequestStream:
         """One engine request per prompt; the engine's validation errors are 400s."""
         try:
-            return await self.async_llm.generate(prompts, [params] * len(prompts))
+            return await self.async_llm.generate(prompts, [params] * len(prompts), request.priority)
         except (ValueError, TypeError) as exc:
             raise invalid_value(exc, request, renames) from None
         except EngineUnavailable as exc:
