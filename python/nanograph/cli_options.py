@@ -65,6 +65,8 @@ ENGINE_OPTIONS = {
     "tokenizer": (str, "a tokenizer folder or Hub id (default: the model's)"),
     "revision": (str, "the Hub revision (branch, tag or commit) of a Hub model id"),
     "download_dir": (str, "the Hub cache to download into (default: $HF_HUB_CACHE)"),
+    "override_generation_config": (json_object, "a JSON object of generation_config.json values over the ones "
+                                                "--generation-config gives, e.g. '{\"temperature\": 0.5}'"),
     "hf_overrides": (json_object, "a JSON object of config.json values to use instead of the model folder's (e.g. "
                                   "Qwen3's YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                                   "\"original_max_position_embeddings\": 32768}}'); a rope_scaling updates the rope "

@@ -53,6 +53,9 @@ class Config:
     # "auto": default sampling parameters from the model folder's generation_config.json; "vllm": none (vLLM's own
     # defaults); or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's: generation_config.json values over the ones generation_config gives (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens), e.g. {"temperature": 0.5}; with generation_config="vllm", these alone.
+    override_generation_config: dict | None = None
     # vLLM's: with a reasoning parser (reasoning.REASONING_PARSERS), a request's structured-output grammar applies to
     # its reply's answer, from the token after </think>, and not to the thinking before it. None: from the first token.
     reasoning_parser: str | None = None
@@ -72,10 +75,16 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+        if self.override_generation_config is not None and not (
+                isinstance(self.override_generation_config, dict)
+                and all(isinstance(key, str) for key in self.override_generation_config)):
+            raise ValueError(f"override_generation_config must be a dict of generation_config.json fields (such as "
+                             f"{{\"temperature\": 0.5}}), got {self.override_generation_config!r}.")
         if self.hf_overrides is not None and not callable(self.hf_overrides) and not (
                 isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides)):
-            raise ValueError(f"hf_overrides must be a dict of config.json fields (such as {{\"rope_scaling\": {{...}}}}) "
-                             f"or a function of the loaded config, got {self.hf_overrides!r}.")
+            raise ValueError(f"hf_overrides must be a dict of config.json fields (such as "
+                             f"{{\"rope_scaling\": {{...}}}}) or a function of the loaded config, got "
+                             f"{self.hf_overrides!r}.")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                              f"got {self.generation_config!r}.")

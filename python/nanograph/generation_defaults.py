@@ -1,7 +1,10 @@
 """Default sampling parameters from a model's generation_config.json, taken as vLLM takes them."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+logger = logging.getLogger("nanograph")
 
 # generation_config.json's names -> SamplingParams'. vLLM takes these and nothing else (do_sample is not read:
 # temperature decides).
@@ -9,12 +12,28 @@ _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def sampling_defaults(folder: str | None) -> dict:
+def sampling_defaults(folder: str | None, overrides: dict | None = None) -> dict:
     """SamplingParams fields the folder's generation_config.json sets (those it leaves at transformers' defaults
-    are left out); {} for None (generation_config="vllm") or a folder without the file."""
-    if folder is None or not (Path(folder) / "generation_config.json").is_file():
-        return {}
-    from transformers import GenerationConfig
+    are left out; none for folder None, generation_config="vllm", or a folder without the file), with overrides
+    (Config.override_generation_config, in generation_config.json's names) over them. Raises ValueError naming
+    override_generation_config where its values make no valid SamplingParams."""
+    given = {}
+    if folder is not None and (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
 
-    given = GenerationConfig.from_pretrained(folder).to_diff_dict()
-    return {ours: given[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if given.get(theirs) is not None}
+        given = GenerationConfig.from_pretrained(folder).to_diff_dict()
+    if overrides:
+        unread = sorted(set(overrides) - set(_SAMPLING_FIELDS))
+        if unread:
+            logger.warning("override_generation_config: %s not read (nanograph takes %s, as vLLM does)",
+                           ", ".join(unread), ", ".join(_SAMPLING_FIELDS))
+        given = {**given, **overrides}
+    defaults = {ours: given[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if given.get(theirs) is not None}
+    if overrides:
+        from .sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**defaults)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
+    return defaults

@@ -223,6 +223,27 @@ def test_generation_config_gives_the_default_sampling_params(folder, tmp_path):
         LLM(str(model), generation_config="/no/such", **ENGINE)
 
 
+def test_override_generation_config_goes_over_the_generation_config(folder, tmp_path, caplog):
+    """vLLM's override_generation_config: generation_config.json's names over what generation_config gives (the
+    model folder's file, or nothing with "vllm"); names nanograph does not read are logged; a bad value is an error
+    naming the argument."""
+    model = tmp_path / "model"
+    shutil.copytree(folder, model)
+    write_generation_config(model, temperature=0.6, top_k=20, max_new_tokens=5)
+    llm = LLM(str(model), override_generation_config={"temperature": 0.0, "max_new_tokens": 3}, **ENGINE)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, top_k=20, max_tokens=3)
+    assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    with caplog.at_level("WARNING", logger="nanograph"):
+        alone = LLM(str(model), generation_config="vllm", override_generation_config={"top_p": 0.5, "do_sample": 1},
+                    **ENGINE)
+    assert alone.get_default_sampling_params() == SamplingParams(top_p=0.5)
+    assert "override_generation_config: do_sample not read" in caplog.text
+    with pytest.raises(ValueError, match="override_generation_config: .*top_p"):
+        LLM(str(model), override_generation_config={"top_p": 7}, **ENGINE)
+    with pytest.raises(ValueError, match="override_generation_config must be a dict"):
+        LLM(str(model), override_generation_config="temperature=0", **ENGINE)
+
+
 def test_max_model_len_defaults_to_the_models_length(folder, tmp_path):
     """The model's positions (8192 here; YaRN's scaled context for a YaRN model), unless the KV cache holds less:
     then a default is capped with a warning naming both, and a length asked for is an error naming both."""

@@ -65,8 +65,9 @@ class LLMEngine:
         self.config = config
         self.vocab_size = model_config.vocab_size
         self.runner = runner
-        # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's.
-        self.sampling_defaults = sampling_defaults(_generation_config_folder(config))
+        # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's,
+        # and override_generation_config's over them.
+        self.sampling_defaults = sampling_defaults(_generation_config_folder(config), config.override_generation_config)
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), getattr(tokenizer, "eos_token_id", None))
