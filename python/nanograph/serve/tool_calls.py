@@ -17,12 +17,16 @@ closing tag arrives (or the reply ends); a call that does not parse then goes ou
 that is one or more calls, each a JSON object {"name": ..., "parameters": {...}} (or "arguments"), separated by
 ";" (after <|python_tag|>, where special tokens are kept), is the message's tool_calls with no content; any other
 reply, or one whose objects are not all calls, is all content. Streamed, a reply that starts with "{" is held back
-and each call sent whole as its object closes; one that does not is content as it comes, as it was written.
+and each call sent whole as its object closes; one that does not is content as it comes, as it was written. A call
+once sent stays sent: text after a reply's calls is content in a stream (the whole reply's parse makes all of it
+content).
 
 `--tool-call-parser mistral` reads Mistral's: the text before [TOOL_CALLS] is the content, and the JSON array after
 it ([{"name": ..., "arguments": {...}}, ...]) the calls, each with a 9-character id (Mistral's chat template takes
 no other; the server gives named and required tool choices' calls such ids too, ServedModel.with_call_id). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
-asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends).
+asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends); text
+after the array is content, and a later [TOOL_CALLS] array more calls (the whole reply's parse reads the first array
+alone, as vLLM's does).
 
 `--tool-call-parser pythonic` reads calls written as a Python list of calls with keyword arguments,
 [get_weather(city="Paris"), get_time()] (Llama 3.2 and 4 with a pythonic template, ToolACE): a reply that is such
