@@ -272,6 +272,33 @@ def test_a_bad_value_is_one_error_line(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_a_vllm_command_lines_engine_options_are_taken_or_named(command):
+    """vLLM's engine flags parse on every engine command: those nanograph honours become its Config, the others an
+    error naming the flag's values (as LLM's keywords are), before any model loads."""
+    from nanograph.cli_options import engine_kwargs
+    from nanograph.engine_args import engine_config
+
+    argv = [*command, "--swap-space", "4", "--enable-chunked-prefill", "--num-gpu-blocks-override", "64",
+            "--block-size", "32", "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce",
+            "--hf-overrides", '{"max_position_embeddings": 512}', "--scheduling-policy", "priority"]
+    config = engine_config(None, **engine_kwargs(cli.build_parser().parse_args(argv)))
+    assert (config.num_kv_blocks, config.block_size, config.scheduling_policy) == (64, 32, "priority")
+    assert config.hf_overrides == {"max_position_embeddings": 512}
+    for flags, message in [(["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 is not supported yet: "),
+                           (["--enable-lora"], "enable_lora=True is not supported yet: "),
+                           (["--speculative-config", '{"method": "ngram"}'], "speculative_config={'method': 'ngram'}"),
+                           (["--load-format", "pt"], "use load_format='auto' or 'safetensors'")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine_config(None, **engine_kwargs(cli.build_parser().parse_args([*command, *flags])))
+
+
+def test_serve_names_an_engine_option_it_cannot_honour_without_loading_the_model():
+    result = run_nanograph("serve", "--device", "cpu", "--port", "0", "--pipeline-parallel-size", "2")
+    assert result.returncode == 2
+    assert "nanograph: error: pipeline_parallel_size=2 is not supported yet" in result.stderr
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")

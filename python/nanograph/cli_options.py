@@ -7,6 +7,7 @@ import json
 import re
 
 from .config import Config
+from .engine_args import VLLM_ARGS
 from .sampling_params import SamplingParams
 
 MODEL_HELP = "Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct)"
@@ -71,9 +72,23 @@ ENGINE_OPTIONS = {
                                   "Qwen3's YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                                   "\"original_max_position_embeddings\": 32768}}'); a rope_scaling updates the rope "
                                   "parameters, rope_theta kept"),
+    "block_size": (int, "tokens per KV cache block"),
+    "tokenizer_revision": (str, "the Hub revision of a --tokenizer Hub id"),
     "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "
                                "none; or a folder holding a generation_config.json"),
 }
+
+
+_FLAG = "flag"
+# vLLM's engine options that are not Config fields (engine_args.VLLM_ARGS): taken on the command line too, so that a
+# vLLM command line runs as it is where nanograph does what it asks, and is an error naming the option elsewhere.
+VLLM_OPTIONS = {"pipeline_parallel_size": int, "data_parallel_size": int, "distributed_executor_backend": str,
+                "cpu_offload_gb": float, "tokenizer_mode": str, "load_format": str, "task": str, "runner": str,
+                "enable_lora": _FLAG, "speculative_config": json_object, "hf_token": str,
+                "limit_mm_per_prompt": json_object, "enable_sleep_mode": _FLAG, "num_gpu_blocks_override": int,
+                "calculate_kv_scales": _FLAG, "swap_space": float, "max_seq_len_to_capture": int,
+                "enable_chunked_prefill": argparse.BooleanOptionalAction, "disable_custom_all_reduce": _FLAG,
+                "disable_async_output_proc": _FLAG}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool = False,
@@ -94,12 +109,25 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         help="let the tokenizer run code from its folder")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                         help=f"reuse the KV blocks of shared prompt prefixes (default: {Config.enable_prefix_caching})")
+    vllm = parser.add_argument_group("vLLM's engine options", "taken as vLLM takes them where nanograph does the same, "
+                                                              "else an error naming the values it runs")
+    for field, kind in VLLM_OPTIONS.items():
+        arg = VLLM_ARGS[field]
+        help_text = arg.meaning if arg.values is None else \
+            f"{' or '.join(map(str, arg.values)).replace('None', 'unset')} only: {arg.meaning}"
+        if kind is _FLAG:
+            vllm.add_argument("--" + field.replace("_", "-"), action="store_true", default=argparse.SUPPRESS,
+                              help=help_text)
+        elif kind is argparse.BooleanOptionalAction:
+            vllm.add_argument("--" + field.replace("_", "-"), action=kind, default=argparse.SUPPRESS, help=help_text)
+        else:
+            vllm.add_argument("--" + field.replace("_", "-"), type=kind, default=argparse.SUPPRESS, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The Config fields given on the command line."""
     return {field: getattr(args, field) for field in (*ENGINE_OPTIONS, "enforce_eager", "enable_prefix_caching",
-                                                      "trust_remote_code") if hasattr(args, field)}
+                                                      "trust_remote_code", *VLLM_OPTIONS) if hasattr(args, field)}
 
 
 # The command line's sampling where neither an option nor the model's generation_config.json says otherwise: greedy,

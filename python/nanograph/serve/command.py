@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..chat_template import CONTENT_FORMATS
 from ..cli_options import add_engine_arguments, engine_kwargs
-from ..config import Config
+from ..engine_args import engine_config
 from ..reasoning import REASONING_PARSERS
 from .tool_calls import TOOL_CALL_PARSERS
 
@@ -179,7 +179,7 @@ def serve(args: argparse.Namespace):
         raise SystemExit("nanograph serve: --enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     chat_template = read_chat_template(args.chat_template)
-    config = Config(model=model, reasoning_parser=args.reasoning_parser, **engine_kwargs(args))
+    config = engine_config(model, reasoning_parser=args.reasoning_parser, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
     api_keys = [key for key in args.api_key or () if key]
