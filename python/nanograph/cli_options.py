@@ -70,8 +70,8 @@ ENGINE_OPTIONS = {
                                                 "--generation-config gives, e.g. '{\"temperature\": 0.5}'"),
     "hf_overrides": (json_object, "a JSON object of config.json values to use instead of the model folder's (e.g. "
                                   "Qwen3's YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                                  "\"original_max_position_embeddings\": 32768}}'); a rope_scaling updates the rope "
-                                  "parameters, rope_theta kept"),
+                                  "\"original_max_position_embeddings\": 32768}}'); a rope_scaling replaces the rope "
+                                  "parameters but rope_theta"),
     "block_size": (int, "tokens per KV cache block"),
     "tokenizer_revision": (str, "the Hub revision of a --tokenizer Hub id"),
     "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "

@@ -61,7 +61,7 @@ class Config:
     reasoning_parser: str | None = None
     # vLLM's: config.json values to use instead of the folder's ({"rope_scaling": {...}, "max_position_embeddings":
     # ...}), or a function that takes the loaded transformers config and returns it changed. A rope_scaling (or
-    # rope_parameters) dict is merged into the config's rope parameters, so that rope_theta stays.
+    # rope_parameters) dict replaces the config's rope parameters but rope_theta, which stays unless given.
     hf_overrides: dict | Callable | None = None
 
     def __post_init__(self):

@@ -63,6 +63,7 @@ class ModelConfig:
             if not isinstance(hf, PretrainedConfig):
                 raise ValueError(f"hf_overrides returned {type(hf).__name__}; a function given as hf_overrides "
                                  "returns the transformers config it was given, changed")
+            _sync_rope_theta(hf)
             raw = {**raw, **hf.to_dict()}
         architecture = _architecture(raw)
         _check_supported_options(hf, architecture)
@@ -90,14 +91,32 @@ class ModelConfig:
 
 
 def _override(hf: PretrainedConfig, overrides: dict):
-    """Config.hf_overrides on the loaded config. A rope_scaling or rope_parameters dict updates the rope parameters
-    (Qwen's YaRN recipe gives rope_type, factor and original_max_position_embeddings, and rope_theta stays)."""
+    """Config.hf_overrides on the loaded config. A rope_scaling or rope_parameters dict replaces the rope
+    parameters but for rope_theta, which stays unless given (Qwen's YaRN recipe gives rope_type, factor and
+    original_max_position_embeddings alone); None means no scaling."""
     for key, value in overrides.items():
-        if key in ("rope_scaling", "rope_parameters") and isinstance(value, dict):
-            value = {**rope_parameters(hf), **value}
-            if "type" in value and key == "rope_scaling" and "rope_type" not in overrides[key]:
+        if key in ("rope_scaling", "rope_parameters"):
+            value = {"rope_type": "default"} if value is None else dict(value)
+            if "type" in value and "rope_type" not in value:
                 value["rope_type"] = value["type"]  # the older name of the field
+            theta = rope_parameters(hf).get("rope_theta")
+            if theta is not None and _keeps_rope_theta_in_parameters(hf):
+                value = {"rope_theta": theta, **value}
         setattr(hf, key, value)
+    _sync_rope_theta(hf)
+
+
+def _keeps_rope_theta_in_parameters(hf: PretrainedConfig) -> bool:
+    """transformers 5 keeps rope_theta inside rope_parameters (4 keeps it as an attribute of its own)."""
+    return isinstance(getattr(hf, "rope_parameters", None), dict) and "rope_theta" in hf.rope_parameters
+
+
+def _sync_rope_theta(hf: PretrainedConfig):
+    """A rope_theta set on the config (an override, or an hf_overrides function) where transformers reads it: in
+    rope_parameters, for transformers 5."""
+    theta = vars(hf).get("rope_theta")
+    if theta is not None and isinstance(getattr(hf, "rope_parameters", None), dict):
+        hf.rope_parameters = {**hf.rope_parameters, "rope_theta": theta}
 
 
 def _architecture(raw: dict) -> str:

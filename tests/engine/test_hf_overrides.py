@@ -37,7 +37,6 @@ def test_a_yarn_override_runs_as_the_same_rope_scaling_in_config_json(folders):
     assert json.loads(open(f"{plain}/config.json").read()).get("rope_scaling") is None
     expected = run(yarn)
     assert expected[0] == 512  # YaRN's 4 x 128 positions, past the 256 of max_position_embeddings
-    assert set(YARN) == {"rope_type", "factor", "original_max_position_embeddings"}  # Qwen's recipe: no rope_theta
     overridden = run(plain, hf_overrides={"rope_scaling": dict(YARN)})
     assert overridden[0] == expected[0] and overridden[1] == expected[1]
     assert overridden[2] == pytest.approx(expected[2], abs=1e-5)
@@ -47,6 +46,38 @@ def test_a_yarn_override_runs_as_the_same_rope_scaling_in_config_json(folders):
         return config
     assert run(plain, hf_overrides=stretch)[1] == expected[1]
     assert run(plain)[0] == 256 and run(plain)[2] != pytest.approx(expected[2], abs=1e-5)
+
+
+def test_rope_theta_and_no_scaling_run_as_config_json_would_have_them(tmp_path):
+    """rope_theta given alone (transformers 5 keeps it inside the rope parameters), by a dict or a function, and a
+    rope_scaling of None, which takes a YaRN config back to plain RoPE."""
+    plain, slow = str(tmp_path / "plain"), str(tmp_path / "slow")
+    make_tiny_model(plain, "qwen3-tied", seed=5)
+    make_tiny_model(slow, "qwen3-tied", seed=5, config_overrides={"rope_theta": 1e4})
+    expected = run(slow)
+    assert run(plain)[1] != expected[1]
+
+    def theta(config):
+        config.rope_theta = 1e4
+        return config
+    for overrides in ({"rope_theta": 1e4}, theta):
+        assert run(plain, hf_overrides=overrides)[2] == pytest.approx(expected[2], abs=1e-5)
+    yarn, unscaled = str(tmp_path / "yarn"), str(tmp_path / "unscaled")
+    make_tiny_model(yarn, "qwen3-yarn-untied", seed=6)
+    make_tiny_model(unscaled, "qwen3-yarn-untied", seed=6, config_overrides={"rope_scaling": None})
+    expected = run(unscaled)
+    assert run(yarn)[0] == 256 and expected[0] == 256
+    assert run(yarn, hf_overrides={"rope_scaling": None})[2] == pytest.approx(expected[2], abs=1e-5)
+
+
+def test_a_rope_scaling_replaces_the_configs_rope_parameters_but_rope_theta(tmp_path):
+    from nanograph.model_config import ModelConfig, rope_parameters
+
+    make_tiny_model(tmp_path, "llama3-untied")  # llama3 scaling: factor 8, low and high frequency factors
+    params = rope_parameters(ModelConfig.from_pretrained(tmp_path, {"rope_scaling": {"rope_type": "yarn",
+                                                                                      "factor": 2.0}}).hf_config)
+    assert params["rope_type"] == "yarn" and params["factor"] == 2.0 and params.get("rope_theta") == 1e4
+    assert "low_freq_factor" not in params and "high_freq_factor" not in params
 
 
 def test_an_override_of_a_plain_value_is_read(folders):
