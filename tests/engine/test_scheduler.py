@@ -222,3 +222,16 @@ def test_a_prompt_chunk_leaves_a_token_for_each_sequence_stepped_after_it():
     batch = step(scheduler)  # now stepped first, by its priority: 6 tokens, then a token for each decode
     assert batch.seqs[0] is long and batch.num_new_tokens == [6, 1, 1]
     assert batch.num_tokens == 8 and all(n > 0 for n in batch.num_new_tokens)
+
+
+def test_under_the_priority_policy_an_aborted_waiting_request_leaves_the_queue_at_once():
+    """Requests of lower priority values keep arriving: an ended waiting request of a larger value would never reach
+    the queue's front, where the queue drops ended ones."""
+    scheduler = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, scheduling_policy="priority")
+    running, *waiting = prioritized(scheduler, [0, 5, 5, 7], max_tokens=100)
+    step(scheduler)
+    for seq in waiting[:2]:
+        scheduler.finish(seq)
+    assert list(scheduler.waiting) == [waiting[2]] and scheduler.num_waiting == 1
+    scheduler.finish(waiting[2])
+    assert not scheduler.waiting and scheduler.num_waiting == 0 and running in scheduler.running

@@ -172,7 +172,15 @@ class Scheduler:
 
     def finish(self, seq: Sequence):
         """End seq, running or waiting: its blocks go back to the pool now; the queues let it go at the next
-        schedule()."""
+        schedule() (under the priority policy a waiting one leaves at once: better requests may keep it from the
+        queue's front for as long as they come)."""
+        if self.by_priority and seq.status is SequenceStatus.WAITING:
+            key = seq.priority_key()
+            position = bisect.bisect_left(self.waiting, key, key=Sequence.priority_key)
+            while position < len(self.waiting) and self.waiting[position] is not seq:
+                position += 1
+            if position < len(self.waiting):
+                del self.waiting[position]
         seq.status = SequenceStatus.FINISHED
         self.block_manager.deallocate(seq)
         self.num_unfinished -= 1
