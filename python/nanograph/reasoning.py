@@ -86,16 +86,24 @@ def end_token_id(tokenizer) -> int | None:
     return tokenizer.get_vocab().get(END)
 
 
-def count_reasoning_tokens(token_ids: list[int], thinking: bool, end_token: int | None, decode) -> int:
-    """How many of a reply's tokens are its thinking: those up to the one that completes </think>, that one
-    included; all of them where the reply never closes it; none where the prompt closed it (not thinking).
-    end_token: end_token_id's; decode: token ids -> text, searched where the tokenizer has no such token."""
+def start_token_id(tokenizer) -> int | None:
+    """<think>'s token, where the tokenizer's vocabulary has it as one token, else None."""
+    return tokenizer.get_vocab().get(START)
+
+
+def count_reasoning_tokens(token_ids: list[int], thinking: bool, decode, end_token: int | None = None,
+                           start_token: int | None = None) -> int:
+    """How many of a reply's tokens are its thinking: those before the token that completes </think> (all of them
+    where the reply never does; none where the prompt closed the thinking), less a <think> token it opens with, as
+    vLLM counts the tokens between the tags. end_token, start_token: end_token_id's and start_token_id's; decode:
+    token ids -> text, searched where the tokenizer has no </think> token."""
     if not thinking:
         return 0
+    opened = int(start_token is not None and token_ids[:1] == [start_token])
     if end_token is not None:
-        return token_ids.index(end_token) + 1 if end_token in token_ids else len(token_ids)
+        return (token_ids.index(end_token) if end_token in token_ids else len(token_ids)) - opened
     if END not in decode(token_ids):
-        return len(token_ids)
+        return len(token_ids) - opened
     low, high = 1, len(token_ids)  # the fewest first tokens whose text holds </think>
     while low < high:
         middle = (low + high) // 2
@@ -103,7 +111,7 @@ def count_reasoning_tokens(token_ids: list[int], thinking: bool, end_token: int 
             high = middle
         else:
             low = middle + 1
-    return low
+    return max(0, low - 1 - opened)
 
 
 class ThinkingEnd:

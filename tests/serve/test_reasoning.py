@@ -56,17 +56,22 @@ def test_a_prompt_that_closed_the_thinking():
     assert not prompt_closes_thinking("<|im_start|>assistant\n")
 
 
-def test_the_thinkings_tokens_end_with_the_one_that_completes_the_end_tag():
+def test_the_thinkings_tokens_are_those_before_the_one_that_completes_the_end_tag():
+    """As vLLM counts them, the tags left out: the tokens before the one that completes </think> (all where none
+    does), less a <think> token the reply opens with."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     for text in ["Hmm, let me see.</think>yes", "</think>no", "a>\"</think>>\"x", "no end tag at all"]:
         ids = tokenizer.encode(text)
-        expected = next((k for k in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k])), len(ids))
-        assert count_reasoning_tokens(ids, True, None, tokenizer.decode) == expected, text
-        assert count_reasoning_tokens(ids, False, None, tokenizer.decode) == 0
-    ids = [5, 9, 7, 9]
-    assert count_reasoning_tokens(ids, True, 9, None) == 2 and count_reasoning_tokens(ids, True, 8, None) == 4
+        expected = next((k - 1 for k in range(1, len(ids) + 1) if "</think>" in tokenizer.decode(ids[:k])), len(ids))
+        assert count_reasoning_tokens(ids, True, tokenizer.decode) == expected, text
+        assert count_reasoning_tokens(ids, False, tokenizer.decode) == 0
+    ids = [5, 9, 7, 9]  # with one-token tags: <think> 5, </think> 9 or (absent) 8
+    assert count_reasoning_tokens(ids, True, None, end_token=9) == 1
+    assert count_reasoning_tokens(ids, True, None, end_token=9, start_token=5) == 0
+    assert count_reasoning_tokens(ids, True, None, end_token=8, start_token=5) == 3
+    assert count_reasoning_tokens([5, 1, 2, 9, 3], True, None, end_token=9, start_token=5) == 2
 
 
 def test_unknown_parser_is_refused():

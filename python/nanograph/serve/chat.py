@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request, Response
 
@@ -96,7 +96,8 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
     reasoning = None
     if served.reasoning_parser is not None:
         reasoning = Reasoning(served.reasoning_parser, reply_thinks(served.tokenizer, prompts[0]),
-                              request.include_reasoning, served.think_end_token, served.tokenizer.decode)
+                              request.include_reasoning, *served.think_tokens, served.tokenizer.decode,
+                              served.tokenized)
     if request.stream:
         stream = await served.generate(request, prompts, params, renames)
         return EventStreamResponse(_events(stream, response_id, model, prompts, params.n, num_top, include_usage,
@@ -154,7 +155,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         return ChatCompletionResponse(id=response_id, model=model, choices=choices,
                                       usage=usage(prompts, sum(len(c.token_ids) for c in completions), cached,
                                                   None if reasoning is None else
-                                                  sum(reasoning.count_tokens(c.token_ids) for c in completions)),
+                                                  await reasoning.count_tokens([c.token_ids for c in completions])),
                                       prompt_logprobs=api_prompt_logprobs(completions[0].prompt_logprobs)
                                       if request.prompt_logprobs is not None else None)
 
@@ -164,18 +165,24 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
 @dataclasses.dataclass(frozen=True)
 class Reasoning:
     """How a request's replies are taken apart: the server's parser; whether a reply starts thinking (the prompt
-    did not close it); whether the thinking goes into the reply (the request's include_reasoning); the tokenizer,
-    whose </think> token (reasoning.end_token_id's) or decoded text says how many of a reply's tokens are its
-    thinking."""
+    did not close it); whether the thinking goes into the reply (the request's include_reasoning); and what counts
+    a reply's thinking's tokens: the tokenizer's <think> and </think> tokens where it has them
+    (reasoning.start_token_id's, end_token_id's), else its decode, run on the tokenizer's thread (tokenized:
+    ServedModel.tokenized)."""
     parser: str
     thinking: bool
     include: bool
     end_token: int | None = None
+    start_token: int | None = None
     decode: Callable[[list[int]], str] | None = dataclasses.field(default=None, compare=False, repr=False)
+    tokenized: Callable[..., Awaitable] | None = dataclasses.field(default=None, compare=False, repr=False)
 
-    def count_tokens(self, token_ids: list[int]) -> int:
-        """How many of a reply's tokens are its thinking (usage's completion_tokens_details.reasoning_tokens)."""
-        return count_reasoning_tokens(token_ids, self.thinking, self.end_token, self.decode)
+    async def count_tokens(self, replies: list[list[int]]) -> int:
+        """How many of the replies' tokens are their thinking (usage's completion_tokens_details.reasoning_tokens)."""
+        def count() -> int:
+            return sum(count_reasoning_tokens(token_ids, self.thinking, self.decode, self.end_token,
+                                              self.start_token) for token_ids in replies)
+        return count() if self.end_token is not None or not self.thinking else await self.tokenized(count)
 
 
 def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], num_top: int,
@@ -320,10 +327,10 @@ async def _events(stream: RequestStream, response_id: str, model: str, prompts: 
                                       finish_reason=delta.finish_reason if delta.finished else None,
                                       stop_reason=delta.stop_reason if delta.finished else None)])
 
-    def usage_chunk() -> str:
+    async def usage_chunk() -> str:
+        thought = None if reasoning is None else await reasoning.count_tokens(reply_tokens)
         return event(ChatCompletionChunk(id=response_id, created=created, model=model, choices=[],
-                                         usage=usage(prompts, num_tokens, cached, None if reasoning is None else
-                                                     sum(map(reasoning.count_tokens, reply_tokens)))))
+                                         usage=usage(prompts, num_tokens, cached, thought)))
 
     yield "".join(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role=role, content=""))])
                   for index in range(n))

@@ -16,7 +16,7 @@ from ..chat_template import ChatOptionError, ChatTemplateError, chat_prompt_toke
 from ..engine.intake import check_prompt_token_ids, truncated
 from ..engine.llm_engine import NoTokenLeftError
 from ..outputs import CompletionDelta, Logprob
-from ..reasoning import end_token_id
+from ..reasoning import end_token_id, start_token_id
 from ..sampling.grammar import StructuredOutputError
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
@@ -67,8 +67,9 @@ class ServedModel:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path,
                                                                     trust_remote_code=trust_remote_code)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        # </think>'s token, where the tokenizer has one: what counts a reply's thinking's tokens (usage).
-        self.think_end_token = end_token_id(self.tokenizer) if self.reasoning_parser is not None else None
+        # </think>'s and <think>'s tokens, where the tokenizer has them: what counts a reply's thinking's tokens (usage).
+        self.think_tokens = (end_token_id(self.tokenizer), start_token_id(self.tokenizer)) \
+            if self.reasoning_parser is not None else (None, None)
         # Mistral's chat templates raise on a tool call id that is not 9 characters long, so the calls this server
         # returns, which a client sends back in the next turn, get such ids where the template checks for them or
         # the parser is Mistral's (named and required tool choices too).

@@ -46,9 +46,10 @@ class TextEvents:
 
 
 async def sse_body(stream: RequestStream, chunk_of: Callable[[int, CompletionDelta], str],
-                   usage_chunk: Callable[[], str] | None) -> AsyncIterator[str]:
-    """The events of a stream: the chunks of each batch of deltas in one write, the usage chunk when asked, then
-    [DONE]. A failure inside the engine (or an engine gone) is an error event in place of the rest."""
+                   usage_chunk: Callable[[], str | Awaitable[str]] | None) -> AsyncIterator[str]:
+    """The events of a stream: the chunks of each batch of deltas in one write, the usage chunk when asked (made
+    by a function or a coroutine function), then [DONE]. A failure inside the engine (or an engine gone) is an
+    error event in place of the rest."""
     try:
         async for deltas in stream:
             events = []
@@ -62,7 +63,8 @@ async def sse_body(stream: RequestStream, chunk_of: Callable[[int, CompletionDel
         yield event(unavailable(exc).body()) + DONE
         return
     if usage_chunk is not None:
-        yield usage_chunk()
+        chunk = usage_chunk()
+        yield chunk if isinstance(chunk, str) else await chunk
     yield DONE
 
 
