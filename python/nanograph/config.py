@@ -80,6 +80,9 @@ class Config:
                 and all(isinstance(key, str) for key in self.override_generation_config)):
             raise ValueError(f"override_generation_config must be a dict of generation_config.json fields (such as "
                              f"{{\"temperature\": 0.5}}), got {self.override_generation_config!r}.")
+        if self.override_generation_config:
+            from .generation_defaults import check_overrides
+            check_overrides(self.override_generation_config)
         if self.hf_overrides is not None and not callable(self.hf_overrides) and not (
                 isinstance(self.hf_overrides, dict) and all(isinstance(key, str) for key in self.hf_overrides)):
             raise ValueError(f"hf_overrides must be a dict of config.json fields (such as "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 logger = logging.getLogger("nanograph")
@@ -15,8 +16,8 @@ _SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "to
 def sampling_defaults(folder: str | None, overrides: dict | None = None) -> dict:
     """SamplingParams fields the folder's generation_config.json sets (those it leaves at transformers' defaults
     are left out; none for folder None, generation_config="vllm", or a folder without the file), with overrides
-    (Config.override_generation_config, in generation_config.json's names) over them. Raises ValueError naming
-    override_generation_config where its values make no valid SamplingParams."""
+    (Config.override_generation_config, in generation_config.json's names; check_overrides checks them) over
+    them."""
     given = {}
     if folder is not None and (Path(folder) / "generation_config.json").is_file():
         from transformers import GenerationConfig
@@ -28,12 +29,20 @@ def sampling_defaults(folder: str | None, overrides: dict | None = None) -> dict
             logger.warning("override_generation_config: %s not read (nanograph takes %s, as vLLM does)",
                            ", ".join(unread), ", ".join(_SAMPLING_FIELDS))
         given = {**given, **overrides}
-    defaults = {ours: given[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if given.get(theirs) is not None}
-    if overrides:
-        from .sampling_params import SamplingParams
+    return {ours: given[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if given.get(theirs) is not None}
 
-        try:
-            SamplingParams(**defaults)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"override_generation_config: {exc}") from None
-    return defaults
+
+def check_overrides(overrides: dict):
+    """Raises ValueError naming override_generation_config and the field, in generation_config.json's names, where
+    the values make no valid SamplingParams (checked before the model loads)."""
+    from .sampling_params import SamplingParams
+
+    given = {ours: overrides[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if overrides.get(theirs) is not None}
+    try:
+        SamplingParams(**given)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        for theirs, ours in _SAMPLING_FIELDS.items():
+            if theirs != ours:
+                message = re.sub(rf"\b{ours}\b", theirs, message)
+        raise ValueError(f"override_generation_config: {message}") from None

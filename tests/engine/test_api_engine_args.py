@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanograph import LLM, SamplingParams
+from nanograph.config import Config
 from nanograph.engine_args import VLLM_ARGS
 from nanograph.models.fp8 import BLOCK_SIZE, dequantize_fp8, quantize_fp8
 
@@ -240,6 +241,9 @@ def test_override_generation_config_goes_over_the_generation_config(folder, tmp_
     assert "override_generation_config: do_sample not read" in caplog.text
     with pytest.raises(ValueError, match="override_generation_config: .*top_p"):
         LLM(str(model), override_generation_config={"top_p": 7}, **ENGINE)
+    # Checked with the Config, before any model loads, in generation_config.json's names.
+    with pytest.raises(ValueError, match="override_generation_config: max_new_tokens must be at least 1, got 0"):
+        Config(override_generation_config={"max_new_tokens": 0})
     with pytest.raises(ValueError, match="override_generation_config must be a dict"):
         LLM(str(model), override_generation_config="temperature=0", **ENGINE)
 

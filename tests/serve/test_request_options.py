@@ -154,3 +154,9 @@ def test_a_priority_other_than_0_needs_the_priority_policy(client, model):
     assert body["param"] == "priority" and "--scheduling-policy priority" in body["message"]
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
                                      extra_body={"priority": 0}).choices[0].text
+    for route in (lambda: client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                                         extra_body={"priority": 2}),
+                  lambda: client.responses.create(model=model, input="Hi", max_output_tokens=2,
+                                                  extra_body={"priority": 2})):  # the field reaches the engine
+        with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+            route()

@@ -1,9 +1,9 @@
 """The engine process: it owns the LLMEngine and runs its step loop, apart from the HTTP frontend, so that neither
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
-In: ("add", stream_id, prompts, params), ("abort", stream_id), ("stop",), read by a thread of their own so that
-the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own so that a step never
-waits on a frontend that is behind, in this order of events:
+In: ("add", stream_id, prompts, params, priority), ("abort", stream_id), ("stop",), read by a thread of their own so
+that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own so that a step
+never waits on a frontend that is behind, in this order of events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None) for each add, all its prompts queued or none;
 ("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced

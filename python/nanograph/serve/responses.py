@@ -25,7 +25,7 @@ from .streaming import EventStreamResponse
 # The vLLM sampling and chat fields a Responses request may add (its own n and logprobs have no place here).
 CHAT_FIELDS = (*(name for name in SAMPLING_FIELDS if name not in ("n", "best_of")), *GUIDED_FIELDS,
                "structured_outputs", "chat_template", "chat_template_kwargs", "include_reasoning",
-               "truncate_prompt_tokens")
+               "truncate_prompt_tokens", "priority")
 LOGPROBS = "message.output_text.logprobs"  # the include that asks for the answer's logprobs
 # A chat field in an error's message or param -> the Responses request's name for it.
 RENAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
