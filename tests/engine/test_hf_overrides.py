@@ -23,8 +23,8 @@ def folders(tmp_path_factory):
     return str(plain), str(yarn)
 
 
-def run(folder, **kwargs):
-    llm = LLM(folder, device="cpu", skip_tokenizer_init=True, max_num_seqs=2, **kwargs)
+def run(folder, device="cpu", **kwargs):
+    llm = LLM(folder, device=device, skip_tokenizer_init=True, max_num_seqs=2, **kwargs)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0, max_tokens=6, logprobs=2, detokenize=False))
     tokens = [o.outputs[0].token_ids for o in outputs]
@@ -32,14 +32,17 @@ def run(folder, **kwargs):
     return llm.llm_engine.config.max_model_len, tokens, logprobs
 
 
-def test_a_yarn_override_runs_as_the_same_rope_scaling_in_config_json(folders):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_yarn_override_runs_as_the_same_rope_scaling_in_config_json(folders, device):
     plain, yarn = folders
     assert json.loads(open(f"{plain}/config.json").read()).get("rope_scaling") is None
-    expected = run(yarn)
+    expected = run(yarn, device)
     assert expected[0] == 512  # YaRN's 4 x 128 positions, past the 256 of max_position_embeddings
-    overridden = run(plain, hf_overrides={"rope_scaling": dict(YARN)})
+    overridden = run(plain, device, hf_overrides={"rope_scaling": dict(YARN)})
     assert overridden[0] == expected[0] and overridden[1] == expected[1]
     assert overridden[2] == pytest.approx(expected[2], abs=1e-5)
+    if device == "cuda":
+        return
     # The same through a function of the loaded config.
     def stretch(config):
         config.rope_scaling = {**config.rope_scaling, **YARN}
