@@ -182,6 +182,10 @@ def test_a_template_that_checks_for_nine_character_ids_gets_them_under_any_parse
         served = ServedModel(engine, "m", tokenizer=tokenizer, chat_template=template, tool_call_parser=parser)
         call_id = served.with_call_id(ToolCall("f", "{}")).id
         assert (re.fullmatch(r"[0-9a-f]{9}", call_id) is not None) is nine, (template, parser, call_id)
+        # A request's own chat_template (--trust-request-chat-template) decides for its calls.
+        for own, own_nine in [(MISTRAL_TEMPLATE, True), ("{{ messages[0].content }}", parser == "mistral")]:
+            call_id = served.with_call_id(ToolCall("f", "{}"), own).id
+            assert (re.fullmatch(r"[0-9a-f]{9}", call_id) is not None) is own_nine, (template, parser, own)
 
 
 PYTHONIC = '[get_weather(city="Paris", unit="°C"), get_time(zone=\'CET\')]'

@@ -4,6 +4,7 @@ carries the reply's role)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -88,6 +89,10 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
             raise APIError(400, f"the functions' parameters are not a JSON schema the server takes: {exc}",
                            "tools", "invalid_value") from None
     parse_calls = {"auto": CALL_STREAMS.get(served.tool_call_parser), "required": RequiredCallStream}.get(tool_mode)
+    own_template = request.chat_template if request.chat_template is not None else \
+        (request.chat_template_kwargs or {}).get("chat_template")
+    with_call_id = functools.partial(served.with_call_id,
+                                     chat_template=own_template if isinstance(own_template, str) else None)
     max_calls = None if request.parallel_tool_calls else 1  # a reply's tool calls kept
     response_id, model = make_response_id("chatcmpl", raw_request, request), served.name
     role, echoed = request.reply_role(served.response_role), request.echoed(served.response_role)
@@ -104,7 +109,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
                                            role, echoed, wants_continuous_usage(request), parse_calls,
                                            function["name"] if function is not None else None,
                                            request.return_tokens_as_token_ids, max_calls, reasoning,
-                                           served.cached_tokens(), served.with_call_id),
+                                           served.cached_tokens(), with_call_id),
                                    stream.close)
 
     def message(text: str) -> tuple[ChatResponseMessage, bool]:
@@ -122,11 +127,11 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
 
     def answer(text: str) -> tuple[ChatResponseMessage, bool]:
         if function is not None:
-            call = served.with_call_id(ToolCall(function["name"], text))
+            call = with_call_id(ToolCall(function["name"], text))
             return ChatResponseMessage(role=role, content=echoed, tool_calls=[call.as_dict()]), True
         if tool_mode == "auto":
             content, calls = extract_tool_calls(text, served.tool_call_parser)
-            calls = [served.with_call_id(call) for call in calls[:max_calls]]
+            calls = [with_call_id(call) for call in calls[:max_calls]]
             if calls:
                 content = echoed + content if content is not None else (echoed or None)
                 return ChatResponseMessage(role=role, content=content,
@@ -134,7 +139,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         if parse_calls is RequiredCallStream:
             parser = RequiredCallStream()
             items = parser.feed(text) + parser.finish()
-            calls = [served.with_call_id(item[1]).as_dict() for item in items if not isinstance(item, str)][:max_calls]
+            calls = [with_call_id(item[1]).as_dict() for item in items if not isinstance(item, str)][:max_calls]
             if calls:
                 return ChatResponseMessage(role=role, content=echoed + "".join(
                     item for item in items if isinstance(item, str)), tool_calls=calls), True

@@ -67,7 +67,8 @@ class ServedModel:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(async_llm.info.tokenizer or self.path,
                                                                     trust_remote_code=trust_remote_code)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        # </think>'s and <think>'s tokens, where the tokenizer has them: what counts a reply's thinking's tokens (usage).
+        # </think>'s and <think>'s tokens, where the tokenizer has them: what counts a reply's thinking's tokens
+        # (usage).
         self.think_tokens = (end_token_id(self.tokenizer), start_token_id(self.tokenizer)) \
             if self.reasoning_parser is not None else (None, None)
         # Mistral's chat templates raise on a tool call id that is not 9 characters long, so the calls this server
@@ -78,9 +79,12 @@ class ServedModel:
             _CHECKS_NINE_CHARACTER_IDS.search(text) for text in
             (templates.values() if isinstance(templates, dict) else [templates]) if isinstance(text, str))
 
-    def with_call_id(self, call: ToolCall) -> ToolCall:
-        """call, its id one that this model's chat template takes back (see short_call_ids)."""
-        if self.short_call_ids and len(call.id) != 9:
+    def with_call_id(self, call: ToolCall, chat_template: str | None = None) -> ToolCall:
+        """call, its id one that the chat template takes back (see short_call_ids): the request's own chat_template
+        where it brought one, else the model's."""
+        short = self.short_call_ids if chat_template is None else \
+            self.tool_call_parser == "mistral" or _CHECKS_NINE_CHARACTER_IDS.search(chat_template) is not None
+        if short and len(call.id) != 9:
             call.id = mistral_call_id()
         return call
 

@@ -23,9 +23,10 @@ content).
 
 `--tool-call-parser mistral` reads Mistral's: the text before [TOOL_CALLS] is the content, and the JSON array after
 it ([{"name": ..., "arguments": {...}}, ...]) the calls, each with a 9-character id (Mistral's chat template takes
-no other; the server gives named and required tool choices' calls such ids too, ServedModel.with_call_id). [TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser
-asks. Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends); text
-after the array is content, and a later [TOOL_CALLS] array more calls (the whole reply's parse reads the first array
+no other; the server gives named and required tool choices' calls such ids too, ServedModel.with_call_id).
+[TOOL_CALLS] is a special token: a request with tools keeps special tokens in its text, as vLLM's parser asks.
+Streamed, the content goes out as it comes, and the calls once their array closes (or the reply ends); text after
+the array is content, and a later [TOOL_CALLS] array more calls (the whole reply's parse reads the first array
 alone, as vLLM's does).
 
 `--tool-call-parser pythonic` reads calls written as a Python list of calls with keyword arguments,
