@@ -18,9 +18,9 @@ PROMPTS = [[3, 17, 99, 4, 250, 31, 8], [200, 1, 1, 1, 54]]
 def folders(tmp_path_factory):
     """The same weights (qwen3-tied: rope_theta 1e6, 256 positions), with and without YaRN in config.json."""
     plain, yarn = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("yarn")
-    make_tiny_model(plain, "qwen3-tied", seed=5)
+    make_tiny_model(plain, "qwen3-tied", seed=5, config_overrides={"head_dim": 64})  # a head the CUDA core runs
     # A copy: transformers adds to the dict it is given.
-    make_tiny_model(yarn, "qwen3-tied", seed=5, config_overrides={"rope_scaling": dict(YARN)})
+    make_tiny_model(yarn, "qwen3-tied", seed=5, config_overrides={"rope_scaling": dict(YARN), "head_dim": 64})
     return str(plain), str(yarn)
 
 
