@@ -99,16 +99,11 @@ def _override(hf: PretrainedConfig, overrides: dict):
             value = {"rope_type": "default"} if value is None else dict(value)
             if "type" in value and "rope_type" not in value:
                 value["rope_type"] = value["type"]  # the older name of the field
-            theta = rope_parameters(hf).get("rope_theta")
-            if theta is not None and _keeps_rope_theta_in_parameters(hf):
+            theta = rope_parameters(hf).get("rope_theta")  # transformers 5 keeps it there (4: an attribute)
+            if theta is not None:
                 value = {"rope_theta": theta, **value}
         setattr(hf, key, value)
     _sync_rope_theta(hf)
-
-
-def _keeps_rope_theta_in_parameters(hf: PretrainedConfig) -> bool:
-    """transformers 5 keeps rope_theta inside rope_parameters (4 keeps it as an attribute of its own)."""
-    return isinstance(getattr(hf, "rope_parameters", None), dict) and "rope_theta" in hf.rope_parameters
 
 
 def _sync_rope_theta(hf: PretrainedConfig):

@@ -110,7 +110,8 @@ class Scheduler:
                 self.running.append(seq)  # it ends when its pending token is read: feeding it would be wasted
                 continue
             # Under fcfs the prompt cut short is the last admitted, with no sequence after it.
-            num_new = min(seq.num_pending_tokens, budget - len(unscheduled) if seq.num_pending_tokens > 1 else budget)
+            num_pending = seq.num_pending_tokens
+            num_new = min(num_pending, budget - len(unscheduled) if num_pending > 1 else budget)
             if self._reserve(seq, num_new, unscheduled):
                 self.running.append(seq)
                 batch.add(seq, num_new)

@@ -29,6 +29,12 @@ from .tool_calls import ToolCall, mistral_call_id
 _CHECKS_NINE_CHARACTER_IDS = re.compile(r"\.id\s*\|\s*length\s*[!=]=\s*9\b")
 
 
+def _checks_call_ids(template: str | dict | None) -> bool:
+    """Whether a chat template (or any of a tokenizer's named ones) checks tool call ids for 9 characters."""
+    texts = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(text, str) and _CHECKS_NINE_CHARACTER_IDS.search(text) for text in texts)
+
+
 @dataclass
 class Completion:
     """One choice, collected from its deltas."""
@@ -74,17 +80,14 @@ class ServedModel:
         # Mistral's chat templates raise on a tool call id that is not 9 characters long, so the calls this server
         # returns, which a client sends back in the next turn, get such ids where the template checks for them or
         # the parser is Mistral's (named and required tool choices too).
-        templates = chat_template or getattr(self.tokenizer, "chat_template", None) or ""
-        self.short_call_ids = tool_call_parser == "mistral" or any(
-            _CHECKS_NINE_CHARACTER_IDS.search(text) for text in
-            (templates.values() if isinstance(templates, dict) else [templates]) if isinstance(text, str))
+        self.template_checks_call_ids = _checks_call_ids(chat_template
+                                                         or getattr(self.tokenizer, "chat_template", None))
 
     def with_call_id(self, call: ToolCall, chat_template: str | None = None) -> ToolCall:
-        """call, its id one that the chat template takes back (see short_call_ids): the request's own chat_template
-        where it brought one, else the model's."""
-        short = self.short_call_ids if chat_template is None else \
-            self.tool_call_parser == "mistral" or _CHECKS_NINE_CHARACTER_IDS.search(chat_template) is not None
-        if short and len(call.id) != 9:
+        """call, its id one that the chat template takes back (see template_checks_call_ids): the request's own
+        chat_template where it brought one, else the model's."""
+        checks = self.template_checks_call_ids if chat_template is None else _checks_call_ids(chat_template)
+        if (checks or self.tool_call_parser == "mistral") and len(call.id) != 9:
             call.id = mistral_call_id()
         return call
 
