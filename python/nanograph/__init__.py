@@ -1,6 +1,9 @@
 """nanograph: a small, fast LLM inference engine with a C++/CUDA core."""
 from ._core import CORE_ERROR, core_available, gpu_available
+from .async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
 from .beam_search import BeamSearchOutput, BeamSearchSequence
+from .engine.llm_engine import LLMEngine
+from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -10,6 +13,7 @@ from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOut
 __version__ = "0.1.0"
 
 __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
-           "LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineDeadError",
+           "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
            "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt"]

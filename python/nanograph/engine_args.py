@@ -71,3 +71,30 @@ def engine_config(model: str | None, **kwargs) -> Config:
         if arg.field is not None and value is not None:
             config_kwargs[arg.field] = value
     return Config(model=model, **config_kwargs)
+
+
+class EngineArgs:
+    """vLLM's engine arguments as one object, for LLMEngine.from_engine_args: EngineArgs(model=..., max_model_len=...)
+    takes what LLM(model, **kwargs) takes, and checks them here (an argument nanograph does not take raises at once).
+    Each argument given is an attribute, and may be changed before the engine is built."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.model = model
+        vars(self).update(kwargs)
+        self.create_engine_config()
+
+    def create_engine_config(self) -> Config:
+        arguments = dict(vars(self))
+        return engine_config(arguments.pop("model"), **arguments)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{name}={value!r}' for name, value in vars(self).items())})"
+
+
+class AsyncEngineArgs(EngineArgs):
+    """EngineArgs for AsyncLLMEngine.from_engine_args; vLLM's request logging switches (enable_log_requests,
+    disable_log_requests) are taken at any value: the engine logs no request."""
+
+    def __init__(self, model: str | None = None, *, enable_log_requests: bool = False,
+                 disable_log_requests: bool = True, **kwargs):
+        super().__init__(model, **kwargs)

@@ -123,7 +123,7 @@ def _regex_literal(text: str) -> str:
 class RequestOutputKind(Enum):
     """What each item of LLM.stream() (and the engine's take_deltas) holds for a completion."""
     CUMULATIVE = 0  # everything so far: text and token_ids from the first token on
-    DELTA = 1  # only what the step added (the default: a completion's deltas concatenate to its output)
+    DELTA = 1  # only what the step added (LLM.stream()'s default: a completion's deltas concatenate to its output)
     FINAL_ONLY = 2  # nothing until it finishes, then everything at once
 
 
@@ -160,9 +160,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens; -1: the last max_model_len
     detokenize: bool = True  # False: token ids only, no text (stop strings then need detokenize=True)
     spaces_between_special_tokens: bool = True  # passed to the tokenizer's decode (slow tokenizers use it)
-    # LLM.stream()'s unit. vLLM's default, CUMULATIVE, is for its AsyncLLM; nanograph's streams are deltas by
-    # default. generate() and chat() return final outputs whatever it says, as vLLM's LLM does.
-    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    # A stream's unit. None: the stream's own default: deltas for LLM.stream() and the engine's take_deltas(),
+    # everything so far (CUMULATIVE, vLLM's default) for AsyncLLMEngine.generate(). generate() and chat() return
+    # final outputs whatever it says, as vLLM's LLM does.
+    output_kind: RequestOutputKind | None = None
     extra_args: dict | None = None  # the caller's own data, carried along; nanograph reads none of it
     best_of: int | None = None  # None or n: nanograph returns every completion it samples
     use_beam_search: bool = False  # vLLM's removed flag, refused: beam search is LLM.beam_search()
@@ -298,9 +299,9 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use "
                              "stop.")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got "
-                             f"{self.output_kind!r}.")
+        if self.output_kind is not None and not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) or None, "
+                             f"got {self.output_kind!r}.")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}.")
         if self.best_of is not None:

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from ..backends import make_runner
 from ..backends.base import Pending, PendingTokens, Runner
 from ..config import Config
+from ..engine_args import EngineArgs
 from ..default_model import default_model_path
 from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
@@ -97,7 +98,7 @@ class LLMEngine:
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
         tokenizer = None if config.skip_tokenizer_init else \
-            _load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
+            load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         if isinstance(eos, int) and 0 <= eos < model_config.vocab_size and eos not in model_config.eos_token_ids:
             # The tokenizer's end-of-text token ends a completion too, as in vLLM: a fine-tune often sets it
@@ -120,6 +121,11 @@ class LLMEngine:
         except BaseException:
             runner.shutdown()  # a tensor-parallel runner's workers end with it
             raise
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """vLLM's constructor: the engine for EngineArgs(model=..., ...)."""
+        return cls.from_config(engine_args.create_engine_config())
 
     @property
     def tokenizer(self):
@@ -676,7 +682,7 @@ def _generation_config_folder(config: Config) -> str | None:
     return config.generation_config
 
 
-def _load_tokenizer(folder: str, trust_remote_code: bool, given: str | None = None):
+def load_tokenizer(folder: str, trust_remote_code: bool, given: str | None = None):
     """The folder's tokenizer, or None for a model folder without one (prompts must then be token ids). given: the
     tokenizer argument, whose folder must hold one."""
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -57,6 +57,8 @@ class Request:
         fails to decode raises, and the deltas taken before it come with the next call."""
         for seq in self.seqs:
             i, kind = seq.index, seq.params.output_kind
+            if kind is None:
+                kind = RequestOutputKind.DELTA
             if kind is RequestOutputKind.FINAL_ONLY and not seq.is_finished:
                 continue
             known = seq.num_tokens - seq.has_pending_token  # a token on its way from the device is not out yet

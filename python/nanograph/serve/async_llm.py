@@ -15,18 +15,22 @@ import threading
 import time
 from collections.abc import Callable
 from itertools import count
+from typing import TYPE_CHECKING
 
+from ..engine.intake import Prompt
 from ..engine.llm_engine import LLMEngine
 from ..outputs import CompletionDelta
 from ..sampling_params import SamplingParams
 from .engine_core import EngineInfo, EngineSnapshot, run_engine_process, widen_pipe
-from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from .metrics import ServerMetrics
 
 logger = logging.getLogger("nanograph.serve")
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine loop has died, or the server is shutting down."""
+    """The engine loop has died, or the engine is shut down (the server is shutting down)."""
 
 
 class RequestStream:
@@ -42,6 +46,9 @@ class RequestStream:
         self.queue: asyncio.Queue[tuple[int, CompletionDelta] | BaseException] = asyncio.Queue()
         self.num_open = num_completions
         self.closed = False
+        # Each prompt's text (None for token ids given alone) and token ids as the engine queued them, once added,
+        # where generate() was asked for them.
+        self.prompts: list[tuple[str | None, list[int]]] | None = None
 
     def __aiter__(self):
         return self
@@ -68,13 +75,14 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: ServerMetrics,
+    def __init__(self, make_engine: Callable[[], LLMEngine], metrics: ServerMetrics | None,
                  log_interval: float | None = 10.0):
         """make_engine: builds the engine in the engine process (picklable, e.g. a partial of
-        LLMEngine.from_config); log_interval: seconds between stats lines, None for none."""
+        LLMEngine.from_config); metrics: the server's, None for none; log_interval: seconds between stats lines
+        (which need metrics), None for none."""
         self.make_engine = make_engine
         self.metrics = metrics
-        self.log_interval = log_interval
+        self.log_interval = log_interval if metrics is not None else None
         self.info: EngineInfo | None = None  # once started
         self.snapshot: EngineSnapshot | None = None  # the engine's state after its latest step
         self.error: BaseException | None = None  # why the engine loop died
@@ -118,7 +126,8 @@ class AsyncLLM:
             self._process.join()
             raise message[1]
         self.info = message[1]
-        self.metrics.record_engine_info(self.info)
+        if self.metrics is not None:
+            self.metrics.record_engine_info(self.info)
         self._reader.start()
         return self.info
 
@@ -135,11 +144,12 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._reader.is_alive() and self.error is None and not self.stopping
 
-    async def generate(self, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0
-                       ) -> RequestStream:
-        """Queue one engine request per prompt (token ids), all or none: an invalid one raises the engine's
-        ValueError or TypeError ("prompt i: ..." when there are several) and none runs. priority: the engine's
-        add_request's, for each."""
+    async def generate(self, prompts: list[Prompt], params: list[SamplingParams], priority: int = 0,
+                       report_prompts: bool = False) -> RequestStream:
+        """Queue one engine request per prompt (token ids, or any prompt the engine takes), all or none: an
+        invalid one raises the engine's ValueError or TypeError ("prompt i: ..." when there are several) and none
+        runs. priority: the engine's add_request's, for each; report_prompts: the stream's prompts then hold each
+        prompt's text and token ids as the engine queued them."""
         loop = asyncio.get_running_loop()
         stream_id = next(self._stream_ids)
         num_completions = sum(request_params.n for request_params in params)
@@ -152,10 +162,10 @@ class AsyncLLM:
             room = self.info.max_model_len
             self._adds[stream_id] = (added, time.monotonic(), [
                 (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 1))
-                for prompt, p in zip(prompts, params)])
-        self._send(("add", stream_id, prompts, params, priority))
+                for prompt, p in zip(prompts, params)] if self.metrics is not None else [])
+        self._send(("add", stream_id, prompts, params, priority, report_prompts))
         try:
-            await added
+            stream.prompts = await added
         except BaseException:  # a cancelled caller, too: what was queued is aborted (and counted, once it ends)
             stream.close()
             raise
@@ -194,8 +204,8 @@ class AsyncLLM:
     def _unavailable(self) -> EngineUnavailable:
         if self.error is not None:
             return EngineUnavailable(f"the engine loop has died ({type(self.error).__name__}: {self.error}); "
-                                     "restart the server")
-        return EngineUnavailable("the server is shutting down")
+                                     "restart the server (or start a new engine)")
+        return EngineUnavailable("the engine is shut down, or shutting down with the server")
 
     # The reader thread.
 
@@ -208,9 +218,10 @@ class AsyncLLM:
                 message = self._outputs.recv()
                 if message[0] == "step":
                     # The counters and the state first: whoever holds a step's deltas sees both up to that step.
-                    self.metrics.record_deltas(message[1])
                     self.snapshot = message[2]
-                    self.metrics.record_engine(message[2])
+                    if self.metrics is not None:
+                        self.metrics.record_deltas(message[1])
+                        self.metrics.record_engine(message[2])
                     self._deliver(message[1])
                     self._log_stats()
                 elif message[0] == "added":
@@ -235,8 +246,9 @@ class AsyncLLM:
             logger.exception("the engine's output reader failed; the server answers 503 from now on")
             self._die(exc)
 
-    def _answer_add(self, stream_id: int, error: BaseException | None):
-        """The engine's word on an add; the metrics count an API request's prompts once they are queued."""
+    def _answer_add(self, stream_id: int, error: BaseException | None, prompts: list | None = None):
+        """The engine's word on an add (and the prompts it queued, where asked); the metrics count an API request's
+        prompts once they are queued."""
         add = self._adds.pop(stream_id, None)
         if add is None:  # the engine is gone meanwhile: _die has answered it
             return
@@ -246,7 +258,7 @@ class AsyncLLM:
         else:
             for prompt_index, (num_prompt_tokens, n, max_tokens) in enumerate(sizes):
                 self.metrics.request_added((stream_id, prompt_index), arrival, num_prompt_tokens, n, max_tokens)
-        _settle(future, error)
+        _settle(future, error, prompts)
 
     def _deliver(self, routed: list[tuple[int, int, CompletionDelta]]):
         """Hand the deltas to their streams: one call into each event loop per step."""
@@ -319,11 +331,11 @@ def _signal_name(number: int) -> str:
         return str(number)
 
 
-def _settle(future: asyncio.Future, exc: BaseException | None):
+def _settle(future: asyncio.Future, exc: BaseException | None, result=None):
     """Resolve an add's future from any thread (unless its awaiting coroutine has gone)."""
     def settle():
         if not future.done():
-            future.set_result(None) if exc is None else future.set_exception(exc)
+            future.set_result(result) if exc is None else future.set_exception(exc)
 
     loop = future.get_loop()
     if not loop.is_closed():

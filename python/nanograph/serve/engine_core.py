@@ -1,11 +1,12 @@
 """The engine process: it owns the LLMEngine and runs its step loop, apart from the HTTP frontend, so that neither
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
-In: ("add", stream_id, prompts, params, priority), ("abort", stream_id), ("stop",), read by a thread of their own so
-that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own so that a step
-never waits on a frontend that is behind, in this order of events:
+In: ("add", stream_id, prompts, params, priority, report_prompts), ("abort", stream_id), ("stop",), read by a thread
+of their own so that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own
+so that a step never waits on a frontend that is behind, in this order of events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
-("added", stream_id, error or None) for each add, all its prompts queued or none;
+("added", stream_id, error or None[, prompts]) for each add, all its prompts queued or none (prompts: each one's text
+and token ids as queued, where the add asked for them);
 ("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced
 deltas, and whenever the state the frontend reports changed; ("dead", error) when the loop died outside any
 request; ("stopped",) after a stop, its aborts delivered."""
@@ -158,9 +159,11 @@ class EngineCore:
                 return False
         return True
 
-    def _add(self, stream_id: int, prompts: list[list[int]], params: list[SamplingParams], priority: int = 0):
+    def _add(self, stream_id: int, prompts: list, params: list[SamplingParams], priority: int = 0,
+             report_prompts: bool = False):
         """All of an API request's prompts, or none: an invalid one aborts those queued before it (their last
-        deltas go to a stream the frontend has dropped). Any error in an add is that request's, never the loop's."""
+        deltas go to a stream the frontend has dropped). Any error in an add is that request's, never the loop's.
+        report_prompts: the answer carries each prompt's text and token ids as queued."""
         request_ids = self._streams[stream_id] = []
         for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
@@ -174,7 +177,11 @@ class EngineCore:
                 return
             request_ids.append(request_id)
             self._origin[request_id] = (stream_id, prompt_index, request_params.n)
-        self._send(("added", stream_id, None))
+        if not report_prompts:
+            self._send(("added", stream_id, None))
+            return
+        queued = [self.engine.requests[request_id].seqs[0] for request_id in request_ids]
+        self._send(("added", stream_id, None, [(seq.prompt, seq.token_ids[:seq.num_prompt_tokens]) for seq in queued]))
 
     def _abort(self, request_ids: list[str]):
         """The engine ends them at once, freeing their blocks; their last deltas come with the next take."""
