@@ -293,6 +293,52 @@ def test_a_vllm_command_lines_engine_options_are_taken_or_named(command):
             engine_config(None, **engine_kwargs(cli.build_parser().parse_args([*command, *flags])))
 
 
+def test_a_config_file_gives_options_that_the_command_line_overrides(tmp_path):
+    """vLLM's --config FILE: YAML keys with dashes or underscores, flags as booleans (false for a --no- form),
+    lists for several values, mappings as JSON; the command line wins wherever it stands."""
+    from nanograph.cli_options import engine_kwargs
+    from nanograph.engine_args import engine_config
+
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("max_model_len: 2048\nserved-model-name: [smol, smol-alias]\nenable-prefix-caching: false\n"
+                           "hf_overrides: {rope_theta: 5000.0}\ntrust-remote-code: true\nport: 9000\n"
+                           "max-num-seqs: 16\nmodel: some/model\nblock_size: null\n")
+    parser = cli.build_parser()
+    for argv in (["serve", "--config", str(config_file), "--port", "9001"],
+                 ["serve", "--port", "9001", f"--config={config_file}"]):
+        args = cli.parse_args(parser, argv)
+        assert (args.port, args.served_model_name, args.model_option) == (9001, ["smol", "smol-alias"], "some/model")
+        config = engine_config(None, **engine_kwargs(args))
+        assert (config.max_model_len, config.max_num_seqs, config.enable_prefix_caching, config.trust_remote_code,
+                config.hf_overrides, config.block_size) == (2048, 16, False, True, {"rope_theta": 5000.0},
+                                                            Config.block_size)
+    args = cli.parse_args(parser, ["serve", "--max-num-seqs", "4", "--enable-prefix-caching", "--config",
+                                   str(config_file)])
+    assert (args.max_num_seqs, args.enable_prefix_caching) == (4, True)
+    config_file.write_text("max_model_len: 128\ntemperature: 0.5\n")
+    args = cli.parse_args(parser, ["generate", "hi", "--config", str(config_file)])
+    assert (args.prompt, args.max_model_len, args.temperature) == ("hi", 128, 0.5)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("served-model-name: smol\n", "'served-model-name' is not an option of `nanograph chat`"),
+    ("- max_model_len\n", "the file holds a list, not a mapping of option names to values"),
+    ("enforce-eager: 1\n", "'enforce-eager' is a flag: give true or false, not 1"),
+    ("max_model_len: [1\n", "--config"),
+])
+def test_a_bad_config_file_is_one_error_line(tmp_path, capsys, text, message):
+    config_file = tmp_path / "bad.yaml"
+    config_file.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["chat", "hi", "--config", str(config_file)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        cli.main(["chat", "hi", "--config", str(tmp_path / "missing.yaml")])
+    assert "No such file" in capsys.readouterr().err
+
+
 def test_serve_names_an_engine_option_it_cannot_honour_without_loading_the_model():
     result = run_nanograph("serve", "--device", "cpu", "--port", "0", "--pipeline-parallel-size", "2")
     assert result.returncode == 2

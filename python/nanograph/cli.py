@@ -7,9 +7,12 @@ their text as it comes."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
+
+import yaml
 
 from . import __version__
 from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
@@ -41,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_command.add_arguments(commands.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
     add_bench_arguments(commands.add_parser("bench", help="measure speed on a GPU (or a running server's), or plot "
                                             "a sweep"))
+    for command in commands.choices.values():
+        command.add_argument("--config", metavar="FILE", help="a YAML file of options (vLLM's): each key an option's "
+                             "name (max-model-len or max_model_len), each value its value (true for a flag, a list "
+                             "for several values); options given on the command line win")
+    parser.command_parsers = commands.choices
     return parser
 
 
@@ -190,9 +198,70 @@ def dashed_options(argv: list[str]) -> list[str]:
     return out
 
 
+def config_file_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """argv with the command's `--config FILE` replaced by the file's options, placed right after the command so
+    that those on the command line win (a flag that the file sets stays set, unless it has a --no- form)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    cut = next((i + 1 for i, arg in enumerate(argv[:end]) if arg in parser.command_parsers), None)
+    if cut is None:
+        return argv
+    command = argv[cut - 1]
+    at = next((i for i in range(cut, end) if argv[i] == "--config" or argv[i].startswith("--config=")), None)
+    if at is None:
+        return argv
+    path, rest = (argv[at + 1] if at + 1 < end else None, argv[at + 2:]) if argv[at] == "--config" else \
+        (argv[at].partition("=")[2], argv[at + 1:])
+    if not path:
+        parser.error("--config needs a YAML file")
+    try:
+        values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: the file holds a {type(values).__name__}, not a mapping of option names to "
+                     "values (such as 'max-model-len: 4096')")
+    options = parser.command_parsers[command]._option_string_actions
+    from_file = []
+    for key, value in values.items():
+        name = "--" + str(key).replace("_", "-")
+        action = options.get(name)
+        if action is None or name == "--config":
+            parser.error(f"--config {path}: {key!r} is not an option of `nanograph {command}`")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a flag
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: {key!r} is a flag: give true or false, not {value!r}")
+            if value:
+                from_file.append(name)
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                from_file.append("--no-" + name[2:])
+        elif isinstance(value, list):
+            from_file += [name, *map(_option_value, value)]
+        else:
+            from_file += [name, _option_value(value)]
+    return [*argv[:cut], *from_file, *argv[cut:at], *rest]
+
+
+def _option_value(value) -> str:
+    """A YAML value as the command line spells it: mappings (hf-overrides, ...) as JSON."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The command line as vLLM's takes it: options with underscores, and a --config file."""
+    return parser.parse_args(config_file_options(dashed_options(argv), parser))
+
+
 def main(argv: list[str] | None = None):
     parser = build_parser()
-    args = parser.parse_args(dashed_options(sys.argv[1:] if argv is None else argv))
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "serve":
             serve_command.serve(args)

@@ -68,9 +68,13 @@ def process_gone(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True):
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True,
+                 client: dict | None = None, scheme: str = "http"):
+        """client: httpx.Client's settings that reach the server (verify=, cert=, transport= for a Unix socket);
+        scheme: https for a server with --ssl-certfile."""
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"{scheme}://127.0.0.1:{self.port}"
+        self.client = client or {}
         self.log_path = log_path
         with open(log_path, "w") as log:
             # A session of its own: kill_group() ends the server and whatever it started.
@@ -85,8 +89,9 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"nanograph serve exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    return
+                with httpx.Client(**self.client, timeout=2) as client:
+                    if client.get(self.base_url + "/health").status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import errno
 import json
 import logging
 import os
 import signal
 import socket
+import ssl
+import stat
 from functools import partial
 from pathlib import Path
 
@@ -33,6 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s, this "
                         "machine only; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", metavar="PATH", help="listen on this Unix domain socket instead of --host and --port")
+    parser.add_argument("--ssl-keyfile", metavar="FILE", help="HTTPS: the server's private key (PEM)")
+    parser.add_argument("--ssl-certfile", metavar="FILE", help="HTTPS: the server's certificate chain (PEM)")
+    parser.add_argument("--ssl-ca-certs", metavar="FILE", help="HTTPS: the CA certificates that client certificates "
+                        "are checked against")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[int(mode) for mode in
+                        ssl.VerifyMode], help="HTTPS: whether clients must show a certificate: 0 no, 1 optional, "
+                        "2 required (Python's ssl.CERT_*; default: %(default)s)")
+    parser.add_argument("--enable-ssl-refresh", action="store_true", help="vLLM's certificate reload on change: not "
+                        "supported (restart the server after renewing them)")
     parser.add_argument("--served-model-name", nargs="+", help="the names clients may use, the first in responses "
                         "(default: MODEL as given, or the default model's name)")
     parser.add_argument("--api-key", nargs="+", default=env_api_keys(),
@@ -115,6 +128,54 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix_socket(path: str) -> socket.socket:
+    """--uds: the server's Unix domain socket, bound before the engine is built. A socket file left by a server that
+    is gone is replaced; one that a server answers on, or any other file, is an error."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise SystemExit(f"nanograph serve: --uds {path} exists and is not a socket; choose another path")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(path) == 0:
+                raise SystemExit(f"nanograph serve: a server already listens on --uds {path}; choose another path "
+                                 "(or stop that server)")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"nanograph serve: cannot listen on --uds {path}: {exc.strerror or exc}") from None
+    return sock
+
+
+def ssl_options(args: argparse.Namespace) -> dict:
+    """uvicorn's SSL settings for the --ssl-* flags (none: plain HTTP), the files checked before the engine starts:
+    a missing or unreadable file, or a key that does not match its certificate, is one error line."""
+    if args.enable_ssl_refresh:
+        raise SystemExit("nanograph serve: --enable-ssl-refresh is not supported: certificates are read once, at "
+                         "start; restart the server after renewing them")
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE:
+            raise SystemExit("nanograph serve: --ssl-ca-certs and --ssl-cert-reqs need HTTPS: give --ssl-keyfile and "
+                             "--ssl-certfile too")
+        return {}
+    if args.ssl_certfile is None:
+        raise SystemExit("nanograph serve: --ssl-keyfile needs --ssl-certfile (the certificate of that key)")
+    if args.ssl_cert_reqs != ssl.CERT_NONE and args.ssl_ca_certs is None:
+        raise SystemExit(f"nanograph serve: --ssl-cert-reqs {args.ssl_cert_reqs} checks client certificates, which "
+                         "needs --ssl-ca-certs (the CAs that sign them)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        raise SystemExit(f"nanograph serve: cannot use --ssl-certfile {args.ssl_certfile} / --ssl-keyfile "
+                         f"{args.ssl_keyfile} / --ssl-ca-certs {args.ssl_ca_certs}: {exc}") from None
+    return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM while the engine starts: unwinds the start like Ctrl-C, so that the engine process is ended too."""
 
@@ -183,7 +244,8 @@ def serve(args: argparse.Namespace):
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
     api_keys = [key for key in args.api_key or () if key]
-    sock = bind_socket(args.host, args.port)
+    ssl_settings = ssl_options(args)
+    sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
                          None if args.disable_log_stats else args.log_interval)
     # Until uvicorn takes the signals over, SIGTERM unwinds as Ctrl-C does, ending the engine process.
@@ -202,14 +264,16 @@ def serve(args: argparse.Namespace):
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                                              log_level=args.uvicorn_log_level,
-                                             timeout_graceful_shutdown=SHUTDOWN_SECONDS), async_llm,
+                                             timeout_graceful_shutdown=SHUTDOWN_SECONDS, **ssl_settings), async_llm,
                               stop_on_engine_death=not keep_alive_on_engine_death())
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         async_llm.close()
+        _remove_socket_file(args.uds)
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt as exc:
         async_llm.close()
+        _remove_socket_file(args.uds)
         logger.info("stopped while the engine was starting")
         raise SystemExit(128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)) from None
     finally:
@@ -217,10 +281,23 @@ def serve(args: argparse.Namespace):
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)
-    host, port = sock.getsockname()[:2]
-    logger.info("listening on http://%s:%d%s", f"[{host}]" if ":" in host else host, port,
-                " (API key required on /v1)" if api_keys else "")
-    server.run(sockets=[sock])
+    if args.uds:
+        where = f"unix:{args.uds}"
+    else:
+        host, port = sock.getsockname()[:2]
+        where = f"{'https' if ssl_settings else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+    logger.info("listening on %s%s", where, " (API key required on /v1)" if api_keys else "")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        _remove_socket_file(args.uds)
     if server.engine_died:
         raise SystemExit(1)
+
+
+def _remove_socket_file(path: str | None):
+    """--uds: the socket file goes with the server."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 

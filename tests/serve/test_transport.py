@@ -1,0 +1,133 @@
+"""How the server listens: HTTPS with --ssl-keyfile/--ssl-certfile (client certificates required with --ssl-ca-certs
+and --ssl-cert-reqs 2), a Unix domain socket with --uds, the official OpenAI client on each; and the flags' errors,
+which stop the server before its model loads."""
+import os
+import socket
+import ssl
+import subprocess
+
+import httpx
+import openai
+import pytest
+
+from nanograph import SamplingParams
+from nanograph.cli import main
+
+from .server_process import ServerProcess
+
+PROMPT = "The capital of France is"
+GREEDY = SamplingParams(max_tokens=6, temperature=0)
+
+
+def self_signed(folder, name: str) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by its own key: (certificate, key) files."""
+    cert, key = str(folder / f"{name}.pem"), str(folder / f"{name}.key")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "2", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def trusting(server_cert: str, client: tuple[str, str] | None = None) -> ssl.SSLContext:
+    """A client's TLS settings: the server's certificate trusted, and the client's own certificate shown."""
+    context = ssl.create_default_context(cafile=server_cert)
+    if client is not None:
+        context.load_cert_chain(*client)
+    return context
+
+
+def started(tmp_path_factory, *args, **kwargs) -> ServerProcess:
+    return ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", *args, **kwargs)
+
+
+def stopped(server):
+    code = server.stop()
+    assert code == 0, f"nanograph serve exited with {code} after SIGTERM:\n{server.log()[-4000:]}"
+
+
+def greedy_completion(client, model: str) -> str:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0).choices[0].text
+
+
+def test_https_with_client_certificates(tmp_path_factory, reference_llm):
+    folder = tmp_path_factory.mktemp("certificates")
+    server_cert, server_key = self_signed(folder, "server")
+    client_cert, client_key = self_signed(folder, "client")
+    server = started(tmp_path_factory, "--ssl-certfile", server_cert, "--ssl-keyfile", server_key,
+                     "--ssl-ca-certs", client_cert, "--ssl-cert-reqs", str(int(ssl.CERT_REQUIRED)),
+                     scheme="https", client={"verify": trusting(server_cert, (client_cert, client_key))})
+    try:
+        assert f"listening on https://127.0.0.1:{server.port}" in server.log()
+        expected = reference_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+        with httpx.Client(verify=trusting(server_cert, (client_cert, client_key)), timeout=60) as http, \
+                openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", http_client=http,
+                              max_retries=0) as client:
+            assert greedy_completion(client, client.models.list().data[0].id) == expected
+        # Plain HTTP, a client that does not trust the server's certificate, and one without a certificate of its
+        # own are all turned away.
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=10)
+        untrusting = ssl.create_default_context()
+        untrusting.load_cert_chain(client_cert, client_key)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(server.base_url + "/health", verify=untrusting, timeout=10)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.base_url + "/health", verify=trusting(server_cert), timeout=10).raise_for_status()
+        # The server goes on serving after them.
+        assert httpx.get(server.base_url + "/health", verify=trusting(server_cert, (client_cert, client_key)),
+                         timeout=10).status_code == 200
+    finally:
+        stopped(server)
+
+
+def test_a_unix_domain_socket(tmp_path_factory, reference_llm):
+    path = str(tmp_path_factory.mktemp("uds") / "nanograph.sock")
+    # A socket file left by a server that is gone is replaced.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(path)
+    transport = {"transport": httpx.HTTPTransport(uds=path)}
+    server = started(tmp_path_factory, "--uds", path, client=transport)
+    try:
+        assert f"listening on unix:{path}" in server.log()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http, \
+                openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http,
+                              max_retries=0) as client:
+            expected = reference_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
+            assert greedy_completion(client, client.models.list().data[0].id) == expected
+        with socket.socket() as tcp:  # nothing on the TCP port
+            assert tcp.connect_ex(("127.0.0.1", server.port)) != 0
+        # A second server on the same path stops at once, naming it.
+        with pytest.raises(SystemExit, match="a server already listens on --uds"):
+            main(["serve", "--device", "cpu", "--uds", path])
+    finally:
+        stopped(server)
+    assert not os.path.exists(path)  # the socket file goes with the server
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
+    (["--ssl-certfile", "missing.pem"], "cannot use --ssl-certfile missing.pem"),
+    (["--enable-ssl-refresh"], "--enable-ssl-refresh is not supported"),
+])
+def test_ssl_flag_errors_stop_the_server_before_its_model_loads(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", "--device", "cpu", "--model", str(tmp_path / "no-such-model"), *args])
+
+
+def test_a_certificate_and_a_key_that_do_not_match_are_one_error_line(tmp_path):
+    cert, key = self_signed(tmp_path, "one")
+    _, other_key = self_signed(tmp_path, "two")
+    with pytest.raises(SystemExit, match="cannot use --ssl-certfile"):
+        main(["serve", "--device", "cpu", "--ssl-certfile", cert, "--ssl-keyfile", other_key])
+    with pytest.raises(SystemExit, match="--ssl-cert-reqs 2 checks client certificates, which needs --ssl-ca-certs"):
+        main(["serve", "--device", "cpu", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2"])
+
+
+def test_a_uds_path_that_is_not_a_socket_is_one_error_line(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("not a socket")
+    with pytest.raises(SystemExit, match="exists and is not a socket"):
+        main(["serve", "--device", "cpu", "--uds", str(path)])
+    assert path.read_text() == "not a socket"
