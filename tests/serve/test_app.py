@@ -353,3 +353,26 @@ def test_response_role_streams_and_root_path(server, client):
         response = httpx.get(server.base_url + path, headers=AUTH, timeout=10)
         assert response.status_code == 200 and response.json()["data"][0]["id"] == "smol", (path, response.text)
     assert httpx.get(server.base_url + "/behind-proxy/health", timeout=10).status_code == 200
+
+
+def test_sagemakers_ping_and_invocations(server, client):
+    """/ping answers as /health does; /invocations runs a body with messages as a chat completion and one with a
+    prompt as a completion (behind the API key, as the /v1 routes), streamed too."""
+    for method in ("GET", "POST"):
+        assert httpx.request(method, server.base_url + "/ping", timeout=10).status_code == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    reply = post(server, "/invocations", chat)
+    assert reply.status_code == 200, reply.text
+    expected = client.chat.completions.create(model="smol", **chat)
+    assert reply.json()["object"] == "chat.completion"
+    assert reply.json()["choices"][0]["message"]["content"] == expected.choices[0].message.content
+    completion = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    reply = post(server, "/invocations", completion)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["object"] == "text_completion"
+    assert reply.json()["choices"][0]["text"] == client.completions.create(model="smol", **completion).choices[0].text
+    streamed = post(server, "/invocations", {**completion, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    assert error_of(post(server, "/invocations", chat, headers={}), 401)["code"] == "invalid_api_key"
+    assert "with messages" in error_of(post(server, "/invocations", {"input": "Hi"}), 400)["message"]
+    assert error_of(post(server, "/invocations", {"prompt": "Hi", "max_tokens": -1}), 400)["param"] == "max_tokens"

@@ -1,6 +1,6 @@
 """How the server listens: HTTPS with --ssl-keyfile/--ssl-certfile (client certificates required with --ssl-ca-certs
 and --ssl-cert-reqs 2), a Unix domain socket with --uds, the official OpenAI client on each; and the flags' errors,
-which stop the server before its model loads."""
+which stop the server before its model loads. The --uds server also runs with --return-tokens-as-token-ids."""
 import os
 import socket
 import ssl
@@ -80,20 +80,34 @@ def test_https_with_client_certificates(tmp_path_factory, reference_llm):
         stopped(server)
 
 
-def test_a_unix_domain_socket(tmp_path_factory, reference_llm):
+def test_a_unix_domain_socket_and_token_ids_in_logprobs(tmp_path_factory, reference_llm):
     path = str(tmp_path_factory.mktemp("uds") / "nanograph.sock")
     # A socket file left by a server that is gone is replaced.
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
         stale.bind(path)
     transport = {"transport": httpx.HTTPTransport(uds=path)}
-    server = started(tmp_path_factory, "--uds", path, client=transport)
+    server = started(tmp_path_factory, "--uds", path, "--return-tokens-as-token-ids", "--max-log-len", "100",
+                     client=transport)
     try:
         assert f"listening on unix:{path}" in server.log()
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http, \
                 openai.OpenAI(base_url="http://localhost/v1", api_key="unused", http_client=http,
                               max_retries=0) as client:
             expected = reference_llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].text
-            assert greedy_completion(client, client.models.list().data[0].id) == expected
+            model = client.models.list().data[0].id
+            assert greedy_completion(client, model) == expected
+            # --return-tokens-as-token-ids: logprobs name tokens by id unless a request says otherwise.
+            fields = dict(model=model, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+            by_id = client.completions.create(**fields).choices[0].logprobs
+            by_text = client.completions.create(**fields, extra_body={"return_tokens_as_token_ids": False}
+                                                ).choices[0].logprobs
+            tokenizer = reference_llm.get_tokenizer()
+            assert [tokenizer.decode([int(token.removeprefix("token_id:"))]) for token in by_id.tokens] == \
+                by_text.tokens
+            assert all(key.startswith("token_id:") for top in by_id.top_logprobs for key in top)
+            chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
+            assert all(entry.token.startswith("token_id:") for entry in chat.choices[0].logprobs.content)
         with socket.socket() as tcp:  # nothing on the TCP port
             assert tcp.connect_ex(("127.0.0.1", server.port)) != 0
         # A second server on the same path stops at once, naming it.

@@ -1,8 +1,9 @@
-"""The FastAPI app: the OpenAI routes under /v1 (behind the API key when one is set), and /health, /version,
-/tokenize, /detokenize and /metrics beside them."""
+"""The FastAPI app: the OpenAI routes under /v1 and SageMaker's /invocations (behind the API key when one is set), and
+/health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import uuid
 from contextlib import asynccontextmanager
@@ -87,8 +88,26 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
 
     app.include_router(v1)
 
+    @app.post("/invocations", dependencies=[Depends(check_api_key)])
+    async def invocations(request: Request):
+        """SageMaker's one route, as vLLM's: a body with messages is a chat completion, one with a prompt a
+        completion."""
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None  # the handler's parse says what is wrong with it
+        if isinstance(body, dict) and "messages" in body:
+            return await create_chat_completion(served, request)
+        if isinstance(body, dict) and "prompt" in body:
+            return await create_completion(served, request)
+        raise APIError(400, "/invocations takes a chat completion request (with messages) or a completion request "
+                            "(with a prompt)", code="invalid_value")
+
     @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health():
+        """/ping: SageMaker's health check, as vLLM serves it."""
         if not async_llm.is_running:
             raise APIError(503, "the engine loop is not running" + (f": {async_llm.error}" if async_llm.error else
                                                                      " (the server is shutting down)"),

@@ -39,7 +39,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     if not request.messages:
         raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
-    served.check_supported(request)
+    served.admit(request)
     tool_mode, function = request.tool_mode(), None
     if tool_mode is not None and not request.tools:
         raise APIError(400, f"tool_choice {request.tool_choice!r} needs tools; give the request's tools, or leave "

@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="accepted for vLLM's command lines: requests are not logged one by one")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="accepted for vLLM's command lines: uvicorn's access log is off")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name each token \"token_id:{id}\" rather than by its text, unless a request "
+                             "says otherwise (its return_tokens_as_token_ids)")
+    parser.add_argument("--max-log-len", type=int, help="accepted for vLLM's command lines: requests are not logged")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens found in the "
                              "prefix cache")
@@ -259,7 +263,8 @@ def serve(args: argparse.Namespace):
                              trust_remote_code=config.trust_remote_code,
                              response_role=args.response_role,
                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                             prompt_tokens_details=args.enable_prompt_tokens_details)
+                             prompt_tokens_details=args.enable_prompt_tokens_details,
+                             return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

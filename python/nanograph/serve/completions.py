@@ -25,7 +25,7 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
     if echo_logprobs and request.stream:
         raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which are served on non-streamed "
                             "requests; set stream to false, or drop echo or logprobs", "echo", "invalid_value")
-    served.check_supported(request)
+    served.admit(request)
     prompts, texts = await _prompts(served, request.prompt, request.add_special_tokens)
     kept = served.truncate(prompts, request)
     texts = [text if len(cut) == len(whole) else None for text, cut, whole in zip(texts, kept, prompts)]

@@ -107,7 +107,8 @@ class SamplingRequest(Request):
     spaces_between_special_tokens: bool | None = None
     best_of: int | None = None  # None or n: more is a 400 (SamplingParams' message)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len), as vLLM
-    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name each token "token_id:{id}", not by its text
+    # vLLM's: logprobs name each token "token_id:{id}", not by its text (None: --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's: each prompt token's logprob and the top ones (-1: all), on non-streamed requests.
     prompt_logprobs: int | None = None
     # vLLM's: under --scheduling-policy priority, lower values are served first (else only 0 is taken).

@@ -50,7 +50,8 @@ class ServedModel:
     def __init__(self, async_llm: AsyncLLM, names: str | list[str], tokenizer=None,
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
                  content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
-                 tool_call_parser: str | None = None, prompt_tokens_details: bool = False):
+                 tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
+                 return_tokens_as_token_ids: bool = False):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
@@ -59,6 +60,8 @@ class ServedModel:
         self.response_role = response_role
         self.tool_call_parser = tool_call_parser  # tool_calls.TOOL_CALL_PARSERS; None: no "auto" tool choice
         self.prompt_tokens_details = prompt_tokens_details  # usage reports the prompt tokens the prefix cache held
+        # Logprobs name tokens "token_id:{id}" where a request does not say (vLLM's --return-tokens-as-token-ids).
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
@@ -140,10 +143,14 @@ class ServedModel:
             raise APIError(400, f"the rendered messages could not be tokenized: {type(exc).__name__}: {exc}",
                            "messages", "invalid_value") from None
 
-    def check_supported(self, request: SamplingRequest):
+    def admit(self, request: SamplingRequest):
+        """A 400 for the first field the request asks for that this server cannot honour; the server's defaults
+        for the fields it left out (return_tokens_as_token_ids: --return-tokens-as-token-ids)."""
         unsupported = request.unsupported()
         if unsupported is not None:
             raise APIError(400, unsupported[1], unsupported[0], "unsupported_value")
+        if request.return_tokens_as_token_ids is None:
+            request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
 
     def truncate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[int]]:
         """vLLM's truncate_prompt_tokens, before check_room: each prompt's last k tokens (-1: max_model_len)."""
