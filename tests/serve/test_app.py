@@ -18,7 +18,8 @@ def server(tmp_path_factory):
     yield from module_server(tmp_path_factory, "--api-key", KEY, "--served-model-name", "smol", "smol-alias",
                              "--allowed-origins", '["http://page.test"]', "--trust-request-chat-template",
                              "--response-role", "narrator", "--root-path", "/behind-proxy", "--disable-log-stats",
-                             "--disable-log-requests")
+                             "--disable-log-requests", "--default-chat-template-kwargs",
+                             '{"greeting": "hello", "mood": "calm"}')
 
 
 @pytest.fixture(scope="module")
@@ -376,3 +377,22 @@ def test_sagemakers_ping_and_invocations(server, client):
     assert error_of(post(server, "/invocations", chat, headers={}), 401)["code"] == "invalid_api_key"
     assert "with messages" in error_of(post(server, "/invocations", {"input": "Hi"}), 400)["message"]
     assert error_of(post(server, "/invocations", {"prompt": "Hi", "max_tokens": -1}), 400)["param"] == "max_tokens"
+
+
+def test_default_chat_template_kwargs_reach_the_template_under_the_requests_own(server, client):
+    """--default-chat-template-kwargs: the template's keywords where a request gives none; a request's
+    chat_template_kwargs win key by key (chat, /tokenize, and the Responses API, which renders as the chat route)."""
+    template = "{{ greeting | default('none') }} {{ mood | default('none') }}:{% for m in messages %}{{ m.content }}" \
+               "{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+
+    def rendered(**fields) -> str:
+        tokens = post(server, "/tokenize", {"messages": messages, "chat_template": template, **fields}).json()
+        return post(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
+
+    assert rendered() == "hello calm:hi"
+    assert rendered(chat_template_kwargs={"mood": "stormy"}) == "hello stormy:hi"
+    reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=1, extra_body={
+        "chat_template": template, "chat_template_kwargs": {"greeting": "bye"}})
+    assert reply.usage.prompt_tokens == len(post(server, "/tokenize", {"prompt": "bye calm:hi", "add_special_tokens": False}
+                                                 ).json()["tokens"])

@@ -197,3 +197,14 @@ def test_a_model_taken_as_an_api_key_is_one_error_line(tmp_path):
             main(["serve", "--api-key", "k", model, "--device", "cpu"])
         assert str(exit_info.value).startswith(f"nanograph serve: --api-key took ['{model}'] as keys too; give the "
                                                "model first")
+
+
+def test_default_chat_template_kwargs_take_a_json_object(capsys):
+    from nanograph.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    for bad, message in (("[1]", "is not a JSON object"), ("{enable_thinking: false}", "not JSON")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--default-chat-template-kwargs", bad])
+        assert message in capsys.readouterr().err

@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="every response carries an X-Request-Id header: the request's own, else a new id")
     parser.add_argument("--disable-fastapi-docs", action="store_true",
                         help="no /docs, /redoc or /openapi.json")
+    parser.add_argument("--default-chat-template-kwargs", type=json_dict, metavar="JSON",
+                        help="the chat template's keywords where a request gives none of its own (its "
+                             "chat_template_kwargs win key by key), a JSON object such as '{\"enable_thinking\": "
+                             "false}'")
     parser.add_argument("--response-role", default="assistant",
                         help="the role of a chat reply when add_generation_prompt is on (default: %(default)s)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -212,6 +216,18 @@ def json_str_list(text: str) -> list[str]:
     return value
 
 
+def json_dict(text: str) -> dict:
+    """A command-line JSON object, e.g. '{"enable_thinking": false}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): give an object such as '{{\"enable_thinking\": false}}'") \
+            from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object, such as '{{\"enable_thinking\": false}}'")
+    return value
+
+
 def serve(args: argparse.Namespace):
     try:
         import fastapi  # noqa: F401
@@ -264,7 +280,8 @@ def serve(args: argparse.Namespace):
                              response_role=args.response_role,
                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                              prompt_tokens_details=args.enable_prompt_tokens_details,
-                             return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                             default_chat_template_kwargs=args.default_chat_template_kwargs)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
                         request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,

@@ -51,7 +51,7 @@ class ServedModel:
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
                  content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
                  tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, default_chat_template_kwargs: dict | None = None):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
@@ -62,6 +62,9 @@ class ServedModel:
         self.prompt_tokens_details = prompt_tokens_details  # usage reports the prompt tokens the prefix cache held
         # Logprobs name tokens "token_id:{id}" where a request does not say (vLLM's --return-tokens-as-token-ids).
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        # The chat template's keywords where a request does not give them (vLLM's --default-chat-template-kwargs,
+        # e.g. Qwen3's {"enable_thinking": false}).
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
@@ -126,7 +129,8 @@ class ServedModel:
                            "invalid_value")
         try:
             return chat_prompt_token_ids(self.tokenizer, [message.model_dump() for message in messages],
-                                         chat_template_kwargs=request.chat_template_kwargs,
+                                         chat_template_kwargs={**self.default_chat_template_kwargs,
+                                                               **(request.chat_template_kwargs or {})},
                                          chat_template=request.chat_template if request.chat_template is not None
                                          else self.chat_template,
                                          add_generation_prompt=request.add_generation_prompt,
