@@ -6,7 +6,7 @@ tokenizer, revision, generation_config, ...) carry vLLM's names and meanings and
 of them means its default, as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 from .config import Config
 
@@ -48,6 +48,7 @@ VLLM_ARGS = {
     "disable_async_output_proc": EngineArg(ANY, "the step loop always reads step N's tokens while step N + 1 runs"),
 }
 _CONFIG_FIELDS = {field.name for field in fields(Config)}
+_CONFIG_DEFAULTS = {field.name: field.default for field in fields(Config) if field.default is not MISSING}
 
 
 def engine_config(model: str | None, **kwargs) -> Config:
@@ -82,6 +83,14 @@ class EngineArgs:
         self.model = model
         vars(self).update(kwargs)
         self.create_engine_config()
+
+    def __getattr__(self, name: str):
+        """An argument not given reads as its default (a Config field's, else None for vLLM's other arguments)."""
+        if name in _CONFIG_DEFAULTS:
+            return _CONFIG_DEFAULTS[name]
+        if name in VLLM_ARGS:
+            return None
+        raise AttributeError(f"{type(self).__name__} has no argument {name!r}")
 
     def create_engine_config(self) -> Config:
         arguments = dict(vars(self))

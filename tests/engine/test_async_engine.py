@@ -11,6 +11,7 @@ import pytest
 
 from nanograph import (LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs, EngineDeadError, LLMEngine,
                        RequestOutputKind, SamplingParams, TokensPrompt)
+from nanograph.config import Config
 
 ENGINE_ARGS = dict(device="cpu", max_model_len=1024, max_num_seqs=8)
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello"]
@@ -236,6 +237,9 @@ def test_defaults_tokenizer_and_model_config(engine, llm, tiny_chat_folder):
 def test_engine_args_check_their_arguments_at_once(tiny_chat_folder):
     args = EngineArgs(model=str(tiny_chat_folder), device="cpu", max_model_len=128)
     assert args.max_model_len == 128 and "max_model_len=128" in repr(args)
+    assert (args.max_num_seqs, args.swap_space) == (Config.max_num_seqs, None)  # defaults where not given
+    with pytest.raises(AttributeError, match="no argument 'max_modle_len'"):
+        args.max_modle_len
     args.max_num_seqs = 4
     assert args.create_engine_config().max_num_seqs == 4
     engine = LLMEngine.from_engine_args(args)
