@@ -318,13 +318,24 @@ def test_a_config_file_gives_options_that_the_command_line_overrides(tmp_path):
     config_file.write_text("max_model_len: 128\ntemperature: 0.5\n")
     args = cli.parse_args(parser, ["generate", "hi", "--config", str(config_file)])
     assert (args.prompt, args.max_model_len, args.temperature) == ("hi", 128, 0.5)
+    # Options of several values, and JSON-valued ones given as YAML lists, beside a positional model.
+    config_file.write_text("api-key: [secret, other]\nallowed-origins: ['http://page.test']\nmax-model-len: 32k\n"
+                           "served-model-name: smol\nseed: -3\nenable-prefix-caching: true\n")
+    args = cli.parse_args(cli.build_parser(), ["serve", "/models/m", "--config", str(config_file)])
+    assert (args.model, args.model_option, args.api_key, args.allowed_origins, args.max_model_len,
+            args.served_model_name, args.seed, args.enable_prefix_caching) == \
+        ("/models/m", None, ["secret", "other"], ["http://page.test"], 32000, ["smol"], -3, True)
+    config_file.write_text("uvicorn-log-level: loud\n")
+    with pytest.raises(SystemExit):
+        cli.parse_args(cli.build_parser(), ["serve", "--config", str(config_file)])
 
 
 @pytest.mark.parametrize("text, message", [
     ("served-model-name: smol\n", "'served-model-name' is not an option of `nanograph chat`"),
     ("- max_model_len\n", "the file holds a list, not a mapping of option names to values"),
-    ("enforce-eager: 1\n", "'enforce-eager' is a flag: give true or false, not 1"),
+    ("enforce-eager: 1\n", "enforce-eager: a flag takes true or false, not 1"),
     ("max_model_len: [1\n", "--config"),
+    ("max_model_len: many\n", "max_model_len: "),
 ])
 def test_a_bad_config_file_is_one_error_line(tmp_path, capsys, text, message):
     config_file = tmp_path / "bad.yaml"
@@ -337,6 +348,11 @@ def test_a_bad_config_file_is_one_error_line(tmp_path, capsys, text, message):
     with pytest.raises(SystemExit):
         cli.main(["chat", "hi", "--config", str(tmp_path / "missing.yaml")])
     assert "No such file" in capsys.readouterr().err
+    for argv, error in ((["--config", str(config_file), "--config", str(config_file)], "--config is given twice"),
+                        (["--conf", str(config_file)], "spell the option out as --config FILE")):
+        with pytest.raises(SystemExit):
+            cli.main(["chat", "hi", *argv])
+        assert error in capsys.readouterr().err
 
 
 def test_serve_names_an_engine_option_it_cannot_honour_without_loading_the_model():

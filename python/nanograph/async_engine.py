@@ -11,15 +11,18 @@ The engine process is started with multiprocessing's spawn: a script that builds
 `if __name__ == "__main__":`, as with vLLM."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from .engine.intake import Prompt
+from .engine.intake import Prompt, prompt_parts
 from .engine.llm_engine import LLMEngine, check_no_lora, load_tokenizer
 from .engine_args import AsyncEngineArgs, EngineArgs
+from .inputs import TokensPrompt, check_utf8
 from .outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .serve import async_llm as engine_process
@@ -41,8 +44,15 @@ class AsyncLLMEngine:
         self._async_llm.death_callbacks.append(
             lambda exc: logger.error("the engine has died: its requests and new ones raise EngineDeadError"))
         self.info: EngineInfo = self._async_llm.start()
-        self._tokenizer = None  # loaded when first asked for
-        self._stream_ids: dict[str, int] = {}  # the unfinished requests' ids -> the stream that runs each
+        # This process's own tokenizer, loaded as the engine's (None where the engine has none): text prompts are
+        # encoded here, on a thread of its own, one prompt at a time.
+        self.tokenizer = None if self.config.skip_tokenizer_init or self.info.tokenizer is None else \
+            load_tokenizer(self.info.tokenizer, self.config.trust_remote_code)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # The unfinished requests' ids -> the stream that runs each (-1 while its add is on its way), and the ids
+        # aborted while their add was on its way.
+        self._stream_ids: dict[str, int] = {}
+        self._aborted_while_adding: set[str] = set()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context=None,
@@ -89,17 +99,24 @@ class AsyncLLMEngine:
             sampling_params = self.get_default_sampling_params()
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        kind = sampling_params.output_kind or RequestOutputKind.CUMULATIVE
+        kind = sampling_params.output_kind
+        if kind is None:
+            kind = RequestOutputKind.CUMULATIVE
         arrival = time.time()
         # The engine process sends deltas, whatever the caller reads: the outputs are built here.
         engine_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
         self._stream_ids[request_id] = -1  # taken while the add is on its way
         try:
+            prompt = await self._encoded(prompt)
             stream = await self._async_llm.generate([prompt], [engine_params], priority, report_prompts=True)
         except BaseException:
             del self._stream_ids[request_id]
+            self._aborted_while_adding.discard(request_id)
             raise
         self._stream_ids[request_id] = stream.stream_id
+        if request_id in self._aborted_while_adding:
+            self._aborted_while_adding.discard(request_id)
+            self._async_llm.abort(stream.stream_id)
         [(prompt_text, prompt_token_ids)] = stream.prompts
         output = _Output(request_id, prompt_text, prompt_token_ids, sampling_params.n, kind, arrival)
         try:
@@ -111,12 +128,26 @@ class AsyncLLMEngine:
             stream.close()  # aborts what is unfinished: the caller stopped reading
             del self._stream_ids[request_id]
 
+    async def _encoded(self, prompt: Prompt) -> Prompt:
+        """A text prompt as its token ids (with its text), encoded here on the tokenizer's thread as the engine
+        would encode it, so that a long prompt holds up neither the caller's event loop nor the engine's steps."""
+        text, token_ids = prompt_parts(prompt)
+        if token_ids is not None or self.tokenizer is None:
+            return prompt  # the engine's own check says what is wrong with it, if anything
+        check_utf8(text, "prompt")
+        token_ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.tokenizer.encode,
+                                                                     text)
+        return TokensPrompt(prompt_token_ids=token_ids, prompt=text)
+
     async def abort(self, request_id: str | Iterable[str]):
-        """End these requests (unknown or finished ids are skipped); each one's generator then yields its last
-        output, finish_reason "abort", and ends."""
+        """End these requests (unknown or finished ids are skipped), also one whose generate() has yet to hear
+        that the engine queued it; each one's generator then yields its last output, finish_reason "abort", and
+        ends."""
         for one in [request_id] if isinstance(request_id, str) else request_id:
-            stream_id = self._stream_ids.get(one, -1)
-            if stream_id >= 0:
+            stream_id = self._stream_ids.get(one)
+            if stream_id == -1:
+                self._aborted_while_adding.add(one)
+            elif stream_id is not None:
                 self._async_llm.abort(stream_id)
 
     def shutdown(self, timeout: float = 30.0):
@@ -146,16 +177,9 @@ class AsyncLLMEngine:
             raise self.dead_error
 
     async def get_tokenizer(self, lora_request=None):
-        """The model's tokenizer (this process's own instance, loaded as the engine's)."""
+        """The model's tokenizer (this process's own instance, loaded as the engine's; None where it has none)."""
         check_no_lora(lora_request)
         return self.tokenizer
-
-    @property
-    def tokenizer(self):
-        """None where the engine has none (skip_tokenizer_init, or a model folder without one)."""
-        if self._tokenizer is None and not self.config.skip_tokenizer_init:
-            self._tokenizer = load_tokenizer(self.info.tokenizer or self.info.model, self.config.trust_remote_code)
-        return self._tokenizer
 
     async def get_model_config(self) -> EngineInfo:
         """What the engine runs: model (its folder), tokenizer, max_model_len, max_num_seqs, vocab_size, device."""
@@ -199,13 +223,13 @@ class _Output:
             new.token_ids += delta.token_ids
             if delta.logprobs is not None:
                 new.logprobs = (new.logprobs or []) + delta.logprobs
+            new.cumulative_logprob = delta.cumulative_logprob
             new.finish_reason, new.stop_reason = delta.finish_reason, delta.stop_reason
         finished = all(completion is not None and completion.finished() for completion in self.completions)
         if self.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if self.kind is RequestOutputKind.DELTA:
-            outputs = [dataclasses.replace(new, cumulative_logprob=self.completions[index].cumulative_logprob)
-                       for index, new in sorted(changed.items())]
+            outputs = [new for _, new in sorted(changed.items())]
         else:
             outputs = [_copy(completion) for completion in self.completions if completion is not None]
         if finished:
@@ -219,14 +243,12 @@ class _Output:
         completion = self.completions[delta.index]
         if completion is None:
             completion = self.completions[delta.index] = CompletionOutput(
-                delta.index, "", [], 0.0 if delta.logprobs is not None else None,
-                [] if delta.logprobs is not None else None)
+                delta.index, "", [], None, [] if delta.logprobs is not None else None)
         completion.text += delta.text
-        completion.token_ids = completion.token_ids + delta.token_ids
+        completion.token_ids.extend(delta.token_ids)  # the outputs hold copies (_copy)
         if delta.logprobs is not None:
-            for token_id, logprobs in zip(delta.token_ids, delta.logprobs):
-                completion.cumulative_logprob += logprobs[token_id].logprob
-            completion.logprobs = completion.logprobs + delta.logprobs
+            completion.logprobs.extend(delta.logprobs)
+        completion.cumulative_logprob = delta.cumulative_logprob
         completion.finish_reason, completion.stop_reason = delta.finish_reason, delta.stop_reason
         metrics = self.metrics
         if delta.scheduled_time is not None and metrics.first_scheduled_time is None:

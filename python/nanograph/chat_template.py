@@ -21,9 +21,9 @@ class ChatTemplateError(ValueError):
 
 
 # render_chat's own options: the same keys in chat_template_kwargs win over them, as in vLLM.
-_OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
+CHAT_OPTIONS = ("chat_template", "add_generation_prompt", "continue_final_message", "tools")
 # apply_chat_template's arguments that rendering a conversation to text sets itself.
-_RESERVED = ("conversation", "messages", "tokenize", "return_dict")
+CHAT_RESERVED = ("conversation", "messages", "tokenize", "return_dict")
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -45,8 +45,8 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
     options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                "continue_final_message": continue_final_message, "tools": tools}
     kwargs = dict(chat_template_kwargs or {})
-    options.update({name: kwargs.pop(name) for name in _OPTIONS if name in kwargs})
-    reserved = [name for name in _RESERVED if name in kwargs]
+    options.update({name: kwargs.pop(name) for name in CHAT_OPTIONS if name in kwargs})
+    reserved = [name for name in CHAT_RESERVED if name in kwargs]
     if reserved:
         raise ChatOptionError("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: the "
                               "conversation is rendered to text from the messages given")

@@ -12,8 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 from . import __version__
 from .cli_options import (MODEL_HELP, add_engine_arguments, add_sampling_arguments, engine_kwargs,
                           sampling_params)
@@ -199,64 +197,88 @@ def dashed_options(argv: list[str]) -> list[str]:
 
 
 def config_file_options(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """argv with the command's `--config FILE` replaced by the file's options, placed right after the command so
-    that those on the command line win (a flag that the file sets stays set, unless it has a --no- form)."""
+    """vLLM's `--config FILE` after the command: a YAML mapping of the command's option names (dashes or
+    underscores) to values, taken as the command's defaults, so that the options on the command line win wherever
+    they stand. Returns argv without the --config. A flag's value is true or false (false: its --no- form, where it
+    has one), a list gives an option of several values its values (or a JSON-valued option its JSON), a mapping a
+    JSON-valued option (hf-overrides, ...) its JSON."""
     end = argv.index("--") if "--" in argv else len(argv)
     cut = next((i + 1 for i, arg in enumerate(argv[:end]) if arg in parser.command_parsers), None)
     if cut is None:
         return argv
     command = argv[cut - 1]
-    at = next((i for i in range(cut, end) if argv[i] == "--config" or argv[i].startswith("--config=")), None)
-    if at is None:
+    at = [i for i in range(cut, end) if argv[i] == "--config" or argv[i].startswith("--config=")]
+    if not at:
         return argv
+    if len(at) > 1:
+        parser.error("--config is given twice: give one YAML file")
+    at = at[0]
     path, rest = (argv[at + 1] if at + 1 < end else None, argv[at + 2:]) if argv[at] == "--config" else \
         (argv[at].partition("=")[2], argv[at + 1:])
     if not path:
         parser.error("--config needs a YAML file")
+    subparser = parser.command_parsers[command]
+    subparser.set_defaults(**_config_file_values(path, command, subparser, parser.error))
+    return [*argv[:at], *rest]
+
+
+def _config_file_values(path: str, command: str, subparser: argparse.ArgumentParser, error) -> dict:
+    """The file's values by the options' destinations, as the command line would parse them."""
+    import yaml  # the command line's own dependency, read only for a --config
+
     try:
         values = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as exc:
-        parser.error(f"--config {path}: {exc}")
+        error(f"--config {path}: {exc}")
     if values is None:
         values = {}
     if not isinstance(values, dict):
-        parser.error(f"--config {path}: the file holds a {type(values).__name__}, not a mapping of option names to "
-                     "values (such as 'max-model-len: 4096')")
-    options = parser.command_parsers[command]._option_string_actions
-    from_file = []
+        error(f"--config {path}: the file holds a {type(values).__name__}, not a mapping of option names to values "
+              "(such as 'max-model-len: 4096')")
+    options = {option: action for action in subparser._actions for option in action.option_strings}
+    parsed = {}
     for key, value in values.items():
         name = "--" + str(key).replace("_", "-")
         action = options.get(name)
-        if action is None or name == "--config":
-            parser.error(f"--config {path}: {key!r} is not an option of `nanograph {command}`")
+        if action is None or name in ("--config", "--help"):
+            error(f"--config {path}: {key!r} is not an option of `nanograph {command}`")
         if value is None:
             continue
+        where = f"--config {path}: {key}"
         if action.nargs == 0:  # a flag
             if not isinstance(value, bool):
-                parser.error(f"--config {path}: {key!r} is a flag: give true or false, not {value!r}")
-            if value:
-                from_file.append(name)
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                from_file.append("--no-" + name[2:])
-        elif isinstance(value, list):
-            from_file += [name, *map(_option_value, value)]
+                error(f"{where}: a flag takes true or false, not {value!r}")
+            if value or isinstance(action, argparse.BooleanOptionalAction):
+                parsed[action.dest] = value
+        elif action.nargs in ("+", "*"):
+            parsed[action.dest] = [_converted(action, item, where, error)
+                                   for item in (value if isinstance(value, list) else [value])]
         else:
-            from_file += [name, _option_value(value)]
-    return [*argv[:cut], *from_file, *argv[cut:at], *rest]
+            parsed[action.dest] = _converted(action, value, where, error)
+    return parsed
 
 
-def _option_value(value) -> str:
-    """A YAML value as the command line spells it: mappings (hf-overrides, ...) as JSON."""
-    if isinstance(value, dict):
-        return json.dumps(value)
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+def _converted(action: argparse.Action, value, where: str, error):
+    """One YAML value through the option's type, as its text on the command line would go (lists and mappings as
+    JSON), checked against its choices."""
+    text = json.dumps(value) if isinstance(value, (dict, list)) else \
+        ("true" if value else "false") if isinstance(value, bool) else str(value)
+    try:
+        converted = action.type(text) if action.type is not None else text
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        error(f"{where}: {exc or f'invalid value {value!r}'}")
+    if action.choices is not None and converted not in action.choices:
+        error(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return converted
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
-    """The command line as vLLM's takes it: options with underscores, and a --config file."""
-    return parser.parse_args(config_file_options(dashed_options(argv), parser))
+    """The command line as vLLM's takes it: options with underscores, and a --config file (which becomes the
+    command's defaults in parser)."""
+    args = parser.parse_args(config_file_options(dashed_options(argv), parser))
+    if getattr(args, "config", None) is not None:  # an abbreviation of --config, which argparse took as such
+        parser.error("spell the option out as --config FILE")
+    return args
 
 
 def main(argv: list[str] | None = None):

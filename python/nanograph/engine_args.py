@@ -79,21 +79,25 @@ class EngineArgs:
     takes what LLM(model, **kwargs) takes, and checks them here (an argument nanograph does not take raises at once).
     Each argument given is an attribute, and may be changed before the engine is built."""
 
+    _NOT_ENGINE: tuple[str, ...] = ()  # arguments of the frontend, not the engine's
+
     def __init__(self, model: str | None = None, **kwargs):
         self.model = model
         vars(self).update(kwargs)
         self.create_engine_config()
 
     def __getattr__(self, name: str):
-        """An argument not given reads as its default (a Config field's, else None for vLLM's other arguments)."""
+        """An argument not given reads as its default (a Config field's, else the first value nanograph takes of
+        vLLM's other arguments, None for those it takes at any value)."""
         if name in _CONFIG_DEFAULTS:
             return _CONFIG_DEFAULTS[name]
         if name in VLLM_ARGS:
-            return None
+            values = VLLM_ARGS[name].values
+            return None if values is ANY else values[0]
         raise AttributeError(f"{type(self).__name__} has no argument {name!r}")
 
     def create_engine_config(self) -> Config:
-        arguments = dict(vars(self))
+        arguments = {name: value for name, value in vars(self).items() if name not in self._NOT_ENGINE}
         return engine_config(arguments.pop("model"), **arguments)
 
     def __repr__(self) -> str:
@@ -104,6 +108,9 @@ class AsyncEngineArgs(EngineArgs):
     """EngineArgs for AsyncLLMEngine.from_engine_args; vLLM's request logging switches (enable_log_requests,
     disable_log_requests) are taken at any value: the engine logs no request."""
 
+    _NOT_ENGINE = ("enable_log_requests", "disable_log_requests")
+
     def __init__(self, model: str | None = None, *, enable_log_requests: bool = False,
                  disable_log_requests: bool = True, **kwargs):
-        super().__init__(model, **kwargs)
+        super().__init__(model, enable_log_requests=enable_log_requests, disable_log_requests=disable_log_requests,
+                         **kwargs)

@@ -67,3 +67,4 @@ class CompletionDelta:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # On a completion's last delta: its prompt's tokens found in the prefix cache (None: never scheduled).
     num_cached_tokens: int | None = None
+    cumulative_logprob: float | None = None  # the completion's so far, when the request asked for logprobs

@@ -171,7 +171,8 @@ def test_closing_the_generator_or_cancelling_its_task_aborts(engine):
         generator = engine.generate(PROMPTS[1], long_params(), "closed")
         await anext(generator)
         await generator.aclose()
-        await asyncio.to_thread(wait_until_idle, engine)
+        # Within seconds: the 900 tokens left would take far longer on a CPU.
+        await asyncio.to_thread(wait_until_idle, engine, 5)
 
     async def cancel():
         started = asyncio.Event()
@@ -185,10 +186,22 @@ def test_closing_the_generator_or_cancelling_its_task_aborts(engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        await asyncio.to_thread(wait_until_idle, engine)
+        await asyncio.to_thread(wait_until_idle, engine, 5)
 
     run(close_early())
     run(cancel())
+
+    async def abort_while_adding():
+        """An abort before generate() has heard that the engine queued its request still ends it."""
+        reader = asyncio.create_task(outputs_of(engine, PROMPTS[1], long_params(), "aborted-early"))
+        while "aborted-early" not in engine._stream_ids:
+            await asyncio.sleep(0)
+        assert engine._stream_ids["aborted-early"] == -1
+        await engine.abort("aborted-early")
+        outputs = await reader
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+
+    run(abort_while_adding())
     # The ids are free again.
     assert run(outputs_of(engine, PROMPTS[1], SamplingParams(max_tokens=3), "closed"))[-1].finished
 
@@ -237,18 +250,21 @@ def test_defaults_tokenizer_and_model_config(engine, llm, tiny_chat_folder):
 def test_engine_args_check_their_arguments_at_once(tiny_chat_folder):
     args = EngineArgs(model=str(tiny_chat_folder), device="cpu", max_model_len=128)
     assert args.max_model_len == 128 and "max_model_len=128" in repr(args)
-    assert (args.max_num_seqs, args.swap_space) == (Config.max_num_seqs, None)  # defaults where not given
+    # Defaults where not given.
+    assert (args.max_num_seqs, args.swap_space, args.tokenizer_mode) == (Config.max_num_seqs, None, "auto")
     with pytest.raises(AttributeError, match="no argument 'max_modle_len'"):
         args.max_modle_len
     args.max_num_seqs = 4
     assert args.create_engine_config().max_num_seqs == 4
     engine = LLMEngine.from_engine_args(args)
     assert engine.config.max_model_len == 128
+    engine.shutdown()
     with pytest.raises(ValueError, match="engine argument 'max_modle_len' is not supported"):
         EngineArgs(model=str(tiny_chat_folder), max_modle_len=128)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
         AsyncEngineArgs(model=str(tiny_chat_folder), pipeline_parallel_size=2)
-    AsyncEngineArgs(model=str(tiny_chat_folder), disable_log_requests=True, enable_log_requests=False)
+    quiet = AsyncEngineArgs(model=str(tiny_chat_folder), disable_log_requests=True, enable_log_requests=False)
+    assert quiet.disable_log_requests and quiet.create_engine_config().max_model_len is None
     with pytest.raises(ValueError, match="start_engine_loop=False"):
         AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_chat_folder)), start_engine_loop=False)
     with pytest.raises(TypeError, match="engine_args must be an AsyncEngineArgs"):

@@ -376,6 +376,9 @@ def test_sagemakers_ping_and_invocations(server, client):
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     assert error_of(post(server, "/invocations", chat, headers={}), 401)["code"] == "invalid_api_key"
     assert "with messages" in error_of(post(server, "/invocations", {"input": "Hi"}), 400)["message"]
+    not_json = httpx.post(server.base_url + "/invocations", content=b"{messages", timeout=60,
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert error_of(not_json, 400)["code"] == "invalid_json"
     assert error_of(post(server, "/invocations", {"prompt": "Hi", "max_tokens": -1}), 400)["param"] == "max_tokens"
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from nanograph import SamplingParams
 from nanograph.cli import main
+from nanograph.serve.command import bind_unix_socket, remove_socket_file
 
 from .server_process import ServerProcess
 
@@ -121,10 +122,12 @@ def test_a_unix_domain_socket_and_token_ids_in_logprobs(tmp_path_factory, refere
 @pytest.mark.parametrize("args, message", [
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs and --ssl-cert-reqs need HTTPS"),
-    (["--ssl-certfile", "missing.pem"], "cannot use --ssl-certfile missing.pem"),
+    (["--ssl-certfile", "missing.pem"], "--ssl-certfile missing.pem: no such file, or not readable"),
+    (["--default-chat-template-kwargs", '{"add_generation_prompt": false}'],
+     "--default-chat-template-kwargs cannot set add_generation_prompt"),
     (["--enable-ssl-refresh"], "--enable-ssl-refresh is not supported"),
 ])
-def test_ssl_flag_errors_stop_the_server_before_its_model_loads(tmp_path, monkeypatch, args, message):
+def test_flag_errors_stop_the_server_before_its_model_loads(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit, match=message):
         main(["serve", "--device", "cpu", "--model", str(tmp_path / "no-such-model"), *args])
@@ -145,3 +148,24 @@ def test_a_uds_path_that_is_not_a_socket_is_one_error_line(tmp_path):
     with pytest.raises(SystemExit, match="exists and is not a socket"):
         main(["serve", "--device", "cpu", "--uds", str(path)])
     assert path.read_text() == "not a socket"
+
+
+def test_a_uds_socket_is_taken_from_its_binding_on(tmp_path):
+    """The socket listens as soon as it is bound (while the model would load), so a second server on the path stops
+    rather than replacing it; the first one's exit removes only its own file."""
+    path = str(tmp_path / "s.sock")
+    first = bind_unix_socket(path)
+    inode = os.lstat(path).st_ino
+    try:
+        with pytest.raises(SystemExit, match="a server already listens on --uds"):
+            bind_unix_socket(path)
+    finally:
+        first.close()
+    second = bind_unix_socket(path)  # the first is gone: its file is replaced
+    try:
+        remove_socket_file(path, inode)  # the first server's exit
+        assert os.path.exists(path)
+        remove_socket_file(path, os.lstat(path).st_ino)
+        assert not os.path.exists(path)
+    finally:
+        second.close()

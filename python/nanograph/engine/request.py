@@ -81,6 +81,7 @@ class Request:
                                                self.error if seq.is_finished else None,
                                                self.seqs[0].first_scheduled_time,
                                                self.seqs[0].prompt_logprobs if seq.is_finished else None,
-                                               seq.num_cached_tokens if seq.is_finished else None))
+                                               seq.num_cached_tokens if seq.is_finished else None,
+                                               seq.cumulative_logprob))
         deltas, self._taken = self._taken, []
         return deltas

@@ -94,14 +94,14 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
         completion."""
         try:
             body = json.loads(await request.body())
-        except ValueError:
-            body = None  # the handler's parse says what is wrong with it
+        except ValueError:  # not JSON: the chat route's parse says so, as for any route
+            return await create_chat_completion(served, request)
         if isinstance(body, dict) and "messages" in body:
             return await create_chat_completion(served, request)
         if isinstance(body, dict) and "prompt" in body:
             return await create_completion(served, request)
         raise APIError(400, "/invocations takes a chat completion request (with messages) or a completion request "
-                            "(with a prompt)", code="invalid_value")
+                            "(with a prompt)", "messages", "invalid_value")
 
     @app.get("/health")
     @app.get("/ping")

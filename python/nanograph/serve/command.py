@@ -21,7 +21,7 @@ import stat
 from functools import partial
 from pathlib import Path
 
-from ..chat_template import CONTENT_FORMATS
+from ..chat_template import CHAT_OPTIONS, CHAT_RESERVED, CONTENT_FORMATS
 from ..cli_options import add_engine_arguments, engine_kwargs
 from ..engine_args import engine_config
 from ..reasoning import REASONING_PARSERS
@@ -137,23 +137,36 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def bind_unix_socket(path: str) -> socket.socket:
-    """--uds: the server's Unix domain socket, bound before the engine is built. A socket file left by a server that
-    is gone is replaced; one that a server answers on, or any other file, is an error."""
-    if os.path.lexists(path):
-        if not stat.S_ISSOCK(os.lstat(path).st_mode):
-            raise SystemExit(f"nanograph serve: --uds {path} exists and is not a socket; choose another path")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            if probe.connect_ex(path) == 0:
-                raise SystemExit(f"nanograph serve: a server already listens on --uds {path}; choose another path "
-                                 "(or stop that server)")
-        os.unlink(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """--uds: the server's Unix domain socket, bound and listening before the engine is built (so that another
+    server sees it taken; connections wait until the engine is up). A socket file left by a server that is gone is
+    replaced; one that a server listens on, or any other file, is an error."""
     try:
-        sock.bind(path)
+        if os.path.lexists(path):
+            if not stat.S_ISSOCK(os.lstat(path).st_mode):
+                raise SystemExit(f"nanograph serve: --uds {path} exists and is not a socket; choose another path")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                if probe.connect_ex(path) == 0:
+                    raise SystemExit(f"nanograph serve: a server already listens on --uds {path}; choose another "
+                                     "path (or stop that server)")
+            os.unlink(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen()
+        except OSError:
+            sock.close()
+            raise
     except OSError as exc:
-        sock.close()
         raise SystemExit(f"nanograph serve: cannot listen on --uds {path}: {exc.strerror or exc}") from None
     return sock
+
+
+def remove_socket_file(path: str, inode: int):
+    """--uds: the socket file goes with the server, unless another has been put in its place (inode: the one it
+    bound)."""
+    with contextlib.suppress(OSError):
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def ssl_options(args: argparse.Namespace) -> dict:
@@ -173,13 +186,22 @@ def ssl_options(args: argparse.Namespace) -> dict:
         raise SystemExit(f"nanograph serve: --ssl-cert-reqs {args.ssl_cert_reqs} checks client certificates, which "
                          "needs --ssl-ca-certs (the CAs that sign them)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise SystemExit(f"nanograph serve: {flag} {path}: no such file, or not readable")
     try:
         context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-        if args.ssl_ca_certs is not None:
-            context.load_verify_locations(args.ssl_ca_certs)
     except (OSError, ssl.SSLError) as exc:
-        raise SystemExit(f"nanograph serve: cannot use --ssl-certfile {args.ssl_certfile} / --ssl-keyfile "
-                         f"{args.ssl_keyfile} / --ssl-ca-certs {args.ssl_ca_certs}: {exc}") from None
+        key = f" with --ssl-keyfile {args.ssl_keyfile}" if args.ssl_keyfile else " (the key in the same file)"
+        raise SystemExit(f"nanograph serve: cannot use --ssl-certfile {args.ssl_certfile}{key}: {exc} (a PEM "
+                         "certificate chain and the private key that matches it)") from None
+    if args.ssl_ca_certs is not None:
+        try:
+            context.load_verify_locations(args.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise SystemExit(f"nanograph serve: cannot use --ssl-ca-certs {args.ssl_ca_certs}: {exc} (PEM "
+                             "certificates)") from None
     return {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
             "ssl_cert_reqs": args.ssl_cert_reqs}
 
@@ -214,6 +236,16 @@ def json_str_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, such as '[\"*\"]'")
     return value
+
+
+def check_default_chat_template_kwargs(kwargs: dict | None):
+    """--default-chat-template-kwargs may not set what a request sets in its own fields (add_generation_prompt,
+    tools, ...) or what rendering sets itself."""
+    taken = [name for name in (*CHAT_OPTIONS, *CHAT_RESERVED) if name in (kwargs or {})]
+    if taken:
+        raise SystemExit(f"nanograph serve: --default-chat-template-kwargs cannot set {', '.join(taken)}: those are "
+                         "each request's own fields, or set by the rendering itself; give the template's own "
+                         "keywords (such as enable_thinking)")
 
 
 def json_dict(text: str) -> dict:
@@ -260,12 +292,15 @@ def serve(args: argparse.Namespace):
         raise SystemExit("nanograph serve: --enable-auto-tool-choice needs --tool-call-parser (one of: "
                          f"{', '.join(TOOL_CALL_PARSERS)})")
     chat_template = read_chat_template(args.chat_template)
+    check_default_chat_template_kwargs(args.default_chat_template_kwargs)
     config = engine_config(model, reasoning_parser=args.reasoning_parser, **engine_kwargs(args))
     names = args.served_model_name or [model or MODEL_NAME]
     name = names[0]
     api_keys = [key for key in args.api_key or () if key]
     ssl_settings = ssl_options(args)
     sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
+    uds_inode = os.lstat(args.uds).st_ino if args.uds else None
+    started = False
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
                          None if args.disable_log_stats else args.log_interval)
     # Until uvicorn takes the signals over, SIGTERM unwinds as Ctrl-C does, ending the engine process.
@@ -288,18 +323,19 @@ def serve(args: argparse.Namespace):
                                              log_level=args.uvicorn_log_level,
                                              timeout_graceful_shutdown=SHUTDOWN_SECONDS, **ssl_settings), async_llm,
                               stop_on_engine_death=not keep_alive_on_engine_death())
+        started = True
     # A bad folder or engine argument, or a setting this device does not run yet: the message says which.
     except (ValueError, TypeError, OSError, NotImplementedError) as exc:
         async_llm.close()
-        _remove_socket_file(args.uds)
         raise SystemExit(f"nanograph serve: {type(exc).__name__}: {exc}")
     except KeyboardInterrupt as exc:
         async_llm.close()
-        _remove_socket_file(args.uds)
         logger.info("stopped while the engine was starting")
         raise SystemExit(128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)) from None
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
+        if not started and args.uds:
+            remove_socket_file(args.uds, uds_inode)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)
@@ -312,14 +348,8 @@ def serve(args: argparse.Namespace):
     try:
         server.run(sockets=[sock])
     finally:
-        _remove_socket_file(args.uds)
+        if args.uds:
+            remove_socket_file(args.uds, uds_inode)
     if server.engine_died:
         raise SystemExit(1)
-
-
-def _remove_socket_file(path: str | None):
-    """--uds: the socket file goes with the server."""
-    if path is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
 
