@@ -192,6 +192,10 @@ class AsyncLLMEngine:
     async def is_sleeping(self) -> bool:
         return False
 
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt prefix; False, changing nothing, while a request holds KV blocks."""
+        return await self._async_llm.reset_prefix_cache()
+
 
 AsyncLLM = AsyncLLMEngine  # vLLM V1's name
 

@@ -247,6 +247,32 @@ def test_defaults_tokenizer_and_model_config(engine, llm, tiny_chat_folder):
     assert AsyncLLM is AsyncLLMEngine
 
 
+def test_reset_prefix_cache(engine):
+    """A prompt's second run finds its blocks in the prefix cache; after a reset, a third finds none. A reset while
+    a request holds blocks changes nothing and says so."""
+    prompt = list(range(10, 60))
+    params = SamplingParams(temperature=0, max_tokens=2, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def cached(request_id) -> int:
+        return run(outputs_of(engine, prompt, params, request_id))[-1].num_cached_tokens
+
+    cached("warm")
+    assert cached("hit") >= 48
+    assert run(engine.reset_prefix_cache()) is True
+    assert cached("after-reset") == 0
+
+    async def while_running():
+        generator = engine.generate(PROMPTS[0], long_params(), "holding")
+        await anext(generator)
+        try:
+            return await engine.reset_prefix_cache()
+        finally:
+            await generator.aclose()
+
+    assert run(while_running()) is False
+    wait_until_idle(engine)
+
+
 def test_engine_args_check_their_arguments_at_once(tiny_chat_folder):
     args = EngineArgs(model=str(tiny_chat_folder), device="cpu", max_model_len=128)
     assert args.max_model_len == 128 and "max_model_len=128" in repr(args)

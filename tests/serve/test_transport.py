@@ -1,10 +1,13 @@
 """How the server listens: HTTPS with --ssl-keyfile/--ssl-certfile (client certificates required with --ssl-ca-certs
 and --ssl-cert-reqs 2), a Unix domain socket with --uds, the official OpenAI client on each; and the flags' errors,
-which stop the server before its model loads. The --uds server also runs with --return-tokens-as-token-ids."""
+which stop the server before its model loads. The --uds server also runs with --return-tokens-as-token-ids,
+--enable-server-load-tracking (GET /load), --enable-force-include-usage, and vLLM's development routes
+(POST /reset_prefix_cache)."""
 import os
 import socket
 import ssl
 import subprocess
+import time
 
 import httpx
 import openai
@@ -12,9 +15,9 @@ import pytest
 
 from nanograph import SamplingParams
 from nanograph.cli import main
-from nanograph.serve.command import bind_unix_socket, remove_socket_file
+from nanograph.serve.command import bind_unix_socket, remove_socket_file, socket_file
 
-from .server_process import ServerProcess
+from .server_process import ServerProcess, server_env
 
 PROMPT = "The capital of France is"
 GREEDY = SamplingParams(max_tokens=6, temperature=0)
@@ -88,7 +91,9 @@ def test_a_unix_domain_socket_and_token_ids_in_logprobs(tmp_path_factory, refere
         stale.bind(path)
     transport = {"transport": httpx.HTTPTransport(uds=path)}
     server = started(tmp_path_factory, "--uds", path, "--return-tokens-as-token-ids", "--max-log-len", "100",
-                     client=transport)
+                     "--enable-server-load-tracking", "--enable-force-include-usage", "--enable-log-outputs",
+                     "--disable-frontend-multiprocessing", client=transport,
+                     env=server_env(NANOGRAPH_SERVER_DEV_MODE="1"))
     try:
         assert f"listening on unix:{path}" in server.log()
         with httpx.Client(transport=httpx.HTTPTransport(uds=path), timeout=60) as http, \
@@ -109,6 +114,20 @@ def test_a_unix_domain_socket_and_token_ids_in_logprobs(tmp_path_factory, refere
             chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=3, temperature=0, logprobs=True, top_logprobs=1)
             assert all(entry.token.startswith("token_id:") for entry in chat.choices[0].logprobs.content)
+            # --enable-force-include-usage: a stream without stream_options ends with its usage; GET /load counts
+            # it while it runs; POST /reset_prefix_cache waits for no request to hold blocks.
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=40, stream=True,
+                                               extra_body={"ignore_eos": True})
+            next(stream)
+            assert http.get("http://localhost/load").json() == {"server_load": 1}
+            assert http.post("http://localhost/reset_prefix_cache").status_code == 409
+            chunks = list(stream)
+            assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
+            deadline = time.monotonic() + 10  # the response's end reaches the count just after its last chunk
+            while http.get("http://localhost/load").json() != {"server_load": 0}:
+                assert time.monotonic() < deadline, "the finished stream is still counted"
+                time.sleep(0.05)
+            assert http.post("http://localhost/reset_prefix_cache").status_code == 200
         with socket.socket() as tcp:  # nothing on the TCP port
             assert tcp.connect_ex(("127.0.0.1", server.port)) != 0
         # A second server on the same path stops at once, naming it.
@@ -155,7 +174,7 @@ def test_a_uds_socket_is_taken_from_its_binding_on(tmp_path):
     rather than replacing it; the first one's exit removes only its own file."""
     path = str(tmp_path / "s.sock")
     first = bind_unix_socket(path)
-    inode = os.lstat(path).st_ino
+    first_file = socket_file(path)
     try:
         with pytest.raises(SystemExit, match="a server already listens on --uds"):
             bind_unix_socket(path)
@@ -163,9 +182,9 @@ def test_a_uds_socket_is_taken_from_its_binding_on(tmp_path):
         first.close()
     second = bind_unix_socket(path)  # the first is gone: its file is replaced
     try:
-        remove_socket_file(path, inode)  # the first server's exit
+        remove_socket_file(path, first_file)  # the first server's exit
         assert os.path.exists(path)
-        remove_socket_file(path, os.lstat(path).st_ino)
+        remove_socket_file(path, socket_file(path))
         assert not os.path.exists(path)
     finally:
         second.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import uuid
 from contextlib import asynccontextmanager
@@ -22,15 +23,49 @@ from .responses import create_response
 from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/invocations")  # what /load counts
+
+
+def dev_mode() -> bool:
+    """NANOGRAPH_SERVER_DEV_MODE (or vLLM's VLLM_SERVER_DEV_MODE) set: the development routes are served."""
+    value = os.environ.get("NANOGRAPH_SERVER_DEV_MODE") or os.environ.get("VLLM_SERVER_DEV_MODE")
+    return (value or "0").strip().lower() not in ("", "0", "false", "no")
+
+
+class ServerLoad:
+    """The generating requests in flight (POSTs to GENERATING_PATHS), each counted until its whole response, a
+    stream's last chunk included, has been sent."""
+
+    def __init__(self):
+        self.value = 0
+
+    class Counter:
+        """The ASGI middleware that counts them."""
+
+        def __init__(self, app, load: ServerLoad):
+            self.app = app
+            self.load = load
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith(GENERATING_PATHS):
+                return await self.app(scope, receive, send)
+            self.load.value += 1
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.load.value -= 1
 
 
 def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict | None = None,
-              root_path: str = "", request_id_headers: bool = False, docs: bool = True) -> FastAPI:
+              root_path: str = "", request_id_headers: bool = False, docs: bool = True,
+              load_tracking: bool = False) -> FastAPI:
     """api_keys: a /v1 request must bring one of them (empty keys are left out, as vLLM does: none left, no key is
     asked). cors: CORSMiddleware's keyword arguments (allow_origins, allow_methods, ...); None: no CORS headers.
     root_path: the prefix a proxy may leave on the paths (/api/v1/models and /v1/models are then the same route).
     request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
-    /redoc and /openapi.json."""
+    /redoc and /openapi.json. load_tracking: /load counts the generating requests in flight (vLLM's
+    --enable-server-load-tracking). With NANOGRAPH_SERVER_DEV_MODE (or VLLM_SERVER_DEV_MODE) set, vLLM's development
+    route POST /reset_prefix_cache is served too."""
     if isinstance(api_keys, str):
         raise TypeError("build_app takes api_keys as a list of keys")
     keys = [key.encode() for key in api_keys or () if key]
@@ -55,6 +90,9 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
 
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
+    load = ServerLoad()
+    if load_tracking:
+        app.add_middleware(ServerLoad.Counter, load=load)
 
     def check_api_key(request: Request):
         if not keys:
@@ -117,6 +155,21 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     @app.get("/version")
     async def version():
         return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load():
+        """vLLM's: the generating requests in flight (0 unless the server tracks them)."""
+        return {"server_load": load.value}
+
+    if dev_mode():
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            """vLLM's development route: forget the cached prompt prefixes (refused while a request holds KV
+            blocks)."""
+            if not await async_llm.reset_prefix_cache():
+                raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
+                                    "use); retry once they have finished", code="requests_running")
+            return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

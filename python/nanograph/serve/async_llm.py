@@ -95,6 +95,8 @@ class AsyncLLM:
         # Each open stream, and its completions not yet finished; each add waiting for the engine's word.
         self._streams: dict[int, list] = {}
         self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int, int]]]] = {}  # + arrival, sizes
+        self._call_ids = count()
+        self._calls: dict[int, asyncio.Future] = {}  # each reset_prefix_cache waiting for the engine's answer
         self._last_log = (time.monotonic(), 0, 0, None)  # time, prompt and generation tokens, the line's state
         self._process: multiprocessing.Process | None = None
         # Called (on the reader thread) with the error once the engine has died, after open requests have failed.
@@ -171,6 +173,17 @@ class AsyncLLM:
             raise
         return stream
 
+    async def reset_prefix_cache(self) -> bool:
+        """The engine's LLMEngine.reset_prefix_cache(): False, changing nothing, while a request holds KV blocks."""
+        call_id = next(self._call_ids)
+        answer = asyncio.get_running_loop().create_future()
+        with self._state_lock:
+            if not self.is_running:
+                raise self._unavailable()
+            self._calls[call_id] = answer
+        self._send(("reset_prefix_cache", call_id))
+        return await answer
+
     def abort(self, stream_id: int):
         """End a stream's unfinished requests; callable from any thread."""
         self._send(("abort", stream_id))
@@ -226,6 +239,10 @@ class AsyncLLM:
                     self._log_stats()
                 elif message[0] == "added":
                     self._answer_add(*message[1:])
+                elif message[0] == "reset_prefix_cache":
+                    answer = self._calls.pop(message[1], None)
+                    if answer is not None:
+                        _settle(answer, None, message[2])
                 elif message[0] == "dead":
                     logger.error("the engine loop died: %s: %s", type(message[1]).__name__, message[1])
                     self._die(message[1])
@@ -290,10 +307,13 @@ class AsyncLLM:
                 self.error = exc
             self.stopping = True  # nothing registers from now on
             adds, self._adds = self._adds, {}
+            calls, self._calls = self._calls, {}
             streams, self._streams = self._streams, {}
         self._send(("stop",))  # an engine process still running (the reader failed) aborts all and exits
         unavailable = self._unavailable()
         for future, *_ in adds.values():
+            _settle(future, unavailable)
+        for future in calls.values():
             _settle(future, unavailable)
         for stream, _ in streams.values():
             try:

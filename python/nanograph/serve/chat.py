@@ -34,7 +34,7 @@ async def chat_completion(served: ServedModel, request: ChatCompletionRequest, r
     """The reply to a parsed chat request: a ChatCompletionResponse, or the stream of its chunks (an
     EventStreamResponse; a 499 Response where the client left before the reply was complete)."""
     served.check_model(request.model)
-    include_usage = wants_usage_chunk(request)
+    include_usage = wants_usage_chunk(request, served.force_include_usage)
     if request.top_logprobs and not request.logprobs:  # 0 asks for nothing, and is taken (as vLLM takes it)
         raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs", "invalid_value")
     if not request.messages:

@@ -68,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser):
                         help="logprobs name each token \"token_id:{id}\" rather than by its text, unless a request "
                              "says otherwise (its return_tokens_as_token_ids)")
     parser.add_argument("--max-log-len", type=int, help="accepted for vLLM's command lines: requests are not logged")
+    parser.add_argument("--enable-log-outputs", action="store_true",
+                        help="accepted for vLLM's command lines: outputs are not logged")
+    parser.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                        help="accepted for vLLM's command lines: the engine always runs in a process of its own")
+    parser.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="GET /load counts the generating requests in flight (else it reports 0)")
+    parser.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every stream ends with a usage chunk, whatever its stream_options say")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",
                         help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens found in the "
                              "prefix cache")
@@ -161,11 +169,17 @@ def bind_unix_socket(path: str) -> socket.socket:
     return sock
 
 
-def remove_socket_file(path: str, inode: int):
-    """--uds: the socket file goes with the server, unless another has been put in its place (inode: the one it
-    bound)."""
+def socket_file(path: str) -> tuple[int, int, int]:
+    """Which file is at path now: (device, inode, change time in ns); an inode freed may be reused."""
+    info = os.lstat(path)
+    return info.st_dev, info.st_ino, info.st_ctime_ns
+
+
+def remove_socket_file(path: str, bound: tuple[int, int, int]):
+    """--uds: the socket file goes with the server, unless another has been put in its place (bound: socket_file
+    when it was bound)."""
     with contextlib.suppress(OSError):
-        if os.lstat(path).st_ino == inode:
+        if socket_file(path) == bound:
             os.unlink(path)
 
 
@@ -299,7 +313,7 @@ def serve(args: argparse.Namespace):
     api_keys = [key for key in args.api_key or () if key]
     ssl_settings = ssl_options(args)
     sock = bind_unix_socket(args.uds) if args.uds else bind_socket(args.host, args.port)
-    uds_inode = os.lstat(args.uds).st_ino if args.uds else None
+    uds_file = socket_file(args.uds) if args.uds else None
     started = False
     async_llm = AsyncLLM(partial(LLMEngine.from_config, config), ServerMetrics(name),
                          None if args.disable_log_stats else args.log_interval)
@@ -316,9 +330,11 @@ def serve(args: argparse.Namespace):
                              tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                              prompt_tokens_details=args.enable_prompt_tokens_details,
                              return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                             default_chat_template_kwargs=args.default_chat_template_kwargs)
+                             default_chat_template_kwargs=args.default_chat_template_kwargs,
+                             force_include_usage=args.enable_force_include_usage)
         app = build_app(served, api_keys, cors, root_path=args.root_path,
-                        request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs)
+                        request_id_headers=args.enable_request_id_headers, docs=not args.disable_fastapi_docs,
+                        load_tracking=args.enable_server_load_tracking)
         server = EngineServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=False,
                                              log_level=args.uvicorn_log_level,
                                              timeout_graceful_shutdown=SHUTDOWN_SECONDS, **ssl_settings), async_llm,
@@ -335,7 +351,7 @@ def serve(args: argparse.Namespace):
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)
         if not started and args.uds:
-            remove_socket_file(args.uds, uds_inode)
+            remove_socket_file(args.uds, uds_file)
     logger.info("model %s (%s) on %s; max_model_len %d, max_num_seqs %d", name, info.model, info.device,
                 info.max_model_len, info.max_num_seqs)
     logger.info("KV cache: %s", info.kv_cache)
@@ -349,7 +365,7 @@ def serve(args: argparse.Namespace):
         server.run(sockets=[sock])
     finally:
         if args.uds:
-            remove_socket_file(args.uds, uds_inode)
+            remove_socket_file(args.uds, uds_file)
     if server.engine_died:
         raise SystemExit(1)
 

@@ -19,7 +19,7 @@ from .streaming import DONE, EventStreamResponse, TextEvents, event, sse_body, u
 async def create_completion(served: ServedModel, raw_request: Request) -> Response | CompletionResponse:
     request = await parse_body(raw_request, CompletionRequest)
     served.check_model(request.model)
-    include_usage = wants_usage_chunk(request)
+    include_usage = wants_usage_chunk(request, served.force_include_usage)
     # vLLM's echo with logprobs: each choice's logprobs start with its prompt's (the first token's null).
     echo_logprobs = request.echo and request.logprobs is not None
     if echo_logprobs and request.stream:

@@ -1,12 +1,13 @@
 """The engine process: it owns the LLMEngine and runs its step loop, apart from the HTTP frontend, so that neither
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
-In: ("add", stream_id, prompts, params, priority, report_prompts), ("abort", stream_id), ("stop",), read by a thread
-of their own so that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own
+In: ("add", stream_id, prompts, params, priority, report_prompts), ("abort", stream_id), ("reset_prefix_cache",
+call_id), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own
 so that a step never waits on a frontend that is behind, in this order of events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None[, prompts]) for each add, all its prompts queued or none (prompts: each one's text
 and token ids as queued, where the add asked for them);
+("reset_prefix_cache", call_id, done) for each reset asked for (done: LLMEngine.reset_prefix_cache's answer);
 ("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced
 deltas, and whenever the state the frontend reports changed; ("dead", error) when the loop died outside any
 request; ("stopped",) after a stop, its aborts delivered."""
@@ -152,6 +153,8 @@ class EngineCore:
                 self._add(*command[1:])
             elif command[0] == "abort":
                 self._abort(self._streams.get(command[1], []))
+            elif command[0] == "reset_prefix_cache":
+                self._send(("reset_prefix_cache", command[1], self.engine.reset_prefix_cache()))
             else:
                 self._abort(list(self._origin))
                 self._send(("step", self._route(self.engine.take_deltas()), snapshot(self.engine)))

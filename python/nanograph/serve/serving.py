@@ -51,7 +51,8 @@ class ServedModel:
                  trust_request_chat_template: bool = False, chat_template: str | None = None,
                  content_format: str = "auto", trust_remote_code: bool = False, response_role: str = "assistant",
                  tool_call_parser: str | None = None, prompt_tokens_details: bool = False,
-                 return_tokens_as_token_ids: bool = False, default_chat_template_kwargs: dict | None = None):
+                 return_tokens_as_token_ids: bool = False, default_chat_template_kwargs: dict | None = None,
+                 force_include_usage: bool = False):
         """names: what clients may call the model, the first in responses; tokenizer: the frontend's (None: a new
         instance from the model folder, loaded as the engine's); chat_template: the server's in place of the
         tokenizer's; content_format: how the template sees a content (chat_template.render_chat's); response_role: a
@@ -65,6 +66,7 @@ class ServedModel:
         # The chat template's keywords where a request does not give them (vLLM's --default-chat-template-kwargs,
         # e.g. Qwen3's {"enable_thinking": false}).
         self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        self.force_include_usage = force_include_usage  # every stream's last chunk is its usage (vLLM's flag)
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
@@ -277,18 +279,15 @@ def api_prompt_logprobs(prompt_logprobs: list[dict[int, Logprob] | None] | None)
              for token_id, lp in entry.items()} for entry in prompt_logprobs]
 
 
-def wants_usage_chunk(request: SamplingRequest) -> bool:
-    """stream_options.include_usage; stream_options with a field but without stream is a 400 (an empty one is
-    taken, as vLLM takes it)."""
+def wants_usage_chunk(request: SamplingRequest, force: bool = False) -> bool:
+    """stream_options.include_usage, or any stream where force (--enable-force-include-usage); stream_options with a
+    field but without stream is a 400 (an empty one is taken, as vLLM takes it)."""
     options = request.stream_options
-    if options is None:
-        return False
+    if options is not None and not request.stream and (options.model_fields_set or options.model_extra):
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options", "invalid_value")
     if not request.stream:
-        if options.model_fields_set or options.model_extra:
-            raise APIError(400, "stream_options is only allowed when stream is true", "stream_options",
-                           "invalid_value")
         return False
-    return bool(options.include_usage)
+    return force or (options is not None and bool(options.include_usage))
 
 
 def make_response_id(prefix: str, raw_request, request: SamplingRequest) -> str:
