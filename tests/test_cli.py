@@ -281,14 +281,18 @@ def test_a_vllm_command_lines_engine_options_are_taken_or_named(command):
 
     argv = [*command, "--swap-space", "4", "--enable-chunked-prefill", "--num-gpu-blocks-override", "64",
             "--block-size", "32", "--max-seq-len-to-capture", "8192", "--disable-custom-all-reduce",
-            "--hf-overrides", '{"max_position_embeddings": 512}', "--scheduling-policy", "priority"]
+            "--hf-overrides", '{"max_position_embeddings": 512}', "--scheduling-policy", "priority",
+            "--guided-decoding-backend", "guidance", "--async-scheduling", "--compilation-config",
+            '{"cudagraph_mode": "FULL"}', "--cuda-graph-sizes", "1 2 4", "--disable-cascade-attn"]
     config = engine_config(None, **engine_kwargs(cli.build_parser().parse_args(argv)))
     assert (config.num_kv_blocks, config.block_size, config.scheduling_policy) == (64, 32, "priority")
     assert config.hf_overrides == {"max_position_embeddings": 512}
     for flags, message in [(["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 is not supported yet: "),
                            (["--enable-lora"], "enable_lora=True is not supported yet: "),
                            (["--speculative-config", '{"method": "ngram"}'], "speculative_config={'method': 'ngram'}"),
-                           (["--load-format", "pt"], "use load_format='auto' or 'safetensors'")]:
+                           (["--load-format", "pt"], "use load_format='auto' or 'safetensors'"),
+                           (["--guided-decoding-backend", "xgrammar"], "use guided_decoding_backend='auto' or "
+                                                                         "'guidance'")]:
         with pytest.raises(ValueError, match=re.escape(message)):
             engine_config(None, **engine_kwargs(cli.build_parser().parse_args([*command, *flags])))
 

@@ -88,7 +88,8 @@ VLLM_OPTIONS = {"pipeline_parallel_size": int, "data_parallel_size": int, "distr
                 "limit_mm_per_prompt": json_object, "enable_sleep_mode": _FLAG, "num_gpu_blocks_override": int,
                 "calculate_kv_scales": _FLAG, "swap_space": float, "max_seq_len_to_capture": int,
                 "enable_chunked_prefill": argparse.BooleanOptionalAction, "disable_custom_all_reduce": _FLAG,
-                "disable_async_output_proc": _FLAG}
+                "disable_async_output_proc": _FLAG, "guided_decoding_backend": str, "async_scheduling": _FLAG,
+                "compilation_config": str, "cuda_graph_sizes": str, "disable_cascade_attn": _FLAG}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool = False,

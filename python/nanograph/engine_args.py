@@ -36,6 +36,8 @@ VLLM_ARGS = {
     "enable_sleep_mode": EngineArg((False,), "the engine keeps its weights and KV cache on the device"),
     "num_gpu_blocks_override": EngineArg(ANY, "the KV cache's size in blocks", field="num_kv_blocks"),
     "calculate_kv_scales": EngineArg((False,), "an FP8 KV cache's scales come from the checkpoint, else they are 1.0"),
+    "guided_decoding_backend": EngineArg(("auto", "guidance"), "structured outputs run on llguidance (vLLM's "
+                                                               "guidance backend)"),
     # Accepted and ignored: nanograph behaves as vLLM does with any of their values.
     "swap_space": EngineArg(ANY, "nanograph never swaps KV blocks to host memory: a preempted sequence recomputes "
                                  "its KV (as vLLM's V1 engine does), so no swap space is reserved"),
@@ -46,6 +48,11 @@ VLLM_ARGS = {
                                              "are always prefilled in chunks; outputs do not change"),
     "disable_custom_all_reduce": EngineArg(ANY, "one GPU: no all-reduce"),
     "disable_async_output_proc": EngineArg(ANY, "the step loop always reads step N's tokens while step N + 1 runs"),
+    "async_scheduling": EngineArg(ANY, "the step loop always schedules step N + 1 while step N runs"),
+    "compilation_config": EngineArg(ANY, "nanograph compiles nothing with torch.compile, and captures its decode "
+                                         "CUDA graphs itself, one per batch size (enforce_eager=True: none)"),
+    "cuda_graph_sizes": EngineArg(ANY, "decode CUDA graphs are captured for every batch size up to max_num_seqs"),
+    "disable_cascade_attn": EngineArg(ANY, "nanograph has no cascade attention"),
 }
 _CONFIG_FIELDS = {field.name for field in fields(Config)}
 _CONFIG_DEFAULTS = {field.name: field.default for field in fields(Config) if field.default is not MISSING}
