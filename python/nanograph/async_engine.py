@@ -72,7 +72,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str, *,
                        lora_request=None, trace_headers=None, priority: int = 0,
-                       tokenization_kwargs: dict | None = None, data_parallel_rank: int | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       tokenization_kwargs: dict | None = None, data_parallel_rank: int | None = None
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Run one request, yielding its outputs as they come. prompt: a string, a list of token ids, a TextPrompt or
         a TokensPrompt; sampling_params None: the model's defaults (LLM.get_default_sampling_params()). Each
         output holds, as sampling_params.output_kind asks: everything so far of every completion begun (None or

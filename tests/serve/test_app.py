@@ -397,5 +397,5 @@ def test_default_chat_template_kwargs_reach_the_template_under_the_requests_own(
     assert rendered(chat_template_kwargs={"mood": "stormy"}) == "hello stormy:hi"
     reply = client.chat.completions.create(model="smol", messages=messages, max_tokens=1, extra_body={
         "chat_template": template, "chat_template_kwargs": {"greeting": "bye"}})
-    assert reply.usage.prompt_tokens == len(post(server, "/tokenize", {"prompt": "bye calm:hi", "add_special_tokens": False}
-                                                 ).json()["tokens"])
+    tokens = post(server, "/tokenize", {"prompt": "bye calm:hi", "add_special_tokens": False}).json()["tokens"]
+    assert reply.usage.prompt_tokens == len(tokens)

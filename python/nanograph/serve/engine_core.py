@@ -2,8 +2,9 @@
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
 In: ("add", stream_id, prompts, params, priority, report_prompts), ("abort", stream_id), ("reset_prefix_cache",
-call_id), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step runs. Out, sent by a thread of their own
-so that a step never waits on a frontend that is behind, in this order of events:
+call_id), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step
+runs. Out, sent by a thread of their own so that a step never waits on a frontend that is behind, in this order of
+events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None[, prompts]) for each add, all its prompts queued or none (prompts: each one's text
 and token ids as queued, where the add asked for them);
