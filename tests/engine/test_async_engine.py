@@ -55,7 +55,8 @@ def wait_until_idle(engine, seconds=10):
 
 
 def assert_same_completion(got, expected, exact=True):
-    """exact=False: logprobs within float32 rounding (a batch of other requests computes them in other sums)."""
+    """exact=False: logprobs within float32 rounding (a batch of other requests computes them in other sums), and
+    so ranks within one of near ties (a sampled token deep in the distribution among thousands of close values)."""
     assert (got.index, got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
         (expected.index, expected.text, expected.token_ids, expected.finish_reason, expected.stop_reason)
     if exact:
@@ -67,8 +68,9 @@ def assert_same_completion(got, expected, exact=True):
     for mine, theirs in zip(got.logprobs or [], expected.logprobs or [], strict=True):
         assert list(mine) == list(theirs)
         for token_id, logprob in mine.items():
-            assert (logprob.rank, logprob.decoded_token) == (theirs[token_id].rank, theirs[token_id].decoded_token)
+            assert logprob.decoded_token == theirs[token_id].decoded_token
             assert logprob.logprob == pytest.approx(theirs[token_id].logprob, abs=1e-4)
+            assert abs(logprob.rank - theirs[token_id].rank) <= max(1, theirs[token_id].rank // 100)
 
 
 def test_cumulative_by_default_each_output_holds_everything_so_far(engine, llm):
