@@ -311,7 +311,7 @@ def test_a_config_file_gives_options_that_the_command_line_overrides(tmp_path):
     for argv in (["serve", "--config", str(config_file), "--port", "9001"],
                  ["serve", "--port", "9001", f"--config={config_file}"]):
         args = cli.parse_args(parser, argv)
-        assert (args.port, args.served_model_name, args.model_option) == (9001, ["smol", "smol-alias"], "some/model")
+        assert (args.port, args.served_model_name, args.model) == (9001, ["smol", "smol-alias"], "some/model")
         config = engine_config(None, **engine_kwargs(args))
         assert (config.max_model_len, config.max_num_seqs, config.enable_prefix_caching, config.trust_remote_code,
                 config.hf_overrides, config.block_size) == (2048, 16, False, True, {"rope_theta": 5000.0},
@@ -329,6 +329,11 @@ def test_a_config_file_gives_options_that_the_command_line_overrides(tmp_path):
     assert (args.model, args.model_option, args.api_key, args.allowed_origins, args.max_model_len,
             args.served_model_name, args.seed, args.enable_prefix_caching) == \
         ("/models/m", None, ["secret", "other"], ["http://page.test"], 32000, ["smol"], -3, True)
+    # The file's model gives serve its MODEL, which one on the command line replaces.
+    config_file.write_text("model: from/file\n")
+    for argv, model in ((["serve"], "from/file"), (["serve", "from/command-line"], "from/command-line")):
+        args = cli.parse_args(cli.build_parser(), [*argv, "--config", str(config_file)])
+        assert (args.model, args.model_option) == (model, None)
     config_file.write_text("uvicorn-log-level: loud\n")
     with pytest.raises(SystemExit):
         cli.parse_args(cli.build_parser(), ["serve", "--config", str(config_file)])

@@ -93,6 +93,8 @@ class AsyncLLMEngine:
             raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: nanograph runs one engine; pass None")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if not self.is_running:
+            raise self.dead_error
         if request_id in self._stream_ids:
             raise ValueError(f"request_id {request_id!r} is already running; give each unfinished request its own "
                              "id")
@@ -155,6 +157,7 @@ class AsyncLLMEngine:
         """Abort what runs and end the engine process; the engine takes no requests after this."""
         self._async_llm.abort_all()
         self._async_llm.join(timeout)
+        self._tokenizer_thread.shutdown(wait=False)
 
     @property
     def is_running(self) -> bool:
@@ -193,8 +196,12 @@ class AsyncLLMEngine:
     async def is_sleeping(self) -> bool:
         return False
 
-    async def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget every cached prompt prefix; False, changing nothing, while a request holds KV blocks."""
+    async def reset_prefix_cache(self, device=None, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forget every cached prompt prefix; False, changing nothing, while a request holds KV blocks.
+        device: vLLM's older argument, taken and ignored; reset_running_requests: False only."""
+        if reset_running_requests:
+            raise ValueError("reset_running_requests=True is not supported: running requests keep their KV blocks; "
+                             "abort them first, or pass False")
         return await self._async_llm.reset_prefix_cache()
 
 

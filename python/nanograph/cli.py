@@ -236,9 +236,14 @@ def _config_file_values(path: str, command: str, subparser: argparse.ArgumentPar
         error(f"--config {path}: the file holds a {type(values).__name__}, not a mapping of option names to values "
               "(such as 'max-model-len: 4096')")
     options = {option: action for action in subparser._actions for option in action.option_strings}
+    # serve's MODEL: the file's model is the positional's default, so that a MODEL given on the command line wins.
+    positional_model = any(action.dest == "model" and not action.option_strings for action in subparser._actions)
     parsed = {}
     for key, value in values.items():
         name = "--" + str(key).replace("_", "-")
+        if name == "--model" and positional_model and isinstance(value, str):
+            parsed["model"] = value
+            continue
         action = options.get(name)
         if action is None or name in ("--config", "--help"):
             error(f"--config {path}: {key!r} is not an option of `nanograph {command}`")

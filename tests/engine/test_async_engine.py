@@ -260,8 +260,10 @@ def test_reset_prefix_cache(engine):
 
     cached("warm")
     assert cached("hit") >= 48
-    assert run(engine.reset_prefix_cache()) is True
+    assert run(engine.reset_prefix_cache(device=None)) is True
     assert cached("after-reset") == 0
+    with pytest.raises(ValueError, match="reset_running_requests=True is not supported"):
+        run(engine.reset_prefix_cache(reset_running_requests=True))
 
     async def while_running():
         generator = engine.generate(PROMPTS[0], long_params(), "holding")
