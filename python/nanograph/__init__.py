@@ -7,6 +7,8 @@ from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolerConfig, PoolingOutput, PoolingParams,
+                      PoolingRequestOutput)
 from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams)
 
@@ -16,4 +18,5 @@ __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
            "LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineDeadError",
            "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
-           "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt"]
+           "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PoolingParams", "PoolerConfig",
+           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput"]

@@ -72,6 +72,10 @@ ENGINE_OPTIONS = {
                                   "Qwen3's YaRN: '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                                   "\"original_max_position_embeddings\": 32768}}'); a rope_scaling replaces the rope "
                                   "parameters but rope_theta"),
+    "runner": (str, "generate: the model samples text; pooling: it is an embedding model (embed(), the server's "
+                    "/v1/embeddings)"),
+    "pooler_config": (json_object, "with --runner pooling, a JSON object over the model folder's pooling, e.g. "
+                                   "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'"),
     "block_size": (int, "tokens per KV cache block"),
     "tokenizer_revision": (str, "the Hub revision of a --tokenizer Hub id"),
     "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "
@@ -83,7 +87,7 @@ _FLAG = "flag"
 # vLLM's engine options that are not Config fields (engine_args.VLLM_ARGS): taken on the command line too, so that a
 # vLLM command line runs as it is where nanograph does what it asks, and is an error naming the option elsewhere.
 VLLM_OPTIONS = {"pipeline_parallel_size": int, "data_parallel_size": int, "distributed_executor_backend": str,
-                "cpu_offload_gb": float, "tokenizer_mode": str, "load_format": str, "task": str, "runner": str,
+                "cpu_offload_gb": float, "tokenizer_mode": str, "load_format": str, "task": str, "convert": str,
                 "enable_lora": _FLAG, "speculative_config": json_object, "hf_token": str,
                 "limit_mm_per_prompt": json_object, "enable_sleep_mode": _FLAG, "num_gpu_blocks_override": int,
                 "calculate_kv_scales": _FLAG, "swap_space": float, "max_seq_len_to_capture": int,

@@ -27,8 +27,9 @@ VLLM_ARGS = {
     "cpu_offload_gb": EngineArg((0,), "weights stay on the device"),
     "tokenizer_mode": EngineArg(("auto", "hf"), "the tokenizer is transformers' AutoTokenizer"),
     "load_format": EngineArg(("auto", "safetensors"), "weights are read from *.safetensors"),
-    "task": EngineArg(("auto", "generate"), "nanograph generates text"),
-    "runner": EngineArg(("auto", "generate"), "nanograph generates text"),
+    "task": EngineArg(("auto", "generate", "embed"), "vLLM's older name of runner: 'embed' is runner='pooling'"),
+    "convert": EngineArg(("auto", "none", "embed"), "a pooling runner runs the causal LM as an embedding model "
+                                                    "(convert='embed'); generate runs it as it is"),
     "enable_lora": EngineArg((False,), "LoRA adapters are not implemented"),
     "speculative_config": EngineArg((None,), "speculative decoding is not implemented"),
     "hf_token": EngineArg((None,), "a Hub token comes from HF_TOKEN (or `hf auth login`)"),
@@ -78,6 +79,14 @@ def engine_config(model: str | None, **kwargs) -> Config:
                              f"it out")
         if arg.field is not None and value is not None:
             config_kwargs[arg.field] = value
+    task, convert = kwargs.get("task"), kwargs.get("convert")
+    if task == "embed" or convert == "embed":
+        if config_kwargs.setdefault("runner", "pooling") not in ("auto", "pooling"):
+            raise ValueError(f"{'task' if task == 'embed' else 'convert'}='embed' makes an embedding model, which "
+                             f"runner={config_kwargs['runner']!r} contradicts; pass runner='pooling' or leave it out")
+        config_kwargs["runner"] = "pooling"
+    elif task == "generate" and config_kwargs.get("runner") == "pooling":
+        raise ValueError("task='generate' contradicts runner='pooling'; pass one of them")
     return Config(model=model, **config_kwargs)
 
 

@@ -1,4 +1,5 @@
-"""LLM: the offline-inference entry point (vLLM's interface): generate(), chat(), stream() and beam_search()."""
+"""LLM: the offline-inference entry point (vLLM's interface): generate(), chat(), stream() and beam_search(); embed()
+and encode() for a model run as an embedding model (runner="pooling")."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -12,6 +13,7 @@ from .engine.llm_engine import LLMEngine, check_no_lora
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
+from .pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from .sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -120,6 +122,44 @@ class LLM:
             prompts.append(TokensPrompt(prompt_token_ids=self.tokenizer.encode(text, add_special_tokens=False),
                                         prompt=text))
         return self.generate(prompts, sampling_params, use_tqdm, tokenization_kwargs=tokenization_kwargs)
+
+    def embed(self, prompts: Prompt | list[Prompt], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool | Callable = True, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              lora_request=None, tokenization_kwargs: dict | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (an LLM built with runner="pooling"), in input order: output.outputs.embedding is
+        a list of floats. truncate_prompt_tokens keeps each prompt's last tokens (-1: max_model_len);
+        pooling_params (one for all or one per prompt) may ask for a Matryoshka model's leading dimensions and
+        whether to normalize."""
+        return [EmbeddingRequestOutput.from_base(output) for output in self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+            lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)]
+
+    def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
+               *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True, lora_request=None,
+               pooling_task: str | None = None, tokenization_kwargs: dict | None = None
+               ) -> list[PoolingRequestOutput]:
+        """embed()'s pooling, each output's outputs.data a float32 tensor (vLLM's; pooling_task "embed" or None)."""
+        check_no_lora(lora_request)
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task={pooling_task!r}: nanograph's pooling models embed; pass 'embed' or None")
+        if tokenization_kwargs is not None:
+            raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer "
+                             "does by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
+        if self.engine.pooler is None:
+            raise ValueError("embed() and encode() need an embedding model: build the LLM with runner='pooling' "
+                             "(vLLM's task='embed' is taken too); this one generates text")
+        prompts = _prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        params = [pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams) else pooling_params
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in params):
+            raise TypeError("pooling_params must be a PoolingParams, or a list of them (one per prompt)")
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling params; pass one PoolingParams, "
+                             "or one per prompt")
+        if truncate_prompt_tokens is not None:
+            params = [PoolingParams(truncate_prompt_tokens, p.dimensions, p.normalize) for p in params]
+        return self.engine.generate(prompts, list(params), use_tqdm)
 
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:

@@ -117,6 +117,8 @@ def _sync_rope_theta(hf: PretrainedConfig):
 def _architecture(raw: dict) -> str:
     names = raw.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type"), raw.get("model_type"))]
     for name in names:
+        # A base model's name (Qwen3Model, as an embedding model's folder may give) is its causal LM without the head.
+        name = name.removesuffix("Model") + "ForCausalLM" if name.endswith("Model") else name
         if name in SUPPORTED_ARCHITECTURES:
             return name
     raise ValueError(f"unsupported architecture {names}; nanograph supports {', '.join(SUPPORTED_ARCHITECTURES)}")

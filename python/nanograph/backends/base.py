@@ -4,7 +4,7 @@ scheduled; the engine then applies the previous step's tokens; sample() queues t
 their sequence's end. The tokens stay where the runner keeps them, where the next step's forward reads them
 (ForwardBatch.input_src points at PendingTokens.rows), and come to the host when the engine asks for them.
 Prompt logprobs are a third call, after forward(): prompt_logprobs() applies the head to the final hidden states of
-the forward's prompt tokens."""
+the forward's prompt tokens; pooled_hidden() gives them normed, for pooling."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..sampling import SamplerOutput
+from ..models.head import rms_norm
 from .prompt_logprobs import prompt_logprobs
 
 
@@ -68,6 +69,12 @@ class Runner(ABC):
 
     def shutdown(self):
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes)."""
+
+    def pooled_hidden(self, token_rows: np.ndarray) -> torch.Tensor:
+        """float32 [len(token_rows), hidden_size]: the final norm's output (the model's last hidden state, which
+        pooling reads) at the last forward's tokens token_rows."""
+        hidden = self.final_hidden()[torch.from_numpy(token_rows).to(self.device)]
+        return rms_norm(hidden, self.weights["norm"], self.model_config.rms_norm_eps).float()
 
     def prompt_logprobs(self, token_rows: np.ndarray, target_ids: list[int], num_top: list[int]) -> Pending:
         """Queue the logprobs of target_ids[j] at the last forward's token token_rows[j] (the token just before it),

@@ -49,10 +49,11 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def allocate_prefix(self, seq: Sequence):
-        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix; none to one whose
-        prompt logprobs are still to be computed (its blocks are cached once computed, for others to use)."""
+        """Give a sequence that holds no blocks the cached blocks of its longest cached prefix; none to one that
+        computes its whole prompt (Sequence.computes_whole_prompt; its blocks are cached once computed, for others to
+        use)."""
         assert not seq.block_table
-        if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
+        if self.enable_prefix_caching and not seq.computes_whole_prompt:
             prev_hash = None
             # The last token is never taken from the cache, so that its step yields logits.
             for i in range((seq.num_tokens - 1) // self.block_size):
@@ -69,7 +70,7 @@ class BlockManager:
         """Count the prompt of a sequence admitted for the first time, and its tokens found in the cache, in the
         prefix cache's queries and hits (vLLM's counters): once, however many steps it waited for room and however
         often it is preempted later."""
-        if self.enable_prefix_caching and not seq.needs_prompt_logprobs:
+        if self.enable_prefix_caching and not seq.computes_whole_prompt:
             self.num_prefix_queried_tokens += seq.num_tokens
             self.num_prefix_hit_tokens += seq.num_computed_tokens
 

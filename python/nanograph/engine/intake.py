@@ -9,6 +9,7 @@ import numpy as np
 
 from ..config import Config
 from ..inputs import PromptType, check_utf8
+from ..pooling import Pooler, PoolingParams, PoolingState
 from ..reasoning import ThinkingEnd, end_token_id, reply_thinks
 from ..sampling import seeded_generator
 from ..sampling.grammar import GrammarCompiler
@@ -32,6 +33,7 @@ class ValidRequest:
     # With the engine's reasoning parser: the grammar applies once the reply's thinking has ended (the prompt did
     # not close the thinking).
     grammar_after_thinking: bool = False
+    pooling: PoolingParams | None = None  # a pooling request's (params then only fill the sequence's fields)
 
 
 def prompt_parts(prompt: Prompt) -> tuple[str | None, list[int] | None]:
@@ -110,11 +112,13 @@ def check_prompt_token_ids(token_ids: list[int], vocab_size: int):
 
 
 class Intake:
-    def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer, eos_token_ids=()):
+    def __init__(self, config: Config, vocab_size: int, max_context: int, tokenizer, eos_token_ids=(),
+                 pooler: Pooler | None = None):
         self.config = config
         self.vocab_size = vocab_size
         self.max_context = max_context
         self.eos_token_ids = list(eos_token_ids)
+        self.pooler = pooler  # a pooling engine's (runner="pooling"); None: the engine generates
         self.use_tokenizer(tokenizer)
 
     def use_tokenizer(self, tokenizer):
@@ -125,22 +129,19 @@ class Intake:
         self.thinking_end_token = end_token_id(tokenizer) \
             if tokenizer is not None and self.config.reasoning_parser is not None else None
 
-    def validate(self, prompt: Prompt, params: SamplingParams) -> ValidRequest:
+    def validate(self, prompt: Prompt, params: SamplingParams | PoolingParams) -> ValidRequest:
+        if isinstance(params, PoolingParams):
+            return self._validate_pooling(prompt, params)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if self.pooler is not None:
+            raise ValueError("this engine runs the model as an embedding model (runner='pooling'): it pools prompts "
+                             "(embed(), encode()) and generates nothing; build it with runner='generate' to generate "
+                             "text")
         # Its own copy, validated again (its fields may have changed since construction).
         params = replace(params)
-        text, token_ids = prompt_parts(prompt)
-        if token_ids is None:
-            token_ids = self._encode(text)
-        if not token_ids:
-            raise ValueError("prompt is empty; give at least one token")
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
         max_model_len = self.config.max_model_len
-        if params.truncate_prompt_tokens is not None:
-            token_ids = truncated(token_ids, params.truncate_prompt_tokens, max_model_len)
-        check_prompt_token_ids(token_ids, self.vocab_size)
-        if len(token_ids) > max_model_len:
-            raise prompt_too_long(len(token_ids), max_model_len, self.max_context)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model folder has none; use stop_token_ids")
         for token_id in params.stop_token_ids:
@@ -170,6 +171,31 @@ class Intake:
             reply_thinks(self.tokenizer, token_ids)
         return ValidRequest(text, token_ids, params, bad_words_token_ids, grammar, after_thinking)
 
+    def _validate_pooling(self, prompt: Prompt, params: PoolingParams) -> ValidRequest:
+        if self.pooler is None:
+            raise ValueError("pooling (embed(), encode()) needs the model run as an embedding model: build the engine "
+                             "with runner='pooling' (vLLM's task='embed' is taken too)")
+        params = params.clone()  # its own copy, validated again (its fields may have changed since construction)
+        self.pooler.check(params)
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
+        return ValidRequest(text, token_ids, SamplingParams(max_tokens=1, detokenize=False), [], None,
+                            pooling=params)
+
+    def _prompt_tokens(self, prompt: Prompt, truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        """The prompt's text (if given) and its token ids, encoded, truncated and checked."""
+        text, token_ids = prompt_parts(prompt)
+        if token_ids is None:
+            token_ids = self._encode(text)
+        if not token_ids:
+            raise ValueError("prompt is empty; give at least one token")
+        max_model_len = self.config.max_model_len
+        if truncate_prompt_tokens is not None:
+            token_ids = truncated(token_ids, truncate_prompt_tokens, max_model_len)
+        check_prompt_token_ids(token_ids, self.vocab_size)
+        if len(token_ids) > max_model_len:
+            raise prompt_too_long(len(token_ids), max_model_len, self.max_context)
+        return text, token_ids
+
     def _check_something_allowed(self, params: SamplingParams, bad_words_token_ids: list[list[int]]):
         """allowed_token_ids must leave a token to sample at every step: one that no one-token bad word bans,
         and while min_tokens holds, one that is neither EOS nor a stop token id."""
@@ -186,6 +212,10 @@ class Intake:
     def request(self, request_id: str, valid: ValidRequest, owner: object | None = None) -> Request:
         """The request's n sequences: sibling i has seed + i, so that the completions differ yet each repeats."""
         params, token_ids = valid.params, valid.token_ids
+        if valid.pooling is not None:
+            seq = Sequence(request_id, valid.prompt, token_ids, params, 0, len(token_ids) + 1)
+            seq.pooling = PoolingState(valid.pooling, self.pooler.pooling_type)
+            return Request(request_id, [seq], owner)
         # At least one token, even for a prompt of max_model_len tokens.
         max_num_tokens = min(len(token_ids) + params.max_tokens, max(self.config.max_model_len, len(token_ids) + 1))
         seqs = []

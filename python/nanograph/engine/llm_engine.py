@@ -22,6 +22,7 @@ from itertools import count
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -33,7 +34,9 @@ from ..default_model import default_model_path
 from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
 from ..model_config import ModelConfig
+from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
+from ..pooling import Pooler, PoolingRequestOutput
 from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
@@ -69,8 +72,10 @@ class LLMEngine:
         # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's,
         # and override_generation_config's over them.
         self.sampling_defaults = sampling_defaults(_generation_config_folder(config), config.override_generation_config)
+        # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
+        self.pooler = Pooler.for_model(model_config, config.pooler_config) if config.runner == "pooling" else None
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
-                             model_config.eos_token_ids)
+                             model_config.eos_token_ids, self.pooler)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), getattr(tokenizer, "eos_token_id", None))
         self.scheduler = Scheduler(config, BlockManager(runner.num_kv_blocks, runner.block_size,
                                                         config.enable_prefix_caching))
@@ -97,6 +102,10 @@ class LLMEngine:
         tokenizer_path = model if config.tokenizer is None else \
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
+        if config.runner == "generate" and not has_lm_head(model, model_config):
+            raise ValueError(f"{model} holds a base model's weights without an lm_head (as an embedding model saves "
+                             f"them), so it gives no logits to sample: run it with runner='pooling' (embed()), or "
+                             f"use a causal LM's folder")
         tokenizer = None if config.skip_tokenizer_init else \
             load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -330,6 +339,8 @@ class LLMEngine:
             try:
                 self.runner.forward(forward_batch, batch.seqs)
                 prompt_logprobs = self._queue_prompt_logprobs(batch, forward_batch.cu_seqlens_q)
+                if self.pooler is not None:
+                    self._pool(batch, forward_batch.cu_seqlens_q)
             except Exception as exc:  # the forward of these requests failed: they end, the others go on
                 failure = exc
         finished = self._apply_prompt_logprobs()
@@ -341,6 +352,8 @@ class LLMEngine:
             else:
                 finished += self._queue_sampling(batch)
                 self.scheduler.advance(batch)
+                if self.pooler is not None:
+                    finished += self._finish_pooled(batch)
         return finished, batch
 
     def _queue_prompt_logprobs(self, batch: ScheduledBatch, cu_seqlens_q: np.ndarray
@@ -364,6 +377,41 @@ class LLMEngine:
         if not spans:
             return None
         return spans, self.runner.prompt_logprobs(np.concatenate(token_rows), target_ids, num_top)
+
+    def _pool(self, batch: ScheduledBatch, cu_seqlens_q: np.ndarray):
+        """Pool the final hidden states of this step's prompt tokens into their sequences' pooling."""
+        spans, token_rows = [], []
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if seq.pooling is None or seq.is_finished:
+                continue
+            start = seq.num_computed_tokens
+            rows = seq.pooling.rows_to_pool(start, num_new, batch.samples[i])
+            if rows:
+                spans.append((seq, rows))
+                token_rows.append(np.arange(rows.start, rows.stop) - start + cu_seqlens_q[i])
+        if spans:
+            hidden = self.runner.pooled_hidden(np.concatenate(token_rows))
+            offset = 0
+            for seq, rows in spans:
+                seq.pooling.add(hidden[offset:offset + len(rows)], rows.start)
+                offset += len(rows)
+
+    def _finish_pooled(self, batch: ScheduledBatch) -> list[tuple[object, PoolingRequestOutput]]:
+        """The pooling requests whose prompt the batch completed finish (once their blocks are offered to the prefix
+        cache), with their embeddings, brought to the host together."""
+        done = [seq for seq, samples in zip(batch.seqs, batch.samples)
+                if samples and seq.pooling is not None and not seq.is_finished]
+        if not done:
+            return []
+        vectors = [self.pooler.finish(seq.pooling.result()[None], seq.pooling.params)[0] for seq in done]
+        now, finished = time.time(), []
+        for seq, data in zip(done, torch.cat(vectors).cpu().split([len(v) for v in vectors])):
+            seq.pooling.data = data
+            self.scheduler.finish(seq)
+            request = self.requests.pop(seq.request_id)
+            request.metrics.first_token_time = request.metrics.finished_time = now
+            finished.append((request.owner, request.output()))
+        return finished
 
     def _apply_prompt_logprobs(self) -> list[tuple[object, RequestOutput]]:
         """Read the prompt logprobs the last step queued and append them to their sequences, in prompt order; the

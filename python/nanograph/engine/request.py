@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 from ..outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
+from ..pooling import PoolingOutput, PoolingRequestOutput
 from ..sampling_params import RequestOutputKind
 from .sequence import Sequence, SequenceStatus
 
@@ -35,12 +36,19 @@ class Request:
         """The siblings still held back (all of them, or none)."""
         return [seq for seq in self.seqs[1:] if seq.status is SequenceStatus.HELD]
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | PoolingRequestOutput:
         first = self.seqs[0]
         if first.first_scheduled_time is not None and self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = first.first_scheduled_time
             self.metrics.time_in_queue = first.first_scheduled_time - self.metrics.arrival_time
         cached = [seq.num_cached_tokens for seq in self.seqs if seq.num_cached_tokens is not None]
+        if first.pooling is not None:
+            data = first.pooling.data
+            return PoolingRequestOutput(
+                request_id=self.request_id, outputs=None if data is None else PoolingOutput(data),
+                prompt_token_ids=first.token_ids[:first.num_prompt_tokens], finished=self.finished,
+                prompt=first.prompt, num_cached_tokens=max(cached) if cached else None, metrics=self.metrics,
+                error=self.error)
         return RequestOutput(
             request_id=self.request_id, prompt=first.prompt, prompt_token_ids=first.token_ids[:first.num_prompt_tokens],
             outputs=[CompletionOutput(index=seq.index, text=seq.detokenizer.text if seq.detokenizer else "",

@@ -5,6 +5,7 @@ import random
 from enum import Enum, auto
 
 from ..outputs import Logprob
+from ..pooling import PoolingState
 from ..sampling.grammar import Grammar
 from ..sampling.logit_bias import sparse_bias
 from ..sampling.table import parameter_row
@@ -59,6 +60,8 @@ class Sequence:
         # dict per prompt token, appended as the prefill's chunks compute them.
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
             [None] if params.prompt_logprobs is not None and index == 0 else None
+        # A pooling request's (embed(), encode()): its prompt pooled as the chunks are computed; it samples nothing.
+        self.pooling: PoolingState | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -93,6 +96,14 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some are still missing: the prompt must be computed, not cached."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Whether every prompt token must be computed, none taken from the prefix cache: its prompt logprobs, or a
+        pooling over all of its tokens, are still to come."""
+        if self.pooling is not None and self.pooling.pooling_type != "LAST":
+            return self.pooling.count < self.num_prompt_tokens
+        return self.needs_prompt_logprobs
 
     @property
     def has_pending_token(self) -> bool:

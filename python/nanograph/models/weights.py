@@ -53,6 +53,16 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
             except Exception as exc:  # safetensors' own error type: a truncated or foreign file
                 raise ValueError(f"cannot read the weights file {str(f)!r}: {exc}") from exc
         file_of = {name: h for h in handles for name in h.keys()}
+        # The checkpoint's own name of each tensor: a base model's (transformers' Qwen3Model, say, as
+        # sentence-transformers saves an embedding model) lack the "model." prefix, and may have no lm_head.
+        stored = {name: name for name in file_of}
+        base_model = _is_base_model(file_of)
+        if base_model:
+            stored = {("model." + name if not name.startswith("lm_head.") else name): name for name in file_of}
+            file_of = {ours: file_of[theirs] for ours, theirs in stored.items()}
+
+        def tensor(name: str) -> torch.Tensor:
+            return file_of[name].get_tensor(stored[name])
 
         def read(*parts: tuple) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
             """Each named tensor on device, checked against the shape config.json gives it and cut to its index (a
@@ -62,29 +72,29 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
             if missing:
                 raise ValueError(f"checkpoint in {str(path)!r} lacks tensor(s) {missing}")
             for name, shape, *index in parts:
-                view = file_of[name].get_slice(name)
+                view = file_of[name].get_slice(stored[name])
                 if (found := list(view.get_shape())) != list(shape):
                     raise ValueError(f"tensor {name} in {str(path)!r} has shape {found}, but config.json "
                                      f"({_shape_fields(model_config)}) gives it {list(shape)}: the weights and "
                                      f"config.json disagree; fix config.json or use the weights it was saved with")
-                tensor = view[index[0]] if index else file_of[name].get_tensor(name)
-                is_fp8 = tensor.dtype == FP8_DTYPE
+                value = view[index[0]] if index else tensor(name)
+                is_fp8 = value.dtype == FP8_DTYPE
                 if is_fp8 and index:
                     raise ValueError(f"{name} is FP8, whose 128-column blocks a tensor-parallel rank's part would "
                                      f"split; use tensor_parallel_size=1")
-                yield tensor.to(device), checkpoint_scales(name, tensor.shape).to(device) if is_fp8 else None
+                yield value.to(device), checkpoint_scales(name, value.shape).to(device) if is_fp8 else None
 
         def checkpoint_scales(name: str, shape: torch.Size) -> torch.Tensor:
             """An FP8 tensor's multipliers per 128 x 128 block: its weight_scale_inv (one per block, Hugging Face's
             fine-grained format), or its weight_scale (one for the whole tensor, vLLM's per-tensor format) in every
             block."""
             if name + "_scale_inv" in file_of:
-                return file_of[name + "_scale_inv"].get_tensor(name + "_scale_inv")
+                return tensor(name + "_scale_inv")
             if name + "_scale" not in file_of:
                 raise ValueError(f"checkpoint in {str(path)!r} holds {name} in FP8 without its block scales "
                                  f"{name}_scale_inv (or a per-tensor {name}_scale); save the checkpoint with its "
                                  f"scales")
-            scale = file_of[name + "_scale"].get_tensor(name + "_scale")
+            scale = tensor(name + "_scale")
             if scale.numel() != 1:
                 raise ValueError(f"{name}_scale in {str(path)!r} holds {scale.numel()} scales; nanograph reads FP8 "
                                  f"weights with one scale per tensor ({name}_scale) or per 128 x 128 block "
@@ -125,9 +135,12 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
         cut = _cuts(shard, mc)
         embed = ("model.embed_tokens.weight", (mc.vocab_size, hidden))
         weights = {"norm": get(("model.norm.weight", (hidden,)))}
+        # A base model's checkpoint without an lm_head is pooled, never sampled (has_lm_head): its embeddings
+        # stand in for the head the step computes.
+        tied = mc.tie_word_embeddings or base_model and "lm_head.weight" not in file_of
         if shard is None or shard.rank == 0:
-            weights["lm_head"] = get(embed if mc.tie_word_embeddings else ("lm_head.weight", (mc.vocab_size, hidden)))
-        if mc.tie_word_embeddings and "lm_head" in weights:
+            weights["lm_head"] = get(embed if tied else ("lm_head.weight", (mc.vocab_size, hidden)))
+        if tied and "lm_head" in weights:
             weights["embed_tokens"] = weights["lm_head"][cut["embed"]] if shard else weights["lm_head"]
         else:
             weights["embed_tokens"] = get((*embed, *cut["embed"]))
@@ -150,6 +163,23 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
                                   (hf + "mlp.up_proj.weight", (inter, hidden), *cut["gate_up"])))
             weights.update(linear(ours + "down_proj", (hf + "mlp.down_proj.weight", (hidden, inter), *cut["down"])))
     return weights
+
+
+def _is_base_model(names) -> bool:
+    """Whether a checkpoint's tensor names are a base model's (embed_tokens.weight, not model.embed_tokens.weight)."""
+    return "model.embed_tokens.weight" not in names and "embed_tokens.weight" in names
+
+
+def has_lm_head(path: str | Path, model_config: ModelConfig) -> bool:
+    """Whether the checkpoint can give logits: its embeddings are tied to the head, or it holds an lm_head (a base
+    model's checkpoint may not: it can only be pooled, runner="pooling")."""
+    if model_config.tie_word_embeddings:
+        return True
+    names = set()
+    for f in weight_files(Path(path)):
+        with safe_open(f, framework="pt") as handle:
+            names.update(handle.keys())
+    return "lm_head.weight" in names or not _is_base_model(names)
 
 
 def _cuts(shard: Shard | None, mc: ModelConfig) -> dict[str, tuple]:

@@ -1,0 +1,231 @@
+"""Embeddings: a causal LM run as a pooling model (vLLM's runner="pooling"), its prompt's final hidden states (after
+the final norm) pooled into one vector per prompt.
+
+The pooler's settings come from the model folder's sentence-transformers files where it has them (modules.json
+naming a Pooling module, whose config.json says the pooling mode, and a Normalize module), else last-token pooling,
+normalized, as vLLM converts a causal LM; pooler_config overrides either. A request's PoolingParams may ask for fewer
+dimensions (a Matryoshka model's leading ones) and whether to normalize."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+# sentence-transformers' Pooling config keys, and the pooling type each selects.
+_SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                                "pooling_mode_cls_token": "CLS"}
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's pooler_config: what overrides the model folder's pooling (None: the folder's, else the default)."""
+    pooling_type: str | None = None  # "LAST" (the prompt's last token), "MEAN" (over its tokens) or "CLS" (its first)
+    normalize: bool | None = None  # divide by the L2 norm (a request's PoolingParams.normalize overrides it)
+
+    def __post_init__(self):
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not one nanograph has; use "
+                                 f"{', '.join(map(repr, POOLING_TYPES))}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be a bool, got {self.normalize!r}")
+
+    @classmethod
+    def of(cls, given) -> PoolerConfig:
+        """A PoolerConfig, a dict of its fields (as --pooler-config's JSON gives them), or None (no override)."""
+        if given is None:
+            return cls()
+        if isinstance(given, cls):
+            return cls(given.pooling_type, given.normalize)
+        if not isinstance(given, dict):
+            raise ValueError(f"pooler_config must be a PoolerConfig or a dict such as {{\"pooling_type\": \"MEAN\"}}, "
+                             f"got {given!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"pooler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class Pooler:
+    """How an engine pools: the settings of the model folder and pooler_config together."""
+    pooling_type: str  # one of POOLING_TYPES
+    normalize: bool
+    hidden_size: int
+    # A Matryoshka model's dimensions that a request may ask for (None: any up to hidden_size; empty: none but all).
+    matryoshka_dimensions: tuple[int, ...] | None
+
+    @classmethod
+    def for_model(cls, model_config, given=None) -> Pooler:
+        """model_config: a ModelConfig (its folder and config.json); given: Config.pooler_config."""
+        pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path))
+        override = PoolerConfig.of(given)
+        pooling_type = override.pooling_type or pooling_type or "LAST"
+        normalize = override.normalize if override.normalize is not None else normalize if normalize is not None \
+            else True
+        dims = getattr(model_config.hf_config, "matryoshka_dimensions", None)
+        if dims:
+            matryoshka = tuple(int(d) for d in dims)
+        else:
+            matryoshka = None if getattr(model_config.hf_config, "is_matryoshka", False) else ()
+        return cls(pooling_type, normalize, model_config.hidden_size, matryoshka)
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether a prompt's every token is pooled (MEAN, CLS), so that none may come from the prefix cache."""
+        return self.pooling_type != "LAST"
+
+    def check(self, params: PoolingParams):
+        """ValueError naming the field when the engine cannot serve params."""
+        if params.dimensions is None:
+            return
+        if self.matryoshka_dimensions == ():
+            raise ValueError("dimensions: this model is not a Matryoshka model, whose leading dimensions form an "
+                             "embedding of their own; leave dimensions unset (or, for one that is, set "
+                             "hf_overrides={\"is_matryoshka\": true})")
+        if not 1 <= params.dimensions <= self.hidden_size:
+            raise ValueError(f"dimensions={params.dimensions} is outside [1, {self.hidden_size}] (the model's "
+                             f"hidden size)")
+        if self.matryoshka_dimensions and params.dimensions not in self.matryoshka_dimensions:
+            raise ValueError(f"dimensions={params.dimensions} is not one the model was trained for; use one of "
+                             f"{list(self.matryoshka_dimensions)}")
+
+    def finish(self, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """The embeddings of pooled ([prompts, hidden_size] float32, all with params): cut to params.dimensions,
+        then normalized as params (else the pooler) says."""
+        if params.dimensions is not None:
+            pooled = pooled[:, :params.dimensions]
+        normalize = self.normalize if params.normalize is None else params.normalize
+        return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def _sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | None]:
+    """The pooling type and normalization the folder's sentence-transformers modules give (None: not said)."""
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    pooling_type, normalize = None, False
+    for module in modules if isinstance(modules, list) else []:
+        kind = str(module.get("type", ""))
+        if kind.endswith(".Normalize"):
+            normalize = True
+        elif kind.endswith(".Pooling"):
+            try:
+                config = json.loads((folder / module.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                continue
+            chosen = [kind for key, kind in _SENTENCE_TRANSFORMERS_MODES.items() if config.get(key)]
+            if len(chosen) == 1:
+                pooling_type = chosen[0]
+    return pooling_type, normalize
+
+
+@dataclass
+class PoolingParams:
+    """vLLM's PoolingParams for embed() and encode()."""
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    dimensions: int | None = None  # a Matryoshka model's leading dimensions to keep (None: all)
+    normalize: bool | None = None  # None: as the model's pooler does
+
+    def __post_init__(self):
+        value = self.truncate_prompt_tokens
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
+                                  not (value == -1 or value >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {value!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a bool or None, got {self.normalize!r}")
+
+    def clone(self) -> PoolingParams:
+        return PoolingParams(self.truncate_prompt_tokens, self.dimensions, self.normalize)
+
+
+class PoolingState:
+    """One prompt's pooling as its chunks are computed, float32 on the runner's device: the sum of its rows (MEAN),
+    its first row (CLS) or its last (LAST), over the prompt's first `count` tokens; data, once the prompt is
+    done: the embedding on the host."""
+
+    def __init__(self, params: PoolingParams, pooling_type: str):
+        self.params = params
+        self.pooling_type = pooling_type
+        self.pooled: torch.Tensor | None = None
+        self.count = 0
+        self.data: torch.Tensor | None = None
+
+    def add(self, rows: torch.Tensor, first: int):
+        """rows: the final-normed hidden states of prompt tokens first .. first + len(rows) - 1, float32; MEAN takes
+        them in order, from token `count` on."""
+        if self.pooling_type == "MEAN":
+            total = rows.sum(dim=0)
+            self.pooled = total if self.pooled is None else self.pooled + total
+        elif self.pooling_type == "CLS":
+            self.pooled = rows[0]
+        else:
+            self.pooled = rows[-1]
+        self.count = first + len(rows)
+
+    def result(self) -> torch.Tensor:
+        return self.pooled / self.count if self.pooling_type == "MEAN" else self.pooled
+
+    def rows_to_pool(self, start: int, num_new: int, completes: bool) -> range:
+        """Of the prompt tokens start .. start + num_new - 1 that a step computes (completes: the prompt's last
+        among them), those to pool: MEAN all not pooled yet (a preempted prompt computes again those it has), CLS
+        the first token, LAST the last."""
+        end = start + num_new
+        if self.pooling_type == "MEAN":
+            return range(max(start, self.count), end)
+        if self.pooling_type == "CLS":
+            return range(0, 1) if start == 0 and self.pooled is None else range(0)
+        return range(end - 1, end) if completes else range(0)
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor  # the pooled vector (float32, on the CPU)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput | None  # None for a request that a failure (error) or an abort ended
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache
+    metrics: object | None = None  # RequestMetrics
+    error: str | None = None  # set when a failure inside a step ended the request
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished, output.prompt)
+
+
+__all__ = ["PoolerConfig", "Pooler", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
+           "EmbeddingRequestOutput", "POOLING_TYPES"]

@@ -1,0 +1,59 @@
+"""Embeddings on the CUDA core against HF transformers (random bf16 weights, GPU): the final norm's output read from
+the core's hidden and residual rows after prefill chunks, pooled LAST, MEAN and CLS."""
+import gc
+
+import pytest
+import torch
+
+from nanograph import LLM, PoolingParams
+
+from ..hf_models import make_random_model
+
+pytestmark = pytest.mark.gpu
+
+# Prompts of 1 to 700 tokens; max_num_batched_tokens=256 prefills the longest in three chunks.
+PROMPTS = [list(range(1000, 1700)), [11, 12, 13], [5], list(range(3000, 3300))]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_random_model(str(tmp_path_factory.mktemp("qwen3-2-layers")), "qwen3-0.6b", num_hidden_layers=2,
+                             initializer_range=0.04)
+
+
+@pytest.fixture(scope="module")
+def hf_hidden(folder):
+    """HF's last hidden states (after the final norm) of each prompt, float32 on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        hidden = [model.model(torch.tensor([p], device="cuda")).last_hidden_state[0].float().cpu() for p in PROMPTS]
+    del model
+    torch.cuda.empty_cache()
+    return hidden
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_embed_on_cuda_matches_transformers(folder, hf_hidden, pooling_type):
+    llm = LLM(folder, device="cuda", runner="pooling", pooler_config={"pooling_type": pooling_type},
+              num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=8)
+    try:
+        outputs = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
+        again = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)  # LAST: from the prefix cache
+        for hidden, output, repeat in zip(hf_hidden, outputs, again):
+            reference = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
+            got = output.outputs.data
+            assert got.shape == (1024,) and got.dtype == torch.float32
+            # bf16 on both sides, the kernels' sums in another order: a few bf16 steps of the largest element.
+            assert (got - reference).abs().max() <= 0.05 * reference.abs().max()
+            assert torch.nn.functional.cosine_similarity(got, reference, dim=0) > 0.999
+            assert torch.nn.functional.cosine_similarity(repeat.outputs.data, got, dim=0) > 0.9999
+        if pooling_type == "LAST":
+            assert again[0].num_cached_tokens > 0
+        manager = llm.engine.scheduler.block_manager
+        assert manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
