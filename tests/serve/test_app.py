@@ -375,7 +375,9 @@ def test_sagemakers_ping_and_invocations(server, client):
     streamed = post(server, "/invocations", {**completion, "stream": True})
     assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
     assert error_of(post(server, "/invocations", chat, headers={}), 401)["code"] == "invalid_api_key"
-    assert "with messages" in error_of(post(server, "/invocations", {"input": "Hi"}), 400)["message"]
+    assert "with messages" in error_of(post(server, "/invocations", {"text": "Hi"}), 400)["message"]
+    # An input is an embedding request, which this text model refuses.
+    assert error_of(post(server, "/invocations", {"input": "Hi"}), 400)["code"] == "model_not_supported"
     not_json = httpx.post(server.base_url + "/invocations", content=b"{messages", timeout=60,
                           headers={**AUTH, "Content-Type": "application/json"})
     assert error_of(not_json, 400)["code"] == "invalid_json"
@@ -399,3 +401,8 @@ def test_default_chat_template_kwargs_reach_the_template_under_the_requests_own(
         "chat_template": template, "chat_template_kwargs": {"greeting": "bye"}})
     tokens = post(server, "/tokenize", {"prompt": "bye calm:hi", "add_special_tokens": False}).json()["tokens"]
     assert reply.usage.prompt_tokens == len(tokens)
+
+
+def test_embeddings_need_a_pooling_model(server):
+    error = error_of(post(server, "/behind-proxy/v1/embeddings", {"model": "smol", "input": "hello"}), 400)
+    assert error["code"] == "model_not_supported" and "--runner pooling" in error["message"]

@@ -410,6 +410,8 @@ class LLMEngine:
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)
             request.metrics.first_token_time = request.metrics.finished_time = now
+            if seq.request_id in self._streamed:
+                self._touched[seq.request_id] = None
             finished.append((request.owner, request.output()))
         return finished
 

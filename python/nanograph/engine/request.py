@@ -90,6 +90,7 @@ class Request:
                                                self.seqs[0].first_scheduled_time,
                                                self.seqs[0].prompt_logprobs if seq.is_finished else None,
                                                seq.num_cached_tokens if seq.is_finished else None,
-                                               seq.cumulative_logprob))
+                                               seq.cumulative_logprob,
+                                               seq.pooling.data if seq.pooling is not None else None))
         deltas, self._taken = self._taken, []
         return deltas

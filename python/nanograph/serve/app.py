@@ -1,4 +1,4 @@
-"""The FastAPI app: the OpenAI routes under /v1 and SageMaker's /invocations (behind the API key when one is set), and
+"""The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling) and SageMaker's /invocations (behind the API key when one is set), and
 /health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
+from .embeddings import create_embedding
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -124,12 +125,16 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     async def responses(request: Request):
         return await create_response(served, request)
 
+    @v1.post("/embeddings")
+    async def embeddings(request: Request):
+        return await create_embedding(served, request)
+
     app.include_router(v1)
 
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
     async def invocations(request: Request):
         """SageMaker's one route, as vLLM's: a body with messages is a chat completion, one with a prompt a
-        completion."""
+        completion, one with an input an embedding."""
         try:
             body = json.loads(await request.body())
         except ValueError:  # not JSON: the chat route's parse says so, as for any route
@@ -138,8 +143,10 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             return await create_chat_completion(served, request)
         if isinstance(body, dict) and "prompt" in body:
             return await create_completion(served, request)
-        raise APIError(400, "/invocations takes a chat completion request (with messages) or a completion request "
-                            "(with a prompt)", "messages", "invalid_value")
+        if isinstance(body, dict) and "input" in body:
+            return await create_embedding(served, request)
+        raise APIError(400, "/invocations takes a chat completion request (with messages), a completion request "
+                            "(with a prompt) or an embedding request (with an input)", "messages", "invalid_value")
 
     @app.get("/health")
     @app.get("/ping")

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 from ..engine.intake import Prompt
 from ..engine.llm_engine import LLMEngine
 from ..outputs import CompletionDelta
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
-from .engine_core import EngineInfo, EngineSnapshot, run_engine_process, widen_pipe
+from .engine_core import EngineInfo, EngineSnapshot, num_completions, run_engine_process, widen_pipe
 
 if TYPE_CHECKING:
     from .metrics import ServerMetrics
@@ -146,7 +147,7 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._reader.is_alive() and self.error is None and not self.stopping
 
-    async def generate(self, prompts: list[Prompt], params: list[SamplingParams], priority: int = 0,
+    async def generate(self, prompts: list[Prompt], params: list[SamplingParams | PoolingParams], priority: int = 0,
                        report_prompts: bool = False) -> RequestStream:
         """Queue one engine request per prompt (token ids, or any prompt the engine takes), all or none: an
         invalid one raises the engine's ValueError or TypeError ("prompt i: ..." when there are several) and none
@@ -154,16 +155,15 @@ class AsyncLLM:
         prompt's text and token ids as the engine queued them."""
         loop = asyncio.get_running_loop()
         stream_id = next(self._stream_ids)
-        num_completions = sum(request_params.n for request_params in params)
-        stream = RequestStream(self, stream_id, loop, num_completions)
+        completions = sum(map(num_completions, params))
+        stream = RequestStream(self, stream_id, loop, completions)
         added = loop.create_future()
         with self._state_lock:
             if not self.is_running:
                 raise self._unavailable()
-            self._streams[stream_id] = [stream, num_completions]
-            room = self.info.max_model_len
+            self._streams[stream_id] = [stream, completions]
             self._adds[stream_id] = (added, time.monotonic(), [
-                (len(prompt), p.n, p.max_tokens if p.max_tokens is not None else max(room - len(prompt), 1))
+                (len(prompt), num_completions(p), self._max_tokens(p, len(prompt)))
                 for prompt, p in zip(prompts, params)] if self.metrics is not None else [])
         self._send(("add", stream_id, prompts, params, priority, report_prompts))
         try:
@@ -172,6 +172,13 @@ class AsyncLLM:
             stream.close()
             raise
         return stream
+
+    def _max_tokens(self, params: SamplingParams | PoolingParams, prompt_len: int) -> int:
+        """What the metrics count as a request's max_tokens: its own, else the room its prompt leaves (a pooling
+        request generates nothing: 0)."""
+        if not isinstance(params, SamplingParams):
+            return 0
+        return params.max_tokens if params.max_tokens is not None else max(self.info.max_model_len - prompt_len, 1)
 
     async def reset_prefix_cache(self) -> bool:
         """The engine's LLMEngine.reset_prefix_cache(): False, changing nothing, while a request holds KV blocks."""

@@ -26,7 +26,7 @@ async def create_completion(served: ServedModel, raw_request: Request) -> Respon
         raise APIError(400, "echo with logprobs asks for the prompt's logprobs, which are served on non-streamed "
                             "requests; set stream to false, or drop echo or logprobs", "echo", "invalid_value")
     served.admit(request)
-    prompts, texts = await _prompts(served, request.prompt, request.add_special_tokens)
+    prompts, texts = await encode_prompts(served, request.prompt, request.add_special_tokens)
     kept = served.truncate(prompts, request)
     texts = [text if len(cut) == len(whole) else None for text, cut, whole in zip(texts, kept, prompts)]
     prompts = kept
@@ -105,14 +105,15 @@ def top_entries(entry: dict[int, Logprob], token_id: int, k: int) -> dict[int, L
     return {top_id: lp for top_id, lp in entry.items() if top_id == token_id or k == -1 or lp.rank <= k}
 
 
-async def _prompts(served: ServedModel, prompt, add_special_tokens: bool) -> tuple[list[list[int]], list[str | None]]:
+async def encode_prompts(served: ServedModel, prompt, add_special_tokens: bool, field: str = "prompt"
+                         ) -> tuple[list[list[int]], list[str | None]]:
     """The prompts as token ids (text encoded with the tokenizer's special tokens, a BOS, if add_special_tokens),
-    and as text (None for one given as token ids)."""
+    and as text (None for one given as token ids). field: the request's name for them."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
-        raise APIError(400, "prompt is empty; give a string, a list of strings, token ids or lists of token ids",
-                       "prompt", "invalid_value")
+        raise APIError(400, f"{field} is empty; give a string, a list of strings, token ids or lists of token ids",
+                       field, "invalid_value")
     elif isinstance(prompt[0], int):
         prompt = [prompt]
     if isinstance(prompt[0], str):

@@ -1,7 +1,8 @@
 """The engine process: it owns the LLMEngine and runs its step loop, apart from the HTTP frontend, so that neither
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
-In: ("add", stream_id, prompts, params, priority, report_prompts), ("abort", stream_id), ("reset_prefix_cache",
+In: ("add", stream_id, prompts, params (SamplingParams, or PoolingParams for an embedding model), priority,
+report_prompts), ("abort", stream_id), ("reset_prefix_cache",
 call_id), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step
 runs. Out, sent by a thread of their own so that a step never waits on a frontend that is behind, in this order of
 events:
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..engine.llm_engine import LLMEngine
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
 
@@ -41,6 +43,7 @@ class EngineInfo:
     kv_cache: str  # what the KV cache holds, in words (Runner.kv_cache_summary)
     cache_config: dict[str, str]  # vLLM's cache_config_info labels that apply here
     reasoning_parser: str | None = None  # Config.reasoning_parser: how replies' thinking is taken apart
+    runner: str = "generate"  # Config.runner: "pooling" for an embedding model
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
                     "num_gpu_blocks_override": config.num_kv_blocks}
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
-                      {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser)
+                      {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
+                      config.runner)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -71,6 +75,11 @@ def snapshot(engine: LLMEngine) -> EngineSnapshot:
     blocks = scheduler.block_manager
     return EngineSnapshot(scheduler.num_running, scheduler.num_waiting, blocks.num_free_blocks, len(blocks.blocks),
                           scheduler.num_preemptions, blocks.num_prefix_queried_tokens, blocks.num_prefix_hit_tokens)
+
+
+def num_completions(params: SamplingParams | PoolingParams) -> int:
+    """The completions a request makes: its n, or one pooled vector."""
+    return params.n if isinstance(params, SamplingParams) else 1
 
 
 def run_engine_process(make_engine: Callable[[], LLMEngine], commands: Connection, outputs: Connection):
@@ -180,7 +189,7 @@ class EngineCore:
                                                           if len(prompts) > 1 else exc)))
                 return
             request_ids.append(request_id)
-            self._origin[request_id] = (stream_id, prompt_index, request_params.n)
+            self._origin[request_id] = (stream_id, prompt_index, num_completions(request_params))
         if not report_prompts:
             self._send(("added", stream_id, None))
             return

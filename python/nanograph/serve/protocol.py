@@ -271,6 +271,35 @@ class TokenizeRequest(Request):
     return_token_strs: bool = False  # vLLM's: the response's token_strs, each token's own string in the vocabulary
 
 
+class EmbeddingRequest(Request):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"  # base64: each vector's float32 bytes, little-endian
+    dimensions: int | None = None  # a Matryoshka model's leading dimensions
+    user: str | None = None  # OpenAI's; not used
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: max_model_len)
+    add_special_tokens: bool = True  # vLLM's: a text input takes the tokenizer's special tokens (a BOS)
+    normalize: bool | None = None  # vLLM's: None as the model's pooler does
+    priority: int = 0  # vLLM's, under --scheduling-policy priority
+    request_id: str | None = None  # vLLM's: the response's id (after an X-Request-Id header)
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+
+
 class DetokenizeRequest(Request):
     model: str | None = None
     tokens: list[int]

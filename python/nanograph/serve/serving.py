@@ -70,6 +70,7 @@ class ServedModel:
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
+        self.runner = async_llm.info.runner  # "pooling": an embedding model (/v1/embeddings), else "generate"
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.content_format = content_format

@@ -1,0 +1,105 @@
+"""POST /v1/embeddings on `nanograph serve --runner pooling` (the default SmolLM2 on the CPU), through the official
+OpenAI client: the vectors against LLM.embed() on the same model, base64 and float encodings, token-id inputs,
+vLLM's extra fields, and the errors, after which the server goes on serving."""
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from nanograph import LLM, PoolingParams
+
+from .server_process import MAX_MODEL_LEN, module_server
+
+TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "a"]
+TOLERANCE = 1e-5  # float32 on both sides; the server batches the prompts differently
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    yield from module_server(tmp_path_factory, "--runner", "pooling", "--served-model-name", "smol-embed")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same model in this process, run as an embedding model."""
+    return LLM(device="cpu", max_model_len=MAX_MODEL_LEN, runner="pooling")
+
+
+def post(server, body):
+    return httpx.post(server.base_url + "/v1/embeddings", json=body, timeout=60)
+
+
+def test_the_client_gets_llm_embed_vectors(client, reference):
+    expected = [output.outputs.embedding for output in reference.embed(TEXTS, use_tqdm=False)]
+    # The client asks for base64 by default and decodes it with numpy.
+    response = client.embeddings.create(model="smol-embed", input=TEXTS)
+    assert response.model == "smol-embed" and response.object == "list"
+    assert [item.index for item in response.data] == [0, 1, 2]
+    tokenizer = reference.get_tokenizer()
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(text)) for text in TEXTS)
+    assert response.usage.total_tokens == response.usage.prompt_tokens
+    for item, vector in zip(response.data, expected):
+        assert len(item.embedding) == 576
+        np.testing.assert_allclose(item.embedding, vector, atol=TOLERANCE, rtol=0)
+        assert abs(np.linalg.norm(item.embedding) - 1) < 1e-5
+    floats = client.embeddings.create(model="smol-embed", input=TEXTS[0], encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, expected[0], atol=TOLERANCE, rtol=0)
+
+
+def test_base64_is_little_endian_float32(server, reference):
+    body = post(server, {"input": TEXTS[1], "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, reference.embed(TEXTS[1], use_tqdm=False)[0].outputs.embedding,
+                               atol=TOLERANCE, rtol=0)
+    assert body["id"].startswith("embd-") and body["data"][0]["object"] == "embedding"
+
+
+def test_token_ids_and_vllm_fields(server, client, reference):
+    ids = reference.get_tokenizer().encode(TEXTS[0])
+    by_ids = client.embeddings.create(model="smol-embed", input=[ids, ids[:3]], encoding_format="float")
+    expected = reference.embed([ids, ids[:3]], use_tqdm=False)
+    for item, output in zip(by_ids.data, expected):
+        np.testing.assert_allclose(item.embedding, output.outputs.embedding, atol=TOLERANCE, rtol=0)
+    one = post(server, {"input": ids, "truncate_prompt_tokens": 3, "normalize": False}).json()
+    raw = reference.encode([ids[-3:]], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.data
+    np.testing.assert_allclose(one["data"][0]["embedding"], raw.numpy(), atol=TOLERANCE * float(raw.abs().max()),
+                               rtol=0)
+    assert one["usage"]["prompt_tokens"] == 3
+    no_bos = post(server, {"input": TEXTS[2], "add_special_tokens": False}).json()
+    assert no_bos["usage"]["prompt_tokens"] == len(reference.get_tokenizer().encode(TEXTS[2],
+                                                                                        add_special_tokens=False))
+
+
+def test_errors_and_the_server_goes_on(server, client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="smol-embed", input=TEXTS[0], dimensions=64)
+    assert caught.value.body["param"] == "dimensions" and "Matryoshka" in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="other", input=TEXTS[0])
+    too_long = post(server, {"input": [[5] * (MAX_MODEL_LEN + 1)]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    empty = post(server, {"input": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "input"
+    bad = post(server, {"input": [[5, 10 ** 9]]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    cut = post(server, {"input": TEXTS[0], "truncate_prompt_tokens": 0})
+    assert cut.status_code == 400 and cut.json()["error"]["param"] == "truncate_prompt_tokens"
+    # A generating route on an embedding model: the engine's error, naming the fix.
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model="smol-embed", prompt="Hello", max_tokens=2)
+    # A model that fills max_model_len is embedded (nothing is generated after it).
+    full = post(server, {"input": [[5] * MAX_MODEL_LEN], "encoding_format": "float"})
+    assert full.status_code == 200 and len(full.json()["data"][0]["embedding"]) == 576
+    assert len(client.embeddings.create(model="smol-embed", input=TEXTS[2]).data[0].embedding) == 576
+    # SageMaker's route takes an embedding request by its input.
+    invoked = httpx.post(server.base_url + "/invocations", json={"input": TEXTS[2], "encoding_format": "float"},
+                         timeout=60).json()
+    assert len(invoked["data"][0]["embedding"]) == 576
