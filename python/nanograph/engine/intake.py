@@ -136,8 +136,8 @@ class Intake:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.pooler is not None:
             raise ValueError("this engine runs the model as an embedding model (runner='pooling'): it pools prompts "
-                             "(embed(), encode()) and generates nothing; build it with runner='generate' to generate "
-                             "text")
+                             "(embed(), encode()) and generates nothing; build it with runner='generate' (the "
+                             "command line's --runner generate, its default) to generate text")
         # Its own copy, validated again (its fields may have changed since construction).
         params = replace(params)
         text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
