@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from functools import partial
 
 from .engine.intake import Prompt, prompt_parts
@@ -24,6 +25,7 @@ from .engine.llm_engine import LLMEngine, check_no_lora, load_tokenizer
 from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TokensPrompt, check_utf8
 from .outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
+from .pooling import PoolingOutput, PoolingParams, PoolingRequestOutput
 from .sampling_params import RequestOutputKind, SamplingParams
 from .serve import async_llm as engine_process
 from .serve.engine_core import EngineInfo
@@ -85,19 +87,7 @@ class AsyncLLMEngine:
         request raises the engine's ValueError or TypeError, naming the field; closing the generator, or cancelling
         the task that reads it, aborts the request. lora_request, tokenization_kwargs (None only), trace_headers
         and data_parallel_rank (None or 0) are vLLM's; priority: under scheduling_policy="priority", lower first."""
-        check_no_lora(lora_request)
-        if tokenization_kwargs is not None:
-            raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer does "
-                             "by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
-        if data_parallel_rank not in (None, 0):
-            raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: nanograph runs one engine; pass None")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
-        if not self.is_running:
-            raise self.dead_error
-        if request_id in self._stream_ids:
-            raise ValueError(f"request_id {request_id!r} is already running; give each unfinished request its own "
-                             "id")
+        _check_vllm_arguments(lora_request, tokenization_kwargs, data_parallel_rank)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if not isinstance(sampling_params, SamplingParams):
@@ -108,10 +98,57 @@ class AsyncLLMEngine:
         arrival = time.time()
         # The engine process sends deltas, whatever the caller reads: the outputs are built here.
         engine_params = dataclasses.replace(sampling_params, output_kind=RequestOutputKind.DELTA)
+        output = None
+        # aclosing: closing this generator closes the run at once, which aborts the request.
+        async with aclosing(self._run(prompt, engine_params, request_id, priority)) as run:
+            async for prompt_text, prompt_token_ids, deltas in run:
+                if output is None:
+                    output = _Output(request_id, prompt_text, prompt_token_ids, sampling_params.n, kind, arrival)
+                result = output.add(deltas)
+                if result is not None:
+                    yield result
+
+    async def encode(self, prompt: Prompt, pooling_params: PoolingParams | None, request_id: str, *,
+                     lora_request=None, trace_headers=None, priority: int = 0,
+                     tokenization_kwargs: dict | None = None, truncate_prompt_tokens: int | None = None
+                     ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """vLLM's: one prompt's pooling, on an engine built with runner="pooling" (LLM.encode()'s), as one
+        PoolingRequestOutput once its prompt is computed (an aborted request yields one with outputs None). The
+        other arguments are generate()'s."""
+        _check_vllm_arguments(lora_request, tokenization_kwargs)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        if truncate_prompt_tokens is not None:
+            pooling_params = PoolingParams(truncate_prompt_tokens, pooling_params.dimensions,
+                                           pooling_params.normalize)
+        arrival = time.time()
+        async with aclosing(self._run(prompt, pooling_params, request_id, priority)) as run:
+            async for prompt_text, prompt_token_ids, deltas in run:
+                last = deltas[-1]
+                if last.finished:
+                    yield PoolingRequestOutput(
+                        request_id, None if last.pooled is None else PoolingOutput(last.pooled), prompt_token_ids,
+                        prompt=prompt_text, num_cached_tokens=last.num_cached_tokens,
+                        metrics=RequestMetrics(arrival, finished_time=time.time(),
+                                               first_scheduled_time=last.scheduled_time), error=last.error)
+
+    async def _run(self, prompt: Prompt, params: SamplingParams | PoolingParams, request_id: str, priority: int
+                   ) -> AsyncGenerator[tuple[str | None, list[int], list[CompletionDelta]], None]:
+        """Queue one request in the engine process and yield its prompt as queued with each batch of its deltas;
+        closing the generator aborts what is unfinished."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if not self.is_running:
+            raise self.dead_error
+        if request_id in self._stream_ids:
+            raise ValueError(f"request_id {request_id!r} is already running; give each unfinished request its own "
+                             "id")
         self._stream_ids[request_id] = -1  # taken while the add is on its way
         try:
             prompt = await self._encoded(prompt)
-            stream = await self._async_llm.generate([prompt], [engine_params], priority, report_prompts=True)
+            stream = await self._async_llm.generate([prompt], [params], priority, report_prompts=True)
         except BaseException:
             del self._stream_ids[request_id]
             self._aborted_while_adding.discard(request_id)
@@ -121,12 +158,9 @@ class AsyncLLMEngine:
             self._aborted_while_adding.discard(request_id)
             self._async_llm.abort(stream.stream_id)
         [(prompt_text, prompt_token_ids)] = stream.prompts
-        output = _Output(request_id, prompt_text, prompt_token_ids, sampling_params.n, kind, arrival)
         try:
             async for items in stream:
-                result = output.add([delta for _, delta in items])
-                if result is not None:
-                    yield result
+                yield prompt_text, prompt_token_ids, [delta for _, delta in items]
         finally:
             stream.close()  # aborts what is unfinished: the caller stopped reading
             del self._stream_ids[request_id]
@@ -206,6 +240,16 @@ class AsyncLLMEngine:
 
 
 AsyncLLM = AsyncLLMEngine  # vLLM V1's name
+
+
+def _check_vllm_arguments(lora_request, tokenization_kwargs: dict | None, data_parallel_rank: int | None = None):
+    """vLLM's per-request arguments that nanograph takes at their defaults only."""
+    check_no_lora(lora_request)
+    if tokenization_kwargs is not None:
+        raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer does "
+                         "by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
+    if data_parallel_rank not in (None, 0):
+        raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: nanograph runs one engine; pass None")
 
 
 class _Output:

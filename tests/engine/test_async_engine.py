@@ -330,3 +330,41 @@ def test_a_killed_engine_process_fails_its_open_requests(tiny_chat_folder):
             run(outputs_of(engine, PROMPTS[0], SamplingParams(max_tokens=2), "after"))
     finally:
         engine.shutdown()
+
+
+def test_encode_on_a_pooling_engine(tiny_chat_folder):
+    """AsyncLLMEngine.encode(): one PoolingRequestOutput per prompt, the vector LLM.encode() gives; generate() on a
+    pooling engine and encode() on a generating one raise the engine's ValueError."""
+    import torch
+
+    from nanograph import PoolingParams
+
+    reference = LLM(str(tiny_chat_folder), runner="pooling", **ENGINE_ARGS)
+    expected = reference.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
+    pooling = AsyncLLMEngine(str(tiny_chat_folder), runner="pooling", **ENGINE_ARGS)
+    try:
+        async def main():
+            async def one(i):
+                return [output async for output in pooling.encode(PROMPTS[i], PoolingParams(normalize=False),
+                                                                  f"e{i}")]
+            got = await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+            with pytest.raises(ValueError, match="embedding model"):
+                await outputs_of(pooling, PROMPTS[0], SamplingParams(max_tokens=2), "g")
+            return got
+
+        for outputs, want in zip(run(main()), expected):
+            [output] = outputs
+            assert output.finished and output.error is None and output.prompt_token_ids == want.prompt_token_ids
+            torch.testing.assert_close(output.outputs.data, want.outputs.data, atol=1e-5, rtol=0)
+        wait_until_idle(pooling)
+    finally:
+        pooling.shutdown()
+
+
+def test_encode_on_a_generating_engine_raises(engine):
+    async def main():
+        return [output async for output in engine.encode(PROMPTS[0], None, "e")]
+
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        run(main())
+    wait_until_idle(engine)

@@ -11,8 +11,10 @@ from ..hf_models import make_random_model
 
 pytestmark = pytest.mark.gpu
 
-# Prompts of 1 to 700 tokens; max_num_batched_tokens=256 prefills the longest in three chunks.
+# Prompts of 1 to 700 tokens; max_num_batched_tokens=256 prefills the longest in three chunks. A batch of one-token
+# prompts alone runs as a decode step (a graph).
 PROMPTS = [list(range(1000, 1700)), [11, 12, 13], [5], list(range(3000, 3300))]
+ONE_TOKEN = [[7], [8], [9]]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,8 @@ def hf_hidden(folder):
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     with torch.no_grad():
-        hidden = [model.model(torch.tensor([p], device="cuda")).last_hidden_state[0].float().cpu() for p in PROMPTS]
+        hidden = [model.model(torch.tensor([p], device="cuda")).last_hidden_state[0].float().cpu()
+                  for p in PROMPTS + ONE_TOKEN]
     del model
     torch.cuda.empty_cache()
     return hidden
@@ -41,6 +44,8 @@ def test_embed_on_cuda_matches_transformers(folder, hf_hidden, pooling_type):
     try:
         outputs = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
         again = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)  # LAST: from the prefix cache
+        outputs += llm.encode(ONE_TOKEN, PoolingParams(normalize=False), use_tqdm=False)
+        again += outputs[len(PROMPTS):]
         for hidden, output, repeat in zip(hf_hidden, outputs, again):
             reference = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
             got = output.outputs.data
