@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from functools import partial
 
+import torch
+
 from .engine.intake import Prompt, prompt_parts
-from .engine.llm_engine import LLMEngine, check_no_lora, load_tokenizer
+from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs, load_tokenizer
 from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TokensPrompt, check_utf8
 from .outputs import CompletionDelta, CompletionOutput, RequestMetrics, RequestOutput
@@ -121,15 +123,15 @@ class AsyncLLMEngine:
         if not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         if truncate_prompt_tokens is not None:
-            pooling_params = PoolingParams(truncate_prompt_tokens, pooling_params.dimensions,
-                                           pooling_params.normalize)
+            pooling_params = dataclasses.replace(pooling_params, truncate_prompt_tokens=truncate_prompt_tokens)
         arrival = time.time()
         async with aclosing(self._run(prompt, pooling_params, request_id, priority)) as run:
             async for prompt_text, prompt_token_ids, deltas in run:
                 last = deltas[-1]
                 if last.finished:
                     yield PoolingRequestOutput(
-                        request_id, None if last.pooled is None else PoolingOutput(last.pooled), prompt_token_ids,
+                        request_id, None if last.pooled is None else PoolingOutput(torch.from_numpy(last.pooled)),
+                        prompt_token_ids,
                         prompt=prompt_text, num_cached_tokens=last.num_cached_tokens,
                         metrics=RequestMetrics(arrival, finished_time=time.time(),
                                                first_scheduled_time=last.scheduled_time), error=last.error)
@@ -245,9 +247,7 @@ AsyncLLM = AsyncLLMEngine  # vLLM V1's name
 def _check_vllm_arguments(lora_request, tokenization_kwargs: dict | None, data_parallel_rank: int | None = None):
     """vLLM's per-request arguments that nanograph takes at their defaults only."""
     check_no_lora(lora_request)
-    if tokenization_kwargs is not None:
-        raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer does "
-                         "by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
+    check_no_tokenization_kwargs(tokenization_kwargs)
     if data_parallel_rank not in (None, 0):
         raise ValueError(f"data_parallel_rank={data_parallel_rank!r}: nanograph runs one engine; pass None")
 

@@ -11,7 +11,7 @@ from .reasoning import REASONING_PARSERS
 SUPPORTED_QUANTIZATION = ("fp8",)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-RUNNERS = ("generate", "pooling")  # Config.runner's values ("auto" is "generate")
+RUNNERS = ("auto", "generate", "pooling")  # Config.runner's values
 
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).
@@ -64,9 +64,10 @@ class Config:
     # ...}), or a function that takes the loaded transformers config and returns it changed. A rope_scaling (or
     # rope_parameters) dict replaces the config's rope parameters but rope_theta, which stays unless given.
     hf_overrides: dict | Callable | None = None
-    # vLLM's: "generate" (also "auto": every architecture nanograph runs is a causal LM) samples text; "pooling" runs
-    # the model as an embedding model (pooling.py): embed() and encode(), no generate().
-    runner: str = "generate"
+    # vLLM's: "generate" samples text; "pooling" runs the model as an embedding model (pooling.py): embed() and
+    # encode(), no generate(); "auto": "pooling" for a base model's folder (architectures Qwen3Model, LlamaModel,
+    # ...), else "generate" (LLMEngine.from_config settles it).
+    runner: str = "auto"
     # vLLM's: overrides of the pooling the model folder gives (pooling.PoolerConfig, or a dict of its fields).
     pooler_config: object | None = None
 
@@ -122,13 +123,11 @@ class Config:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser={self.reasoning_parser!r} is not one nanograph has; use "
                              f"{' or '.join(map(repr, REASONING_PARSERS))}, or None")
-        if self.runner == "auto":
-            self.runner = "generate"
         if self.runner not in RUNNERS:
-            raise ValueError(f"runner={self.runner!r} is not one nanograph has; use 'generate' (text) or 'pooling' "
-                             f"(embeddings)")
+            raise ValueError(f"runner={self.runner!r} is not one nanograph has; use 'generate' (text), 'pooling' "
+                             f"(embeddings) or 'auto'")
         if self.pooler_config is not None:
-            if self.runner != "pooling":
+            if self.runner == "generate":
                 raise ValueError("pooler_config is for a pooling model: pass runner='pooling' with it, or leave it "
                                  "out")
             from .pooling import PoolerConfig

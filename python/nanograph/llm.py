@@ -3,13 +3,14 @@ and encode() for a model run as an embedding model (runner="pooling")."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
 from .engine.intake import Prompt
-from .engine.llm_engine import LLMEngine, check_no_lora
+from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
@@ -71,9 +72,7 @@ class LLM:
         vLLM's, None only (nanograph runs no LoRA adapters); priority: vLLM's, one int per prompt (lower first)
         with scheduling_policy="priority", else None or zeros; tokenization_kwargs: vLLM's, None only."""
         check_no_lora(lora_request)
-        if tokenization_kwargs is not None:
-            raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer "
-                             "does by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
+        check_no_tokenization_kwargs(tokenization_kwargs)
         prompts, params = self._requests(prompts, sampling_params)
         return self.engine.generate(prompts, params, use_tqdm, priority)
 
@@ -140,47 +139,37 @@ class LLM:
                ) -> list[PoolingRequestOutput]:
         """embed()'s pooling, each output's outputs.data a float32 tensor (vLLM's; pooling_task "embed" or None)."""
         check_no_lora(lora_request)
+        check_no_tokenization_kwargs(tokenization_kwargs)
         if pooling_task not in (None, "embed"):
             raise ValueError(f"pooling_task={pooling_task!r}: nanograph's pooling models embed; pass 'embed' or None")
-        if tokenization_kwargs is not None:
-            raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer "
-                             "does by default); pass tokenization_kwargs=None, or pre-tokenized prompts")
         if self.engine.pooler is None:
             raise ValueError("embed() and encode() need an embedding model: build the LLM with runner='pooling' "
                              "(vLLM's task='embed' is taken too); this one generates text")
-        prompts = _prompt_list(prompts)
-        if pooling_params is None:
-            pooling_params = PoolingParams()
-        params = [pooling_params] * len(prompts) if isinstance(pooling_params, PoolingParams) else pooling_params
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, PoolingParams) for p in params):
-            raise TypeError("pooling_params must be a PoolingParams, or a list of them (one per prompt)")
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} pooling params; pass one PoolingParams, "
-                             "or one per prompt")
+        prompts, params = _requests(prompts, PoolingParams() if pooling_params is None else pooling_params,
+                                    PoolingParams)
         if truncate_prompt_tokens is not None:
-            params = [PoolingParams(truncate_prompt_tokens, p.dimensions, p.normalize) for p in params]
-        return self.engine.generate(prompts, list(params), use_tqdm)
+            params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        return self.engine.generate(prompts, params, use_tqdm)
 
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:
         return _requests(prompts, self.get_default_sampling_params() if sampling_params is None else sampling_params)
 
 
-def _requests(prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams]
-              ) -> tuple[list[Prompt], list[SamplingParams]]:
-    """One prompt or many, and one SamplingParams for all or one per prompt, as two lists of the same length. A
-    prompt is a string, a list of token ids (numpy integers too), or vLLM's TextPrompt {"prompt": str} /
-    TokensPrompt {"prompt_token_ids": [...]}; the engine checks each."""
+def _requests(prompts: Prompt | list[Prompt], params, kind: type = SamplingParams) -> tuple[list[Prompt], list]:
+    """One prompt or many, and one params of `kind` (SamplingParams, PoolingParams) for all or one per prompt, as
+    two lists of the same length. A prompt is a string, a list of token ids (numpy integers too), or vLLM's
+    TextPrompt {"prompt": str} / TokensPrompt {"prompt_token_ids": [...]}; the engine checks each."""
     prompts = _prompt_list(prompts)
-    if isinstance(sampling_params, SamplingParams):
-        sampling_params = [sampling_params] * len(prompts)
-    if not isinstance(sampling_params, (list, tuple)) or \
-            not all(isinstance(params, SamplingParams) for params in sampling_params):
-        raise TypeError("sampling_params must be a SamplingParams, or a list of them (one per prompt)")
-    if len(sampling_params) != len(prompts):
-        raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params; "
-                         "pass one SamplingParams, or one per prompt")
-    return prompts, list(sampling_params)
+    name = "sampling_params" if kind is SamplingParams else "pooling_params"
+    if isinstance(params, kind):
+        params = [params] * len(prompts)
+    if not isinstance(params, (list, tuple)) or not all(isinstance(one, kind) for one in params):
+        raise TypeError(f"{name} must be a {kind.__name__}, or a list of them (one per prompt)")
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(prompts)} prompts but {len(params)} {name.replace('_', ' ')}; pass one "
+                         f"{kind.__name__}, or one per prompt")
+    return prompts, list(params)
 
 
 def _prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:

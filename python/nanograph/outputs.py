@@ -68,4 +68,4 @@ class CompletionDelta:
     # On a completion's last delta: its prompt's tokens found in the prefix cache (None: never scheduled).
     num_cached_tokens: int | None = None
     cumulative_logprob: float | None = None  # the completion's so far, when the request asked for logprobs
-    pooled: object | None = None  # a pooling request's last delta: its embedding (a float32 tensor on the CPU)
+    pooled: object | None = None  # a pooling request's last delta: its vector (a float32 numpy array)

@@ -8,10 +8,14 @@ dimensions (a Matryoshka model's leading ones) and whether to normalize."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from .hub import sentence_transformers_modules
+from .sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' Pooling config keys, and the pooling type each selects.
@@ -63,8 +67,9 @@ class Pooler:
     @classmethod
     def for_model(cls, model_config, given=None) -> Pooler:
         """model_config: a ModelConfig (its folder and config.json); given: Config.pooler_config."""
-        pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path))
         override = PoolerConfig.of(given)
+        pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path),
+                                                                 needs_type=override.pooling_type is None)
         pooling_type = override.pooling_type or pooling_type or "LAST"
         normalize = override.normalize if override.normalize is not None else normalize if normalize is not None \
             else True
@@ -74,11 +79,6 @@ class Pooler:
         else:
             matryoshka = None if getattr(model_config.hf_config, "is_matryoshka", False) else ()
         return cls(pooling_type, normalize, model_config.hidden_size, matryoshka)
-
-    @property
-    def needs_every_token(self) -> bool:
-        """Whether a prompt's every token is pooled (MEAN, CLS), so that none may come from the prefix cache."""
-        return self.pooling_type != "LAST"
 
     def check(self, params: PoolingParams):
         """ValueError naming the field when the engine cannot serve params."""
@@ -104,25 +104,32 @@ class Pooler:
         return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
 
 
-def _sentence_transformers_pooling(folder: Path) -> tuple[str | None, bool | None]:
-    """The pooling type and normalization the folder's sentence-transformers modules give (None: not said)."""
-    try:
-        modules = json.loads((folder / "modules.json").read_text())
-    except (OSError, ValueError):
+def _sentence_transformers_pooling(folder: Path, needs_type: bool = True) -> tuple[str | None, bool | None]:
+    """The pooling type and normalization the folder's sentence-transformers modules give (None: not said). Where
+    the type is needed (no override), a pooling mode nanograph does not have (max, weighted mean, ...) is a
+    ValueError naming the override."""
+    modules = sentence_transformers_modules(folder)
+    if not modules:
         return None, None
     pooling_type, normalize = None, False
-    for module in modules if isinstance(modules, list) else []:
+    for module in modules:
         kind = str(module.get("type", ""))
         if kind.endswith(".Normalize"):
             normalize = True
-        elif kind.endswith(".Pooling"):
+        elif kind.endswith(".Pooling") and module.get("path"):
             try:
-                config = json.loads((folder / module.get("path", "") / "config.json").read_text())
+                config = json.loads((folder / module["path"] / "config.json").read_text())
             except (OSError, ValueError):
                 continue
-            chosen = [kind for key, kind in _SENTENCE_TRANSFORMERS_MODES.items() if config.get(key)]
-            if len(chosen) == 1:
-                pooling_type = chosen[0]
+            modes = sorted(key for key, value in config.items() if key.startswith("pooling_mode_") and value)
+            if len(modes) != 1 or modes[0] not in _SENTENCE_TRANSFORMERS_MODES:
+                if not needs_type:
+                    continue
+                raise ValueError(f"{folder / module['path'] / 'config.json'} pools by {' and '.join(modes) or 'none'}"
+                                 f" of the modes, and nanograph pools by one of "
+                                 f"{', '.join(_SENTENCE_TRANSFORMERS_MODES)}; pass pooler_config="
+                                 f"{{\"pooling_type\": \"LAST\" | \"MEAN\" | \"CLS\"}} to choose one")
+            pooling_type = _SENTENCE_TRANSFORMERS_MODES[modes[0]]
     return pooling_type, normalize
 
 
@@ -134,18 +141,16 @@ class PoolingParams:
     normalize: bool | None = None  # None: as the model's pooler does
 
     def __post_init__(self):
-        value = self.truncate_prompt_tokens
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or
-                                  not (value == -1 or value >= 1)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or at least 1, got {value!r}")
-        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
-                                            or self.dimensions < 1):
+        if self.truncate_prompt_tokens is not None:
+            check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or
+                                            not isinstance(self.dimensions, (int, np.integer)) or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be a bool or None, got {self.normalize!r}")
 
     def clone(self) -> PoolingParams:
-        return PoolingParams(self.truncate_prompt_tokens, self.dimensions, self.normalize)
+        return replace(self)
 
 
 class PoolingState:
@@ -223,6 +228,9 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        if output.outputs is None:
+            raise RuntimeError(f"request {output.request_id} ended without its embedding: "
+                               f"{output.error or 'it was aborted'}")
         return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
                    output.finished, output.prompt)
 

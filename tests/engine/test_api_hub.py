@@ -129,16 +129,23 @@ def test_an_id_that_is_nowhere_says_what_to_do(offline_cache):
 
 def test_only_the_files_nanograph_reads_are_fetched(models, tmp_path, monkeypatch):
     """snapshot_download is given a repository of many formats (a fake Hub that applies the patterns as the real one
-    does): config, generation config, tokenizer and the index's shards come; other weights and folders do not."""
+    does): config, generation config, tokenizer, the index's shards and the sentence-transformers pooling config
+    come; other weights and folders do not."""
     repo = tmp_path / "repo"
     shutil.copytree(models[0], repo)
     (repo / "model.safetensors").rename(repo / "model-00001-of-00001.safetensors")
     (repo / "model.safetensors.index.json").write_text(
         '{"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00001.safetensors"}}')
     for extra in ("consolidated.safetensors", "pytorch_model.bin", "README.md", "onnx/model.safetensors",
-                  "original/params.json"):
+                  "original/params.json", "1_Pooling/other.json", "2_Normalize/config.json"):
         (repo / extra).parent.mkdir(exist_ok=True)
         (repo / extra).write_text("not read")
+    # An embedding model's sentence-transformers modules: its Pooling module's config comes, from its subfolder.
+    (repo / "modules.json").write_text(
+        '[{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}, '
+        '{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}, '
+        '{"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]')
+    (repo / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
     listing = [str(path.relative_to(repo)) for path in repo.rglob("*") if path.is_file()]
     fetched = tmp_path / "snapshot"
 
@@ -152,7 +159,7 @@ def test_only_the_files_nanograph_reads_are_fetched(models, tmp_path, monkeypatc
     assert model_folder("tiny-org/many-formats") == str(fetched)
     assert sorted(str(path.relative_to(fetched)) for path in fetched.rglob("*") if path.is_file()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors",
-         *TOKENIZER_FILES])
+         "modules.json", "1_Pooling/config.json", *TOKENIZER_FILES])
 
 
 def test_the_environment_variables_are_honoured(models, tmp_path):

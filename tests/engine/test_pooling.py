@@ -44,6 +44,11 @@ def llama(tmp_path_factory):
 def test_embed_matches_transformers(pooling_type, model_name, qwen3_tied, llama):
     folder, model = qwen3_tied if model_name == "qwen3" else llama
     llm = embedding_llm(folder, pooler_config={"pooling_type": pooling_type})
+
+    def no_sampling(rows, seqs):
+        raise AssertionError("a pooling request was sampled")
+
+    llm.engine.runner.sample = no_sampling
     outputs = llm.embed(PROMPTS, use_tqdm=False)
     raw = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
     for prompt, output, unnormalized in zip(PROMPTS, outputs, raw):
@@ -89,6 +94,12 @@ def test_sentence_transformers_pooling(tmp_path):
     override = embedding_llm(tmp_path, pooler_config={"pooling_type": "last", "normalize": True})
     got = torch.tensor(override.embed([PROMPTS[0]], use_tqdm=False)[0].outputs.embedding)
     torch.testing.assert_close(got, torch.nn.functional.normalize(hidden[-1], dim=-1), atol=TOLERANCE, rtol=0)
+    # A mode nanograph does not pool by is an error naming the override, never another pooling in its place.
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="pools by pooling_mode_max_tokens .* pass pooler_config="):
+        embedding_llm(tmp_path)
+    assert embedding_llm(tmp_path, pooler_config={"pooling_type": "MEAN"}).engine.pooler.pooling_type == "MEAN"
 
 
 def test_matryoshka_dimensions(qwen3_tied):
@@ -118,12 +129,13 @@ def test_base_model_checkpoint(tmp_path, llama):
     causal.model.save_pretrained(tmp_path)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["architectures"] == ["LlamaModel"]
-    got = embedding_llm(tmp_path).embed(PROMPTS[:2], use_tqdm=False)
+    # runner="auto" (the default) pools a base model's folder, as vLLM does.
+    got = embedding_llm(tmp_path, runner="auto").embed(PROMPTS[:2], use_tqdm=False)
     for prompt, output in zip(PROMPTS, got):
         reference = torch.nn.functional.normalize(hf_hidden(causal, prompt)[-1], dim=-1)
         torch.testing.assert_close(torch.tensor(output.outputs.embedding), reference, atol=TOLERANCE, rtol=0)
     with pytest.raises(ValueError, match="without an lm_head .* run it with runner='pooling'"):
-        LLM(str(tmp_path), device="cpu")
+        LLM(str(tmp_path), device="cpu", runner="generate")
 
 
 def test_prefix_cache(qwen3_tied):
@@ -150,11 +162,11 @@ def test_recomputed_prompt_pools_each_token_once():
     assert mean.count == 6
     torch.testing.assert_close(mean.result(), rows.mean(0))
     cls, last = PoolingState(PoolingParams(), "CLS"), PoolingState(PoolingParams(), "LAST")
-    for start, num_new in ((0, 4), (0, 6)):
-        for state in (cls, last):
-            span = state.rows_to_pool(start, num_new, completes=start + num_new == 6)
-            if span:
-                state.add(rows[span.start:span.stop], span.start)
+    assert cls.rows_to_pool(0, 4, completes=False) == range(0, 1) and not last.rows_to_pool(0, 4, completes=False)
+    cls.add(rows[0:1], 0)
+    assert not cls.rows_to_pool(0, 6, completes=True)  # the first token is pooled once
+    assert last.rows_to_pool(0, 6, completes=True) == range(5, 6)
+    last.add(rows[5:6], 5)
     torch.testing.assert_close(cls.result(), rows[0])
     torch.testing.assert_close(last.result(), rows[5])
 
@@ -193,7 +205,7 @@ def test_errors(qwen3_tied, tiny_chat_folder):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"runner": "embed"}, "runner='embed' is not one nanograph has"),
-    ({"pooler_config": {"pooling_type": "MEAN"}}, "pooler_config is for a pooling model"),
+    ({"runner": "generate", "pooler_config": {"pooling_type": "MEAN"}}, "pooler_config is for a pooling model"),
     ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "pooling_type='MAX' is not one"),
     ({"runner": "pooling", "pooler_config": {"pooling": "MEAN"}}, r"unknown key\(s\) \['pooling'\]"),
     ({"runner": "generate", "task": "embed"}, "contradicts"),
@@ -208,10 +220,10 @@ def test_config_errors(kwargs, message):
 def test_vllm_spellings():
     assert engine_config(None, task="embed").runner == "pooling"
     assert engine_config(None, convert="embed").runner == "pooling"
-    assert engine_config(None, runner="auto").runner == "generate"
+    assert engine_config(None).runner == "auto"  # settled by the model folder's architecture
     assert engine_config(None, runner="pooling", pooler_config={"pooling_type": "cls"}).pooler_config == \
         PoolerConfig(pooling_type="CLS")
-    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1 or -1"):
         PoolingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="dimensions must be a positive int"):
         PoolingParams(dimensions=0)

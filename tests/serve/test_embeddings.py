@@ -14,6 +14,7 @@ from .server_process import MAX_MODEL_LEN, module_server
 
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "a"]
 TOLERANCE = 1e-5  # float32 on both sides; the server batches the prompts differently
+MAX_LEN_PROMPTS = MAX_MODEL_LEN  # the one prompt of max_model_len tokens alone counts this many
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +100,11 @@ def test_errors_and_the_server_goes_on(server, client):
     full = post(server, {"input": [[5] * MAX_MODEL_LEN], "encoding_format": "float"})
     assert full.status_code == 200 and len(full.json()["data"][0]["embedding"]) == 576
     assert len(client.embeddings.create(model="smol-embed", input=TEXTS[2]).data[0].embedding) == 576
+    # The metrics count embeddings as requests that finished with "stop", and their prompt tokens.
+    metrics = httpx.get(server.base_url + "/metrics", timeout=10).text
+    assert 'nanograph:request_success_total{finished_reason="stop",model_name="smol-embed"}' in metrics
+    prompt_tokens = [line for line in metrics.splitlines() if line.startswith("nanograph:prompt_tokens_total")]
+    assert prompt_tokens and float(prompt_tokens[0].split()[-1]) > MAX_LEN_PROMPTS
     # SageMaker's route takes an embedding request by its input.
     invoked = httpx.post(server.base_url + "/invocations", json={"input": TEXTS[2], "encoding_format": "float"},
                          timeout=60).json()

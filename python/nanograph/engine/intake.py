@@ -133,7 +133,8 @@ class Intake:
         if isinstance(params, PoolingParams):
             return self._validate_pooling(prompt, params)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"sampling params must be a SamplingParams (or a PoolingParams, on an engine built with "
+                            f"runner='pooling'), got {type(params).__name__}")
         if self.pooler is not None:
             raise ValueError("this engine runs the model as an embedding model (runner='pooling'): it pools prompts "
                              "(embed(), encode()) and generates nothing; build it with runner='generate' (the "

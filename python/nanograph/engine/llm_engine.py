@@ -36,7 +36,7 @@ from ..hub import model_folder, tokenizer_folder
 from ..model_config import ModelConfig
 from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..pooling import Pooler, PoolingRequestOutput
+from ..pooling import Pooler, PoolingParams, PoolingRequestOutput
 from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
@@ -102,6 +102,10 @@ class LLMEngine:
         tokenizer_path = model if config.tokenizer is None else \
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
+        if config.runner == "auto":  # vLLM's rule: a base model's architecture pools
+            names = getattr(model_config.hf_config, "architectures", None) or []
+            config = replace(config, runner="pooling" if names and all(name.endswith("Model") for name in names)
+                             else "generate")
         if config.runner == "generate" and not has_lm_head(model, model_config):
             raise ValueError(f"{model} holds a base model's weights without an lm_head (as an embedding model saves "
                              f"them), so it gives no logits to sample: run it with runner='pooling' (embed()), or "
@@ -148,7 +152,7 @@ class LLMEngine:
 
     # Requests in and out.
 
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+    def add_request(self, prompt: Prompt, params: SamplingParams | PoolingParams, request_id: str | None = None,
                     stream: bool = False, *, arrival_time: float | None = None, lora_request=None,
                     priority: int = 0, **vllm_kwargs) -> str:
         """Queue one request and return its id (request_id, or a new one); step() returns its output once it has
@@ -157,8 +161,8 @@ class LLMEngine:
         arrival_time), is taken too, and its keywords: arrival_time (the request's metrics count from it),
         lora_request=None, priority (an int: under scheduling_policy "priority", lower values are served first; else
         0), tokenization_kwargs=None and trace_headers=None."""
-        if isinstance(request_id, SamplingParams) and isinstance(prompt, str) and not isinstance(params,
-                                                                                               SamplingParams):
+        if isinstance(request_id, (SamplingParams, PoolingParams)) and isinstance(prompt, str) and \
+                not isinstance(params, (SamplingParams, PoolingParams)):
             prompt, params, request_id = params, request_id, prompt
             if stream is not False and stream is not True:  # vLLM's fourth argument is an arrival time
                 arrival_time, stream = stream, False
@@ -406,7 +410,8 @@ class LLMEngine:
         vectors = [self.pooler.finish(seq.pooling.result()[None], seq.pooling.params)[0] for seq in done]
         now, finished = time.time(), []
         for seq, data in zip(done, torch.cat(vectors).cpu().split([len(v) for v in vectors])):
-            seq.pooling.data = data
+            seq.pooling.data = data.clone()  # its own storage, not a view of the step's
+            seq.finish_reason = "stop"
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)
             request.metrics.first_token_time = request.metrics.finished_time = now
@@ -438,7 +443,8 @@ class LLMEngine:
     def _queue_sampling(self, batch: ScheduledBatch) -> list[tuple[object, RequestOutput]]:
         """Queue the sampling of the batch's rows that reach their sequence's end (prompts cut short by the token
         budget sample nothing yet, nor do sequences that ended meanwhile); the requests that failed in it."""
-        rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)) if samples and not seq.is_finished]
+        rows = [i for i, (seq, samples) in enumerate(zip(batch.seqs, batch.samples))
+                if samples and not seq.is_finished and seq.pooling is None]
         if not rows:
             return []
         seqs = [batch.seqs[i] for i in rows]
@@ -662,6 +668,13 @@ def check_no_lora(lora_request):
     if lora_request is not None:
         raise ValueError("lora_request: nanograph runs no LoRA adapters; pass lora_request=None (or merge the "
                          "adapter into the model's weights)")
+
+
+def check_no_tokenization_kwargs(tokenization_kwargs):
+    """vLLM's tokenization_kwargs: None only."""
+    if tokenization_kwargs is not None:
+        raise ValueError("tokenization_kwargs: not taken by nanograph (prompts are encoded as the tokenizer does by "
+                         "default); pass tokenization_kwargs=None, or pre-tokenized prompts")
 
 
 def _check_vllm_request_kwargs(lora_request, kwargs: dict):

@@ -91,6 +91,12 @@ class Request:
                                                self.seqs[0].prompt_logprobs if seq.is_finished else None,
                                                seq.num_cached_tokens if seq.is_finished else None,
                                                seq.cumulative_logprob,
-                                               seq.pooling.data if seq.pooling is not None else None))
+                                               _vector(seq)))
         deltas, self._taken = self._taken, []
         return deltas
+
+
+def _vector(seq: Sequence):
+    """A pooling sequence's vector once computed, as a numpy array (it crosses the engine process's pipe as plain
+    bytes); None otherwise."""
+    return seq.pooling.data.numpy() if seq.pooling is not None and seq.pooling.data is not None else None

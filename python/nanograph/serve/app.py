@@ -1,5 +1,6 @@
-"""The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling) and SageMaker's /invocations (behind the API key when one is set), and
-/health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
+"""The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling) and SageMaker's
+/invocations (behind the API key when one is set), and /health, /ping, /version, /tokenize, /detokenize and /metrics
+beside them."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,8 @@ from .responses import create_response
 from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
-GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/invocations")  # what /load counts
+# What /load counts (vLLM's: the requests that run in the engine).
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/invocations")
 
 
 def dev_mode() -> bool:

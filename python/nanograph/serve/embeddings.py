@@ -3,18 +3,20 @@ an embedding model (nanograph serve MODEL --runner pooling), as floats or as bas
 from __future__ import annotations
 
 import base64
-import re
 
 import numpy as np
 from fastapi import Request
 
-from ..engine.intake import truncated
 from ..pooling import PoolingParams
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts
-from .errors import APIError, parse_body
+from .errors import APIError, invalid_value, parse_body
 from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
+
+
+# The engine's name for a request's field -> the embeddings request's, in its error messages.
+RENAMES = {"prompt": "input"}
 
 
 async def create_embedding(served: ServedModel, raw_request: Request) -> EmbeddingResponse:
@@ -26,25 +28,16 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
     try:
         params = PoolingParams(request.truncate_prompt_tokens, request.dimensions, request.normalize)
     except ValueError as exc:
-        raise _invalid(exc, request) from None
+        raise invalid_value(exc, request) from None
     prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
-    if params.truncate_prompt_tokens is not None:
-        try:
-            prompts = [truncated(prompt, params.truncate_prompt_tokens, served.max_model_len) for prompt in prompts]
-        except ValueError as exc:
-            raise _invalid(exc, request) from None
+    prompts = served.truncate(prompts, request)
     for i, prompt in enumerate(prompts):
         if len(prompt) > served.max_model_len:  # a prompt may fill max_model_len: nothing is generated after it
             which = f" (input {i})" if len(prompts) > 1 else ""
             raise APIError(400, f"This model's maximum context length is {served.max_model_len} tokens. However, "
                                 f"your request has {len(prompt)} input tokens{which}; shorten the input (or set "
                                 f"truncate_prompt_tokens)", "input", "context_length_exceeded")
-    try:
-        stream = await served.async_llm.generate(prompts, [params] * len(prompts), request.priority)
-    except (ValueError, TypeError) as exc:
-        raise _invalid(exc, request) from None
-    except EngineUnavailable as exc:
-        raise unavailable(exc) from None
+    stream = await served.generate(request, prompts, params, RENAMES)
     vectors: dict[int, np.ndarray] = {}
     try:
         async for deltas in stream:
@@ -52,7 +45,7 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
                 if delta.error is not None:
                     raise engine_failure(delta.error)
                 if delta.finished and delta.pooled is not None:
-                    vectors[prompt_index] = delta.pooled.numpy()
+                    vectors[prompt_index] = delta.pooled
     except EngineUnavailable as exc:
         raise unavailable(exc) from None
     finally:
@@ -72,11 +65,3 @@ def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
-
-
-def _invalid(exc: Exception, request: EmbeddingRequest) -> APIError:
-    """A 400 with the engine's (or PoolingParams') message, param the request field it starts with."""
-    message = re.sub(r"^prompt (\d+): ", r"input \1: ", str(exc))
-    word = re.match(r"(?:input \d+: )?([a-z_]+)", message)
-    param = word.group(1) if word and word.group(1) in type(request).model_fields else None
-    return APIError(400, message, param, "invalid_value")

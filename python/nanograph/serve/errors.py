@@ -45,7 +45,7 @@ def invalid_value(exc: ValueError | TypeError, request: SamplingRequest, renames
     message = str(exc)
     for engine_name, field in {**request.grammar_renames(), **(renames or {})}.items():
         message = re.sub(rf"\b{re.escape(engine_name)}\b", field, message)
-    word = re.match(r"(?:prompt \d+: )?([a-z_]+)", message)
+    word = re.match(r"(?:(?:prompt|input) \d+: )?([a-z_]+)", message)
     param = word.group(1) if word and word.group(1) in type(request).model_fields else None
     return APIError(400, message, param, "invalid_value")
 

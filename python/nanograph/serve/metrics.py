@@ -140,7 +140,8 @@ class ServerMetrics:
                 continue
             if times.scheduled is None and delta.scheduled_time is not None:
                 times.scheduled = min(delta.scheduled_time + wall_to_monotonic, now)
-            if delta.token_ids:
+            # New tokens, or a pooling request's vector (its prompt computed: what its first token would be).
+            if delta.token_ids or delta.pooled is not None:
                 self.total_generation_tokens += len(delta.token_ids)
                 times.num_generated += len(delta.token_ids)
                 if times.completion_tokens is None:

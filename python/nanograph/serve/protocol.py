@@ -284,6 +284,9 @@ class EmbeddingRequest(Request):
     priority: int = 0  # vLLM's, under --scheduling-policy priority
     request_id: str | None = None  # vLLM's: the response's id (after an X-Request-Id header)
 
+    def grammar_renames(self) -> dict[str, str]:
+        return {}  # no grammar; the engine's messages name the input a prompt (the handler renames it)
+
 
 class EmbeddingData(BaseModel):
     index: int

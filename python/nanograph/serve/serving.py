@@ -18,11 +18,12 @@ from ..engine.llm_engine import NoTokenLeftError
 from ..outputs import CompletionDelta, Logprob
 from ..reasoning import end_token_id, start_token_id
 from ..sampling.grammar import StructuredOutputError
+from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
-from .protocol import (ChatMessage, CompletionTokensDetails, PromptLogprob, PromptLogprobs, PromptTokensDetails,
-                       SamplingRequest, Usage)
+from .protocol import (ChatMessage, CompletionTokensDetails, EmbeddingRequest, PromptLogprob, PromptLogprobs,
+                       PromptTokensDetails, SamplingRequest, Usage)
 from .tool_calls import ToolCall, mistral_call_id
 
 
@@ -159,7 +160,7 @@ class ServedModel:
         if request.return_tokens_as_token_ids is None:
             request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
 
-    def truncate(self, prompts: list[list[int]], request: SamplingRequest) -> list[list[int]]:
+    def truncate(self, prompts: list[list[int]], request: SamplingRequest | EmbeddingRequest) -> list[list[int]]:
         """vLLM's truncate_prompt_tokens, before check_room: each prompt's last k tokens (-1: max_model_len)."""
         k = request.truncate_prompt_tokens
         if k is None:
@@ -223,8 +224,9 @@ class ServedModel:
         except (ValueError, TypeError) as exc:
             raise invalid_value(exc, request, {"prompt_logprobs": field_name}) from None
 
-    async def generate(self, request: SamplingRequest, prompts: list[list[int]], params: SamplingParams,
-                       renames: dict[str, str] | None = None) -> RequestStream:
+    async def generate(self, request: SamplingRequest | EmbeddingRequest, prompts: list[list[int]],
+                       params: SamplingParams | PoolingParams, renames: dict[str, str] | None = None
+                       ) -> RequestStream:
         """One engine request per prompt; the engine's validation errors are 400s."""
         try:
             return await self.async_llm.generate(prompts, [params] * len(prompts), request.priority)
