@@ -19,7 +19,7 @@ def test_the_engine_names_no_backend_and_probes_no_runner_attribute():
     assert not probes, [ast.unparse(probe) for probe in probes]
     runner_calls = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                     and isinstance(node.value, ast.Attribute) and node.value.attr == "runner"}
-    assert runner_calls <= {"forward", "sample", "prompt_logprobs", "shutdown", "num_kv_blocks",
+    assert runner_calls <= {"forward", "sample", "prompt_logprobs", "pooled_hidden", "shutdown", "num_kv_blocks",
                            "block_size", "kv_cache_summary"}, runner_calls
 
 
