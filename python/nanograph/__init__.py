@@ -8,7 +8,7 @@ from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolerConfig, PoolingOutput, PoolingParams,
-                      PoolingRequestOutput)
+                      PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
 from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams)
 
@@ -19,4 +19,5 @@ __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
            "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
            "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PoolingParams", "PoolerConfig",
-           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput"]
+           "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput"]

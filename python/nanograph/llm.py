@@ -14,7 +14,8 @@ from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_k
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
-from .pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
+from .pooling import (EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput,
+                      cosine_scores, score_pairs)
 from .sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -150,6 +151,18 @@ class LLM:
         if truncate_prompt_tokens is not None:
             params = [replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         return self.engine.generate(prompts, params, use_tqdm)
+
+    def score(self, data_1: Prompt | list[Prompt], data_2: Prompt | list[Prompt], /, *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True,
+              pooling_params: PoolingParams | None = None, lora_request=None,
+              tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's score() on an embedding model: the cosine similarity of each pair's embeddings, pairing one first
+        text with each second one, or as many with as many in order (outputs.score in [-1, 1])."""
+        firsts, seconds = _prompt_list(data_1), _prompt_list(data_2)
+        score_pairs(firsts, seconds)  # the sides pair up, before anything runs
+        outputs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        return cosine_scores(score_pairs(outputs[:len(firsts)], outputs[len(firsts):]))
 
     def _requests(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
                   ) -> tuple[list[Prompt], list[SamplingParams]]:

@@ -235,5 +235,38 @@ class EmbeddingRequestOutput:
                    output.finished, output.prompt)
 
 
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the two texts' tokens, the first's then the second's
+    finished: bool = True
+
+
+def score_pairs(first: list, second: list) -> list[tuple]:
+    """vLLM's pairing of score()'s two sides: one against each of many, or as many against as many (in order)."""
+    if not first or not second:
+        raise ValueError("score() needs at least one text on each side")
+    if len(first) == 1:
+        return [(first[0], other) for other in second]
+    if len(first) != len(second):
+        raise ValueError(f"score() pairs one text with many, or as many with as many: got {len(first)} and "
+                         f"{len(second)}; pass one first text, or as many as second texts")
+    return list(zip(first, second))
+
+
+def cosine_scores(pairs: list[tuple[PoolingRequestOutput, PoolingRequestOutput]]) -> list[ScoringRequestOutput]:
+    """The cosine similarity of each pair of pooled vectors, as vLLM scores with an embedding model."""
+    return [ScoringRequestOutput(
+        f"{a.request_id}_{b.request_id}",
+        ScoringOutput(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()),
+        a.prompt_token_ids + b.prompt_token_ids) for a, b in pairs]
+
+
 __all__ = ["PoolerConfig", "Pooler", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "POOLING_TYPES"]
+           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "POOLING_TYPES"]

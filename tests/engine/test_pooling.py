@@ -227,3 +227,23 @@ def test_vllm_spellings():
         PoolingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="dimensions must be a positive int"):
         PoolingParams(dimensions=0)
+
+
+def test_score_is_the_cosine_of_the_embeddings(qwen3_tied):
+    """LLM.score() on an embedding model, as vLLM's: one text against many, or many against as many in order."""
+    folder, _ = qwen3_tied
+    llm = embedding_llm(folder)
+    vectors = [torch.tensor(output.outputs.embedding) for output in llm.embed(PROMPTS, use_tqdm=False)]
+
+    def cosine(i, j):
+        return torch.nn.functional.cosine_similarity(vectors[i], vectors[j], dim=0).item()
+
+    one_to_many = llm.score(PROMPTS[0], PROMPTS[1:], use_tqdm=False)
+    assert [s.outputs.score for s in one_to_many] == pytest.approx([cosine(0, j) for j in (1, 2, 3)], abs=1e-5)
+    assert one_to_many[1].prompt_token_ids == PROMPTS[0] + PROMPTS[2]
+    pairwise = llm.score(PROMPTS[:2], PROMPTS[2:], use_tqdm=False)
+    assert [s.outputs.score for s in pairwise] == pytest.approx([cosine(0, 2), cosine(1, 3)], abs=1e-5)
+    assert abs(llm.score(PROMPTS[3], PROMPTS[3], use_tqdm=False)[0].outputs.score - 1) < 1e-5
+    assert len({round(s.outputs.score, 3) for s in one_to_many}) == 3  # the texts differ, and so do their scores
+    with pytest.raises(ValueError, match="got 2 and 3"):
+        llm.score(PROMPTS[:2], PROMPTS[1:])

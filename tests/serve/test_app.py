@@ -406,3 +406,10 @@ def test_default_chat_template_kwargs_reach_the_template_under_the_requests_own(
 def test_embeddings_need_a_pooling_model(server):
     error = error_of(post(server, "/behind-proxy/v1/embeddings", {"model": "smol", "input": "hello"}), 400)
     assert error["code"] == "model_not_supported" and "--runner pooling" in error["message"]
+
+
+def test_score_needs_a_pooling_model(server):
+    error = error_of(post(server, "/behind-proxy/score", {"text_1": "a", "text_2": "b"}), 400)
+    assert error["code"] == "model_not_supported" and "/score" in error["message"]
+    assert error_of(post(server, "/score", {"text_1": "a", "text_2": "b"}, headers={}), 401)["code"] == \
+        "invalid_api_key"

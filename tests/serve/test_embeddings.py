@@ -109,3 +109,25 @@ def test_errors_and_the_server_goes_on(server, client):
     invoked = httpx.post(server.base_url + "/invocations", json={"input": TEXTS[2], "encoding_format": "float"},
                          timeout=60).json()
     assert len(invoked["data"][0]["embedding"]) == 576
+
+
+def test_score_is_llm_score(server, reference):
+    """vLLM's /score (and /v1/score) on an embedding model: the cosine similarity of text_1 with each text_2, or
+    pairwise, as LLM.score() gives it."""
+    expected = [s.outputs.score for s in reference.score(TEXTS[0], TEXTS, use_tqdm=False)]
+    for path in ("/score", "/v1/score"):
+        body = httpx.post(server.base_url + path, json={"model": "smol-embed", "text_1": TEXTS[0], "text_2": TEXTS},
+                          timeout=60).json()
+        assert body["id"].startswith("score-") and [item["index"] for item in body["data"]] == [0, 1, 2]
+        assert [item["score"] for item in body["data"]] == pytest.approx(expected, abs=1e-5)
+        assert body["data"][0]["score"] == pytest.approx(1, abs=1e-5)
+    pairwise = httpx.post(server.base_url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]},
+                          timeout=60).json()
+    assert [item["score"] for item in pairwise["data"]] == pytest.approx(
+        [s.outputs.score for s in reference.score(TEXTS[:2], TEXTS[1:], use_tqdm=False)], abs=1e-5)
+    tokenizer = reference.get_tokenizer()
+    assert pairwise["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(a)) + len(tokenizer.encode(b))
+                                                     for a, b in zip(TEXTS[:2], TEXTS[1:]))
+    mismatched = httpx.post(server.base_url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}, timeout=60)
+    assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_2"
+    assert "got 2 and 3" in mismatched.json()["error"]["message"]

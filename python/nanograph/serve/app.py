@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_embedding
+from .embeddings import create_embedding, create_score
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -26,7 +26,7 @@ from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
-GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/invocations")
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/score", "/invocations")
 
 
 def dev_mode() -> bool:
@@ -131,6 +131,10 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     async def embeddings(request: Request):
         return await create_embedding(served, request)
 
+    @v1.post("/score")
+    async def score_v1(request: Request):
+        return await create_score(served, request)
+
     app.include_router(v1)
 
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
@@ -179,6 +183,11 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
                 raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
                                     "use); retry once they have finished", code="requests_running")
             return Response(status_code=200)
+
+    @app.post("/score", dependencies=[Depends(check_api_key)])
+    async def score(request: Request):
+        """vLLM's /score beside /v1/score."""
+        return await create_score(served, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

@@ -1,5 +1,6 @@
 """POST /v1/embeddings: one embedding per input (text or token ids, one or many), from a server whose model runs as
-an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of their float32 bytes."""
+an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of their float32 bytes; and
+vLLM's POST /score (/v1/score) on such a model: the cosine similarity of pairs of texts' embeddings."""
 from __future__ import annotations
 
 import base64
@@ -7,11 +8,11 @@ import base64
 import numpy as np
 from fastapi import Request
 
-from ..pooling import PoolingParams
+from ..pooling import PoolingParams, score_pairs
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts
 from .errors import APIError, invalid_value, parse_body
-from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse
+from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, ScoreData, ScoreRequest, ScoreResponse
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
 
 
@@ -21,18 +22,59 @@ RENAMES = {"prompt": "input"}
 
 async def create_embedding(served: ServedModel, raw_request: Request) -> EmbeddingResponse:
     request = await parse_body(raw_request, EmbeddingRequest)
-    served.check_model(request.model)
-    if served.runner != "pooling":
-        raise APIError(400, "this server's model generates text: /v1/embeddings needs an embedding model, served "
-                            "with `nanograph serve MODEL --runner pooling`", "model", "model_not_supported")
-    try:
-        params = PoolingParams(request.truncate_prompt_tokens, request.dimensions, request.normalize)
-    except ValueError as exc:
-        raise invalid_value(exc, request) from None
+    _check_pooling(served, request, "/v1/embeddings")
+    params = _pooling_params(request, request.dimensions, request.normalize)
     prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
     prompts = served.truncate(prompts, request)
+    vectors = await _vectors(served, request, prompts, params)
+    data = [EmbeddingData(index=i, embedding=_encoded(vector, request.encoding_format))
+            for i, vector in enumerate(vectors)]
+    return EmbeddingResponse(id=make_response_id("embd", raw_request, request), model=served.name, data=data,
+                             usage=usage(prompts, 0))
+
+
+async def create_score(served: ServedModel, raw_request: Request) -> ScoreResponse:
+    """vLLM's /score with an embedding model: the cosine similarity of text_1's embedding and each of text_2's
+    (or of each pair, given as many of each)."""
+    request = await parse_body(raw_request, ScoreRequest)
+    _check_pooling(served, request, "/score")
+    params = _pooling_params(request)
+    firsts, _ = await encode_prompts(served, request.text_1, request.add_special_tokens, "text_1")
+    seconds, _ = await encode_prompts(served, request.text_2, request.add_special_tokens, "text_2")
+    try:
+        pairs = score_pairs(firsts, seconds)
+    except ValueError as exc:
+        raise APIError(400, str(exc).replace("score()", "/score"), "text_2", "invalid_value") from None
+    prompts = served.truncate(firsts + seconds, request)
+    vectors = await _vectors(served, request, prompts, params)
+    first_vectors, second_vectors = vectors[:len(firsts)], vectors[len(firsts):]
+    data = [ScoreData(index=i, score=_cosine(a, b))
+            for i, (a, b) in enumerate(score_pairs(first_vectors, second_vectors))]
+    paired = [a + b for a, b in score_pairs(prompts[:len(firsts)], prompts[len(firsts):])]
+    return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name, data=data,
+                         usage=usage(paired, 0))
+
+
+def _check_pooling(served: ServedModel, request, route: str):
+    served.check_model(request.model)
+    if served.runner != "pooling":
+        raise APIError(400, f"this server's model generates text: {route} needs an embedding model, served with "
+                            "`nanograph serve MODEL --runner pooling`", "model", "model_not_supported")
+
+
+def _pooling_params(request, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
+    try:
+        return PoolingParams(request.truncate_prompt_tokens, dimensions, normalize)
+    except ValueError as exc:
+        raise invalid_value(exc, request) from None
+
+
+async def _vectors(served: ServedModel, request, prompts: list[list[int]], params: PoolingParams
+                   ) -> list[np.ndarray]:
+    """Each prompt's vector, in order, from the engine; a 400 for a prompt longer than max_model_len (one that
+    fills it is pooled: nothing is generated after it)."""
     for i, prompt in enumerate(prompts):
-        if len(prompt) > served.max_model_len:  # a prompt may fill max_model_len: nothing is generated after it
+        if len(prompt) > served.max_model_len:
             which = f" (input {i})" if len(prompts) > 1 else ""
             raise APIError(400, f"This model's maximum context length is {served.max_model_len} tokens. However, "
                                 f"your request has {len(prompt)} input tokens{which}; shorten the input (or set "
@@ -53,10 +95,11 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
     if len(vectors) != len(prompts):  # ended without a vector: aborted (the server stopping)
         raise APIError(503, "the server stopped before the embeddings were computed; send the request again",
                        code="engine_unavailable")
-    data = [EmbeddingData(index=i, embedding=_encoded(vectors[i], request.encoding_format))
-            for i in range(len(prompts))]
-    return EmbeddingResponse(id=make_response_id("embd", raw_request, request), model=served.name, data=data,
-                             usage=usage(prompts, 0))
+    return [vectors[i] for i in range(len(prompts))]
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8))
 
 
 def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -288,6 +288,35 @@ class EmbeddingRequest(Request):
         return {}  # no grammar; the engine's messages name the input a prompt (the handler renames it)
 
 
+class ScoreRequest(Request):
+    """vLLM's /score request on an embedding model: text_1 against each of text_2, or pairwise."""
+    model: str | None = None
+    text_1: str | list[str] | list[int] | list[list[int]]
+    text_2: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    request_id: str | None = None
+
+    def grammar_renames(self) -> dict[str, str]:
+        return {}
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ScoreData]
+    usage: Usage
+
+
 class EmbeddingData(BaseModel):
     index: int
     object: str = "embedding"
