@@ -131,3 +131,27 @@ def test_score_is_llm_score(server, reference):
     mismatched = httpx.post(server.base_url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}, timeout=60)
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_2"
     assert "got 2 and 3" in mismatched.json()["error"]["message"]
+
+
+def test_rerank_orders_the_documents(server, reference):
+    """vLLM's /rerank (/v1/rerank, /v2/rerank) on an embedding model: the documents by their cosine similarity with
+    the query, best first, top_n of them."""
+    documents = TEXTS[1:] + ["The capital of France is Paris!", "Paris"]
+    scores = [s.outputs.score for s in reference.score(TEXTS[0], documents, use_tqdm=False)]
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        body = httpx.post(server.base_url + path, json={"query": TEXTS[0], "documents": documents},
+                          timeout=60).json()
+        assert [result["index"] for result in body["results"]] == order
+        assert [result["relevance_score"] for result in body["results"]] == \
+            pytest.approx([scores[i] for i in order], abs=1e-5)
+        assert [result["document"]["text"] for result in body["results"]] == [documents[i] for i in order]
+    top = httpx.post(server.base_url + "/rerank", json={"query": TEXTS[0], "documents": documents, "top_n": 2},
+                     timeout=60).json()
+    assert [result["index"] for result in top["results"]] == order[:2]
+    assert top["id"].startswith("rerank-") and top["usage"]["total_tokens"] > 0
+    empty = httpx.post(server.base_url + "/rerank", json={"query": "q", "documents": []}, timeout=60)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
+    negative = httpx.post(server.base_url + "/rerank", json={"query": "q", "documents": ["d"], "top_n": -1},
+                          timeout=60)
+    assert negative.status_code == 400 and negative.json()["error"]["param"] == "top_n"

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_embedding, create_score
+from .embeddings import create_embedding, create_rerank, create_score
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -26,7 +26,8 @@ from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
-GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/score", "/invocations")
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/score", "/rerank",
+                    "/invocations")
 
 
 def dev_mode() -> bool:
@@ -188,6 +189,13 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     async def score(request: Request):
         """vLLM's /score beside /v1/score."""
         return await create_score(served, request)
+
+    @app.post("/rerank", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/rerank", dependencies=[Depends(check_api_key)])
+    @app.post("/v2/rerank", dependencies=[Depends(check_api_key)])
+    async def rerank(request: Request):
+        """vLLM's rerank routes (Jina's /v1 and Cohere's /v2 shape: the same body)."""
+        return await create_rerank(served, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:

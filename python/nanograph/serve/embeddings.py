@@ -1,6 +1,7 @@
 """POST /v1/embeddings: one embedding per input (text or token ids, one or many), from a server whose model runs as
 an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of their float32 bytes; and
-vLLM's POST /score (/v1/score) on such a model: the cosine similarity of pairs of texts' embeddings."""
+vLLM's POST /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank) on such a model: the cosine similarity of
+pairs of texts' embeddings, and documents ranked by it against a query."""
 from __future__ import annotations
 
 import base64
@@ -12,7 +13,8 @@ from ..pooling import PoolingParams, score_pairs
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts
 from .errors import APIError, invalid_value, parse_body
-from .protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, ScoreData, ScoreRequest, ScoreResponse
+from .protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, RerankDocument, RerankRequest,
+                       RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
 
 
@@ -53,6 +55,31 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
     paired = [a + b for a, b in score_pairs(prompts[:len(firsts)], prompts[len(firsts):])]
     return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name, data=data,
                          usage=usage(paired, 0))
+
+
+async def create_rerank(served: ServedModel, raw_request: Request) -> RerankResponse:
+    """vLLM's /rerank with an embedding model: the documents ordered by the cosine similarity of their embedding
+    with the query's, best first (the top_n best, when top_n is above 0)."""
+    request = await parse_body(raw_request, RerankRequest)
+    _check_pooling(served, request, "/rerank")
+    if not request.documents:
+        raise APIError(400, "documents is empty; give at least one document to rank", "documents", "invalid_value")
+    if request.top_n < 0:
+        raise APIError(400, f"top_n must be 0 (every document) or more, got {request.top_n}", "top_n",
+                       "invalid_value")
+    params = _pooling_params(request)
+    texts = [request.query, *request.documents]
+    prompts = served.truncate((await encode_prompts(served, texts, request.add_special_tokens, "documents"))[0],
+                              request)
+    query, *documents = await _vectors(served, request, prompts, params)
+    ranked = sorted(((_cosine(query, vector), i) for i, vector in enumerate(documents)), key=lambda item: -item[0])
+    if request.top_n:
+        ranked = ranked[:request.top_n]
+    results = [RerankResult(index=i, document=RerankDocument(text=request.documents[i]), relevance_score=score)
+               for score, i in ranked]
+    num_tokens = sum(len(prompts[0]) + len(prompt) for prompt in prompts[1:])  # each pair's, as /score counts
+    return RerankResponse(id=make_response_id("rerank", raw_request, request), model=served.name,
+                          usage=RerankUsage(total_tokens=num_tokens), results=results)
 
 
 def _check_pooling(served: ServedModel, request, route: str):

@@ -302,6 +302,43 @@ class ScoreRequest(Request):
         return {}
 
 
+class RerankRequest(Request):
+    """vLLM's /rerank (Jina's and Cohere's API) on an embedding model: the documents by their score against the
+    query."""
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0  # the best top_n documents; 0: all of them
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    priority: int = 0
+    request_id: str | None = None
+
+    def grammar_renames(self) -> dict[str, str]:
+        return {}
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's place in the request
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class ScoreData(BaseModel):
     index: int
     object: str = "score"
