@@ -144,8 +144,8 @@ class LLM:
         if pooling_task not in (None, "embed"):
             raise ValueError(f"pooling_task={pooling_task!r}: nanograph's pooling models embed; pass 'embed' or None")
         if self.engine.pooler is None:
-            raise ValueError("embed() and encode() need an embedding model: build the LLM with runner='pooling' "
-                             "(vLLM's task='embed' is taken too); this one generates text")
+            raise ValueError("embed(), encode() and score() need an embedding model: build the LLM with "
+                             "runner='pooling' (vLLM's task='embed' is taken too); this one generates text")
         prompts, params = _requests(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                     PoolingParams)
         if truncate_prompt_tokens is not None:

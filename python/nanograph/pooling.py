@@ -260,12 +260,17 @@ def score_pairs(first: list, second: list) -> list[tuple]:
     return list(zip(first, second))
 
 
+def cosine(a, b) -> float:
+    """The cosine similarity of two vectors (numpy arrays or tensors), as vLLM scores with an embedding model."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8))
+
+
 def cosine_scores(pairs: list[tuple[PoolingRequestOutput, PoolingRequestOutput]]) -> list[ScoringRequestOutput]:
-    """The cosine similarity of each pair of pooled vectors, as vLLM scores with an embedding model."""
-    return [ScoringRequestOutput(
-        f"{a.request_id}_{b.request_id}",
-        ScoringOutput(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).item()),
-        a.prompt_token_ids + b.prompt_token_ids) for a, b in pairs]
+    """Each pair's score: the cosine similarity of its pooled vectors."""
+    return [ScoringRequestOutput(f"{a.request_id}_{b.request_id}", ScoringOutput(cosine(a.outputs.data,
+                                                                                        b.outputs.data)),
+                                 a.prompt_token_ids + b.prompt_token_ids) for a, b in pairs]
 
 
 __all__ = ["PoolerConfig", "Pooler", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",

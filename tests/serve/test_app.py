@@ -408,8 +408,11 @@ def test_embeddings_need_a_pooling_model(server):
     assert error["code"] == "model_not_supported" and "--runner pooling" in error["message"]
 
 
-def test_score_needs_a_pooling_model(server):
-    error = error_of(post(server, "/behind-proxy/score", {"text_1": "a", "text_2": "b"}), 400)
-    assert error["code"] == "model_not_supported" and "/score" in error["message"]
-    assert error_of(post(server, "/score", {"text_1": "a", "text_2": "b"}, headers={}), 401)["code"] == \
-        "invalid_api_key"
+@pytest.mark.parametrize("path, body", [
+    ("/score", {"text_1": "a", "text_2": "b"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
+    ("/rerank", {"query": "a", "documents": ["b"]}), ("/v1/rerank", {"query": "a", "documents": ["b"]}),
+    ("/v2/rerank", {"query": "a", "documents": ["b"]})])
+def test_score_and_rerank_need_a_pooling_model_and_the_key(server, path, body):
+    error = error_of(post(server, "/behind-proxy" + path, body), 400)
+    assert error["code"] == "model_not_supported" and path.split("/")[-1] in error["message"]
+    assert error_of(post(server, path, body, headers={}), 401)["code"] == "invalid_api_key"

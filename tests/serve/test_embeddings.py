@@ -131,6 +131,13 @@ def test_score_is_llm_score(server, reference):
     mismatched = httpx.post(server.base_url + "/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}, timeout=60)
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_2"
     assert "got 2 and 3" in mismatched.json()["error"]["message"]
+    too_long = httpx.post(server.base_url + "/score", json={"text_1": [7], "text_2": [[5, 6], [5] * (MAX_MODEL_LEN + 1)]},
+                          timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "text_2"
+    assert "text_2 1 has 513 tokens" in too_long.json()["error"]["message"]
+    invoked = httpx.post(server.base_url + "/invocations", json={"text_1": TEXTS[0], "text_2": TEXTS},
+                         timeout=60).json()
+    assert [item["score"] for item in invoked["data"]] == pytest.approx(expected, abs=1e-5)
 
 
 def test_rerank_orders_the_documents(server, reference):
@@ -149,9 +156,20 @@ def test_rerank_orders_the_documents(server, reference):
     top = httpx.post(server.base_url + "/rerank", json={"query": TEXTS[0], "documents": documents, "top_n": 2},
                      timeout=60).json()
     assert [result["index"] for result in top["results"]] == order[:2]
-    assert top["id"].startswith("rerank-") and top["usage"]["total_tokens"] > 0
+    tokenizer = reference.get_tokenizer()
+    assert top["id"].startswith("rerank-")
+    assert top["usage"]["total_tokens"] == sum(len(tokenizer.encode(TEXTS[0])) + len(tokenizer.encode(document))
+                                               for document in documents)
+    # top_n 0 or less: every document, as vLLM.
+    every = httpx.post(server.base_url + "/rerank", json={"query": TEXTS[0], "documents": documents, "top_n": -1},
+                       timeout=60).json()
+    assert [result["index"] for result in every["results"]] == order
     empty = httpx.post(server.base_url + "/rerank", json={"query": "q", "documents": []}, timeout=60)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
-    negative = httpx.post(server.base_url + "/rerank", json={"query": "q", "documents": ["d"], "top_n": -1},
-                          timeout=60)
-    assert negative.status_code == 400 and negative.json()["error"]["param"] == "top_n"
+    # A text of no tokens is named by its field and place.
+    blank = httpx.post(server.base_url + "/rerank", json={"query": "q", "documents": ["x", ""]}, timeout=60)
+    assert blank.status_code == 400 and blank.json()["error"]["param"] == "documents"
+    assert blank.json()["error"]["message"].startswith("documents 1 is empty")
+    invoked = httpx.post(server.base_url + "/invocations", json={"query": TEXTS[0], "documents": documents},
+                         timeout=60).json()
+    assert [result["index"] for result in invoked["results"]] == order

@@ -1,6 +1,6 @@
-"""The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling) and SageMaker's
-/invocations (behind the API key when one is set), and /health, /ping, /version, /tokenize, /detokenize and /metrics
-beside them."""
+"""The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling), and vLLM's
+/score and /rerank routes for such a model and SageMaker's /invocations (all behind the API key when one is set), and
+/health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
 from __future__ import annotations
 
 import asyncio
@@ -141,7 +141,8 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
     async def invocations(request: Request):
         """SageMaker's one route, as vLLM's: a body with messages is a chat completion, one with a prompt a
-        completion, one with an input an embedding."""
+        completion, one with an input an embedding, one with text_1 a score, one with a query and documents a
+        rerank."""
         try:
             body = json.loads(await request.body())
         except ValueError:  # not JSON: the chat route's parse says so, as for any route
@@ -152,8 +153,13 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             return await create_completion(served, request)
         if isinstance(body, dict) and "input" in body:
             return await create_embedding(served, request)
+        if isinstance(body, dict) and "text_1" in body:
+            return await create_score(served, request)
+        if isinstance(body, dict) and "query" in body and "documents" in body:
+            return await create_rerank(served, request)
         raise APIError(400, "/invocations takes a chat completion request (with messages), a completion request "
-                            "(with a prompt) or an embedding request (with an input)", "messages", "invalid_value")
+                            "(with a prompt), an embedding request (with an input), a score request (text_1 and "
+                            "text_2) or a rerank request (query and documents)", "messages", "invalid_value")
 
     @app.get("/health")
     @app.get("/ping")

@@ -9,17 +9,15 @@ import base64
 import numpy as np
 from fastapi import Request
 
-from ..pooling import PoolingParams, score_pairs
+from ..engine.intake import check_prompt_token_ids
+from ..pooling import PoolingParams, cosine, score_pairs
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts
 from .errors import APIError, invalid_value, parse_body
-from .protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, RerankDocument, RerankRequest,
-                       RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+from .protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, PoolingRequest, RerankDocument,
+                       RerankRequest, RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest,
+                       ScoreResponse)
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
-
-
-# The engine's name for a request's field -> the embeddings request's, in its error messages.
-RENAMES = {"prompt": "input"}
 
 
 async def create_embedding(served: ServedModel, raw_request: Request) -> EmbeddingResponse:
@@ -28,7 +26,8 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
     params = _pooling_params(request, request.dimensions, request.normalize)
     prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
     prompts = served.truncate(prompts, request)
-    vectors = await _vectors(served, request, prompts, params)
+    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
+    vectors = await _vectors(served, request, prompts, names, params)
     data = [EmbeddingData(index=i, embedding=_encoded(vector, request.encoding_format))
             for i, vector in enumerate(vectors)]
     return EmbeddingResponse(id=make_response_id("embd", raw_request, request), model=served.name, data=data,
@@ -44,36 +43,33 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
     firsts, _ = await encode_prompts(served, request.text_1, request.add_special_tokens, "text_1")
     seconds, _ = await encode_prompts(served, request.text_2, request.add_special_tokens, "text_2")
     try:
-        pairs = score_pairs(firsts, seconds)
+        pairs = score_pairs(range(len(firsts)), range(len(firsts), len(firsts) + len(seconds)))
     except ValueError as exc:
-        raise APIError(400, str(exc).replace("score()", "/score"), "text_2", "invalid_value") from None
+        raise APIError(400, f"text_1 and text_2: {exc}".replace("score()", "/score"), "text_2",
+                       "invalid_value") from None
     prompts = served.truncate(firsts + seconds, request)
-    vectors = await _vectors(served, request, prompts, params)
-    first_vectors, second_vectors = vectors[:len(firsts)], vectors[len(firsts):]
-    data = [ScoreData(index=i, score=_cosine(a, b))
-            for i, (a, b) in enumerate(score_pairs(first_vectors, second_vectors))]
-    paired = [a + b for a, b in score_pairs(prompts[:len(firsts)], prompts[len(firsts):])]
+    names = [f"text_1 {i}" for i in range(len(firsts))] + [f"text_2 {i}" for i in range(len(seconds))]
+    vectors = await _vectors(served, request, prompts, names, params)
+    data = [ScoreData(index=i, score=cosine(vectors[a], vectors[b])) for i, (a, b) in enumerate(pairs)]
     return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name, data=data,
-                         usage=usage(paired, 0))
+                         usage=usage([prompts[a] + prompts[b] for a, b in pairs], 0))
 
 
 async def create_rerank(served: ServedModel, raw_request: Request) -> RerankResponse:
     """vLLM's /rerank with an embedding model: the documents ordered by the cosine similarity of their embedding
-    with the query's, best first (the top_n best, when top_n is above 0)."""
+    with the query's, best first (the top_n best, when top_n is above 0; else all, as vLLM)."""
     request = await parse_body(raw_request, RerankRequest)
     _check_pooling(served, request, "/rerank")
     if not request.documents:
         raise APIError(400, "documents is empty; give at least one document to rank", "documents", "invalid_value")
-    if request.top_n < 0:
-        raise APIError(400, f"top_n must be 0 (every document) or more, got {request.top_n}", "top_n",
-                       "invalid_value")
     params = _pooling_params(request)
     texts = [request.query, *request.documents]
     prompts = served.truncate((await encode_prompts(served, texts, request.add_special_tokens, "documents"))[0],
                               request)
-    query, *documents = await _vectors(served, request, prompts, params)
-    ranked = sorted(((_cosine(query, vector), i) for i, vector in enumerate(documents)), key=lambda item: -item[0])
-    if request.top_n:
+    names = ["query"] + [f"documents {i}" for i in range(len(request.documents))]
+    query, *documents = await _vectors(served, request, prompts, names, params)
+    ranked = sorted(((cosine(query, vector), i) for i, vector in enumerate(documents)), key=lambda item: -item[0])
+    if request.top_n > 0:
         ranked = ranked[:request.top_n]
     results = [RerankResult(index=i, document=RerankDocument(text=request.documents[i]), relevance_score=score)
                for score, i in ranked]
@@ -82,31 +78,39 @@ async def create_rerank(served: ServedModel, raw_request: Request) -> RerankResp
                           usage=RerankUsage(total_tokens=num_tokens), results=results)
 
 
-def _check_pooling(served: ServedModel, request, route: str):
+def _check_pooling(served: ServedModel, request: PoolingRequest, route: str):
     served.check_model(request.model)
     if served.runner != "pooling":
         raise APIError(400, f"this server's model generates text: {route} needs an embedding model, served with "
                             "`nanograph serve MODEL --runner pooling`", "model", "model_not_supported")
 
 
-def _pooling_params(request, dimensions: int | None = None, normalize: bool | None = None) -> PoolingParams:
+def _pooling_params(request: PoolingRequest, dimensions: int | None = None,
+                    normalize: bool | None = None) -> PoolingParams:
     try:
         return PoolingParams(request.truncate_prompt_tokens, dimensions, normalize)
     except ValueError as exc:
         raise invalid_value(exc, request) from None
 
 
-async def _vectors(served: ServedModel, request, prompts: list[list[int]], params: PoolingParams
-                   ) -> list[np.ndarray]:
-    """Each prompt's vector, in order, from the engine; a 400 for a prompt longer than max_model_len (one that
+async def _vectors(served: ServedModel, request: PoolingRequest, prompts: list[list[int]], names: list[str],
+                   params: PoolingParams) -> list[np.ndarray]:
+    """Each prompt's vector, in order, from the engine. Each prompt is checked first, a 400 naming it (names[i]:
+    its field, and its place there): empty, ids outside the vocabulary, or longer than max_model_len (one that
     fills it is pooled: nothing is generated after it)."""
-    for i, prompt in enumerate(prompts):
+    for name, prompt in zip(names, prompts):
+        field = name.split()[0]
+        if not prompt:
+            raise APIError(400, f"{name} is empty (no tokens); give it some text", field, "invalid_value")
+        try:
+            check_prompt_token_ids(prompt, served.async_llm.info.vocab_size)
+        except ValueError as exc:
+            raise APIError(400, f"{name}: {exc}", field, "invalid_value") from None
         if len(prompt) > served.max_model_len:
-            which = f" (input {i})" if len(prompts) > 1 else ""
             raise APIError(400, f"This model's maximum context length is {served.max_model_len} tokens. However, "
-                                f"your request has {len(prompt)} input tokens{which}; shorten the input (or set "
-                                f"truncate_prompt_tokens)", "input", "context_length_exceeded")
-    stream = await served.generate(request, prompts, params, RENAMES)
+                                f"{name} has {len(prompt)} tokens; shorten it (or set truncate_prompt_tokens)",
+                           field, "context_length_exceeded")
+    stream = await served.generate(request, prompts, params)
     vectors: dict[int, np.ndarray] = {}
     try:
         async for deltas in stream:
@@ -123,10 +127,6 @@ async def _vectors(served: ServedModel, request, prompts: list[list[int]], param
         raise APIError(503, "the server stopped before the embeddings were computed; send the request again",
                        code="engine_unavailable")
     return [vectors[i] for i in range(len(prompts))]
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.dot(a, b) / max(float(np.linalg.norm(a) * np.linalg.norm(b)), 1e-8))
 
 
 def _encoded(vector: np.ndarray, encoding_format: str) -> list[float] | str:

@@ -271,51 +271,39 @@ class TokenizeRequest(Request):
     return_token_strs: bool = False  # vLLM's: the response's token_strs, each token's own string in the vocabulary
 
 
-class EmbeddingRequest(Request):
-    """OpenAI's embeddings request, with vLLM's extra fields."""
+class PoolingRequest(Request):
+    """What the embedding model's routes share (vLLM's fields)."""
     model: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: max_model_len)
+    add_special_tokens: bool = True  # a text input takes the tokenizer's special tokens (a BOS)
+    priority: int = 0  # under --scheduling-policy priority
+    request_id: str | None = None  # the response's id (after an X-Request-Id header)
+
+    def grammar_renames(self) -> dict[str, str]:
+        return {}  # no grammar
+
+
+class EmbeddingRequest(PoolingRequest):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"  # base64: each vector's float32 bytes, little-endian
     dimensions: int | None = None  # a Matryoshka model's leading dimensions
     user: str | None = None  # OpenAI's; not used
-    truncate_prompt_tokens: int | None = None  # vLLM's: keep each input's last k tokens (-1: max_model_len)
-    add_special_tokens: bool = True  # vLLM's: a text input takes the tokenizer's special tokens (a BOS)
     normalize: bool | None = None  # vLLM's: None as the model's pooler does
-    priority: int = 0  # vLLM's, under --scheduling-policy priority
-    request_id: str | None = None  # vLLM's: the response's id (after an X-Request-Id header)
-
-    def grammar_renames(self) -> dict[str, str]:
-        return {}  # no grammar; the engine's messages name the input a prompt (the handler renames it)
 
 
-class ScoreRequest(Request):
+class ScoreRequest(PoolingRequest):
     """vLLM's /score request on an embedding model: text_1 against each of text_2, or pairwise."""
-    model: str | None = None
     text_1: str | list[str] | list[int] | list[list[int]]
     text_2: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
-    priority: int = 0
-    request_id: str | None = None
-
-    def grammar_renames(self) -> dict[str, str]:
-        return {}
 
 
-class RerankRequest(Request):
+class RerankRequest(PoolingRequest):
     """vLLM's /rerank (Jina's and Cohere's API) on an embedding model: the documents by their score against the
     query."""
-    model: str | None = None
     query: str
     documents: list[str]
-    top_n: int = 0  # the best top_n documents; 0: all of them
-    truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
-    priority: int = 0
-    request_id: str | None = None
-
-    def grammar_renames(self) -> dict[str, str]:
-        return {}
+    top_n: int = 0  # the best top_n documents; 0 (or less): all of them
 
 
 class RerankDocument(BaseModel):

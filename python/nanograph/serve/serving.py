@@ -22,7 +22,7 @@ from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams, check_truncate_prompt_tokens
 from .async_llm import AsyncLLM, EngineUnavailable, RequestStream
 from .errors import APIError, invalid_value
-from .protocol import (ChatMessage, CompletionTokensDetails, EmbeddingRequest, PromptLogprob, PromptLogprobs,
+from .protocol import (ChatMessage, CompletionTokensDetails, PoolingRequest, PromptLogprob, PromptLogprobs,
                        PromptTokensDetails, SamplingRequest, Usage)
 from .tool_calls import ToolCall, mistral_call_id
 
@@ -160,7 +160,7 @@ class ServedModel:
         if request.return_tokens_as_token_ids is None:
             request.return_tokens_as_token_ids = self.return_tokens_as_token_ids
 
-    def truncate(self, prompts: list[list[int]], request: SamplingRequest | EmbeddingRequest) -> list[list[int]]:
+    def truncate(self, prompts: list[list[int]], request: SamplingRequest | PoolingRequest) -> list[list[int]]:
         """vLLM's truncate_prompt_tokens, before check_room: each prompt's last k tokens (-1: max_model_len)."""
         k = request.truncate_prompt_tokens
         if k is None:
@@ -224,7 +224,7 @@ class ServedModel:
         except (ValueError, TypeError) as exc:
             raise invalid_value(exc, request, {"prompt_logprobs": field_name}) from None
 
-    async def generate(self, request: SamplingRequest | EmbeddingRequest, prompts: list[list[int]],
+    async def generate(self, request: SamplingRequest | PoolingRequest, prompts: list[list[int]],
                        params: SamplingParams | PoolingParams, renames: dict[str, str] | None = None
                        ) -> RequestStream:
         """One engine request per prompt; the engine's validation errors are 400s."""
