@@ -7,8 +7,9 @@ from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
 from .outputs import CompletionDelta, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .pooling import (EmbeddingOutput, EmbeddingRequestOutput, PoolerConfig, PoolingOutput, PoolingParams,
-                      PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+from .pooling import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                      PoolerConfig, PoolingOutput, PoolingParams, PoolingRequestOutput, ScoringOutput,
+                      ScoringRequestOutput)
 from .sampling_params import (BeamSearchParams, GuidedDecodingParams, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams)
 
@@ -20,4 +21,4 @@ __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
            "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PoolingParams", "PoolerConfig",
            "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",
-           "ScoringRequestOutput"]
+           "ScoringRequestOutput", "ClassificationOutput", "ClassificationRequestOutput"]

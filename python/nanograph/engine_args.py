@@ -27,9 +27,11 @@ VLLM_ARGS = {
     "cpu_offload_gb": EngineArg((0,), "weights stay on the device"),
     "tokenizer_mode": EngineArg(("auto", "hf"), "the tokenizer is transformers' AutoTokenizer"),
     "load_format": EngineArg(("auto", "safetensors"), "weights are read from *.safetensors"),
-    "task": EngineArg(("auto", "generate", "embed"), "vLLM's older name of runner: 'embed' is runner='pooling'"),
-    "convert": EngineArg(("auto", "none", "embed"), "a pooling runner runs the causal LM as an embedding model "
-                                                    "(convert='embed'); generate runs it as it is"),
+    "task": EngineArg(("auto", "generate", "embed", "classify"), "vLLM's older name of runner: 'embed' and "
+                                                                 "'classify' are runner='pooling'"),
+    "convert": EngineArg(("auto", "none", "embed", "classify"), "a pooling runner runs a causal LM as an embedding "
+                                                                "model, and a *ForSequenceClassification folder as "
+                                                                "its classifier; generate runs it as it is"),
     "enable_lora": EngineArg((False,), "LoRA adapters are not implemented"),
     "speculative_config": EngineArg((None,), "speculative decoding is not implemented"),
     "hf_token": EngineArg((None,), "a Hub token comes from HF_TOKEN (or `hf auth login`)"),
@@ -80,10 +82,12 @@ def engine_config(model: str | None, **kwargs) -> Config:
         if arg.field is not None and value is not None:
             config_kwargs[arg.field] = value
     task, convert = kwargs.get("task"), kwargs.get("convert")
-    if task == "embed" or convert == "embed":
+    pooling = {"embed", "classify"}
+    if task in pooling or convert in pooling:
+        name = "task" if task in pooling else "convert"
         if config_kwargs.setdefault("runner", "pooling") not in ("auto", "pooling"):
-            raise ValueError(f"{'task' if task == 'embed' else 'convert'}='embed' makes an embedding model, which "
-                             f"runner={config_kwargs['runner']!r} contradicts; pass runner='pooling' or leave it out")
+            raise ValueError(f"{name}={kwargs[name]!r} makes a pooling model, which runner="
+                             f"{config_kwargs['runner']!r} contradicts; pass runner='pooling' or leave it out")
         config_kwargs["runner"] = "pooling"
     elif task == "generate" and config_kwargs.get("runner") == "pooling":
         raise ValueError("task='generate' contradicts runner='pooling'; pass one of them")

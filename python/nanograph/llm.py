@@ -14,8 +14,9 @@ from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_k
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
-from .pooling import (EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput, ScoringRequestOutput,
-                      cosine_scores, score_pairs)
+from .pooling import (POOLING_TASKS, TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
+                      PoolingRequestOutput, ScoringRequestOutput, classifier_scores, cosine_scores, pair_token_ids,
+                      score_pairs)
 from .sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -134,18 +135,36 @@ class LLM:
             prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
             lora_request=lora_request, pooling_task="embed", tokenization_kwargs=tokenization_kwargs)]
 
+    def classify(self, prompts: Prompt | list[Prompt], *, use_tqdm: bool | Callable = True,
+                 pooling_params: PoolingParams | list[PoolingParams] | None = None, lora_request=None,
+                 tokenization_kwargs: dict | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities from a sequence classifier (a folder whose architectures are
+        *ForSequenceClassification), in input order: output.outputs.probs, one per class (in config.json's id2label
+        order); PoolingParams(use_activation=False) gives the logits instead."""
+        return [ClassificationRequestOutput.from_base(output) for output in self.encode(
+            prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify",
+            tokenization_kwargs=tokenization_kwargs)]
+
     def encode(self, prompts: Prompt | list[Prompt], pooling_params: PoolingParams | list[PoolingParams] | None = None,
                *, truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True, lora_request=None,
                pooling_task: str | None = None, tokenization_kwargs: dict | None = None
                ) -> list[PoolingRequestOutput]:
-        """embed()'s pooling, each output's outputs.data a float32 tensor (vLLM's; pooling_task "embed" or None)."""
+        """embed()'s or classify()'s pooling, as the model does it (pooling_task "embed", "classify" or None), each
+        output's outputs.data a float32 tensor (vLLM's)."""
         check_no_lora(lora_request)
         check_no_tokenization_kwargs(tokenization_kwargs)
-        if pooling_task not in (None, "embed"):
-            raise ValueError(f"pooling_task={pooling_task!r}: nanograph's pooling models embed; pass 'embed' or None")
-        if self.engine.pooler is None:
-            raise ValueError("embed(), encode() and score() need an embedding model: build the LLM with "
+        pooler = self.engine.pooler
+        if pooler is None:
+            raise ValueError("embed(), classify(), encode() and score() need a pooling model: build the LLM with "
                              "runner='pooling' (vLLM's task='embed' is taken too); this one generates text")
+        if pooling_task not in (None, *POOLING_TASKS):
+            raise ValueError(f"pooling_task={pooling_task!r} is not one nanograph has; pass "
+                             f"{' or '.join(map(repr, POOLING_TASKS))}, or None")
+        if pooling_task not in (None, pooler.task):
+            method = "classify" if pooler.task == "classify" else "embed"
+            raise ValueError(f"pooling_task={pooling_task!r}: this model is {TASK_NOUNS[pooler.task]}, which "
+                             f"nanograph runs for {pooler.task!r} only; call {method}() (or use "
+                             f"{TASK_NOUNS[pooling_task]}'s folder)")
         prompts, params = _requests(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                     PoolingParams)
         if truncate_prompt_tokens is not None:
@@ -156,10 +175,21 @@ class LLM:
               truncate_prompt_tokens: int | None = None, use_tqdm: bool | Callable = True,
               pooling_params: PoolingParams | None = None, lora_request=None,
               tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's score() on an embedding model: the cosine similarity of each pair's embeddings, pairing one first
-        text with each second one, or as many with as many in order (outputs.score in [-1, 1])."""
+        """vLLM's score(), pairing one first text with each second one, or as many with as many in order. On an
+        embedding model: the cosine similarity of each pair's embeddings (outputs.score in [-1, 1]). On a
+        cross-encoder (a classifier of one label): its probability for the pair's texts read together, the
+        tokenizer's encoding of the pair (outputs.score in [0, 1])."""
         firsts, seconds = _prompt_list(data_1), _prompt_list(data_2)
-        score_pairs(firsts, seconds)  # the sides pair up, before anything runs
+        pairs = score_pairs(firsts, seconds)  # the sides pair up, before anything runs
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.task == "classify":
+            if pooler.num_labels != 1:
+                raise ValueError(f"score() on a classifier needs a cross-encoder, a classifier of one label; this "
+                                 f"one has {pooler.num_labels} ({', '.join(pooler.labels)}): use classify()")
+            prompts = [TokensPrompt(prompt_token_ids=pair_token_ids(self.tokenizer, *pair)) for pair in pairs]
+            return classifier_scores(self.encode(prompts, pooling_params,
+                                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                                                 lora_request=lora_request, tokenization_kwargs=tokenization_kwargs))
         outputs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return cosine_scores(score_pairs(outputs[:len(firsts)], outputs[len(firsts):]))

@@ -114,11 +114,23 @@ def _sync_rope_theta(hf: PretrainedConfig):
         hf.rope_parameters = {**hf.rope_parameters, "rope_theta": theta}
 
 
+# The suffixes of the architectures that are a causal LM's body under another head: a base model (Qwen3Model, as an
+# embedding model's folder gives it) has none, a sequence classifier a linear `score` over its last hidden state.
+BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX = "Model", "ForSequenceClassification"
+
+
+def causal_lm_architecture(name: str) -> str:
+    """The causal LM whose body an architecture is (Qwen3Model and Qwen3ForSequenceClassification: Qwen3ForCausalLM)."""
+    for suffix in (CLASSIFIER_SUFFIX, BASE_MODEL_SUFFIX):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix) + "ForCausalLM"
+    return name
+
+
 def _architecture(raw: dict) -> str:
     names = raw.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type"), raw.get("model_type"))]
     for name in names:
-        # A base model's name (Qwen3Model, as an embedding model's folder may give) is its causal LM without the head.
-        name = name.removesuffix("Model") + "ForCausalLM" if name.endswith("Model") else name
+        name = causal_lm_architecture(name)
         if name in SUPPORTED_ARCHITECTURES:
             return name
     raise ValueError(f"unsupported architecture {names}; nanograph supports {', '.join(SUPPORTED_ARCHITECTURES)}")

@@ -15,9 +15,13 @@ import numpy as np
 import torch
 
 from .hub import sentence_transformers_modules
+from .model_config import CLASSIFIER_SUFFIX
+from .models.weights import load_classifier
 from .sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+POOLING_TASKS = ("embed", "classify")  # what a pooling model's requests get: an embedding, or class probabilities
+TASK_NOUNS = {"embed": "an embedding model", "classify": "a classifier"}
 # sentence-transformers' Pooling config keys, and the pooling type each selects.
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                                 "pooling_mode_cls_token": "CLS"}
@@ -55,33 +59,64 @@ class PoolerConfig:
         return cls(**given)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Pooler:
-    """How an engine pools: the settings of the model folder and pooler_config together."""
+    """How an engine pools: the settings of the model folder and pooler_config together. task "embed" returns the
+    pooled vector (an embedding); "classify" (a sequence classifier's folder) its class probabilities: the
+    classifier's logits over the last token's hidden state, through a softmax (a sigmoid for one label)."""
     pooling_type: str  # one of POOLING_TYPES
     normalize: bool
     hidden_size: int
     # A Matryoshka model's dimensions that a request may ask for (None: any up to hidden_size; empty: none but all).
     matryoshka_dimensions: tuple[int, ...] | None
+    task: str = "embed"  # or "classify"
+    classifier: torch.Tensor | None = None  # classify: float32 [num_labels, hidden_size], on the runner's device
+    labels: tuple[str, ...] = ()  # classify: each class's name (config.json's id2label)
+    activation: str = "softmax"  # classify: "softmax" over the classes, or "sigmoid" of each
 
     @classmethod
-    def for_model(cls, model_config, given=None) -> Pooler:
-        """model_config: a ModelConfig (its folder and config.json); given: Config.pooler_config."""
+    def for_model(cls, model_config, given=None, device="cpu") -> Pooler:
+        """model_config: a ModelConfig (its folder and config.json); given: Config.pooler_config; device: where the
+        runner's hidden states are (a classifier's head is put there)."""
         override = PoolerConfig.of(given)
+        hf = model_config.hf_config
+        if is_classifier(hf):
+            classifier = load_classifier(model_config.path, model_config).to(device)
+            num_labels = classifier.shape[0]
+            names = getattr(hf, "id2label", None) or {}
+            labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
+            multi_label = num_labels == 1 or getattr(hf, "problem_type", None) == "multi_label_classification"
+            # transformers' classifiers score the last token (the last that is not padding).
+            return cls(override.pooling_type or "LAST", bool(override.normalize), model_config.hidden_size, (),
+                       "classify", classifier, labels, "sigmoid" if multi_label else "softmax")
         pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path),
                                                                  needs_type=override.pooling_type is None)
         pooling_type = override.pooling_type or pooling_type or "LAST"
         normalize = override.normalize if override.normalize is not None else normalize if normalize is not None \
             else True
-        dims = getattr(model_config.hf_config, "matryoshka_dimensions", None)
+        dims = getattr(hf, "matryoshka_dimensions", None)
         if dims:
             matryoshka = tuple(int(d) for d in dims)
         else:
-            matryoshka = None if getattr(model_config.hf_config, "is_matryoshka", False) else ()
+            matryoshka = None if getattr(hf, "is_matryoshka", False) else ()
         return cls(pooling_type, normalize, model_config.hidden_size, matryoshka)
+
+    @property
+    def num_labels(self) -> int:
+        return 0 if self.classifier is None else self.classifier.shape[0]
 
     def check(self, params: PoolingParams):
         """ValueError naming the field when the engine cannot serve params."""
+        if self.task == "classify":
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise ValueError(f"{name} is for embeddings, and this model is a classifier, whose output is one "
+                                     f"probability per class; leave {name} unset (use_activation=False gives the "
+                                     f"logits)")
+            return
+        if params.use_activation is not None:
+            raise ValueError("use_activation is for a classifier's probabilities, and this model gives embeddings; "
+                             "use normalize=False for an embedding that is not normalized")
         if params.dimensions is None:
             return
         if self.matryoshka_dimensions == ():
@@ -96,12 +131,23 @@ class Pooler:
                              f"{list(self.matryoshka_dimensions)}")
 
     def finish(self, pooled: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """The embeddings of pooled ([prompts, hidden_size] float32, all with params): cut to params.dimensions,
-        then normalized as params (else the pooler) says."""
+        """What the requests get of pooled ([prompts, hidden_size] float32, all with params). Embeddings: cut to
+        params.dimensions, then normalized as params (else the pooler) says. Classes: the classifier's
+        probabilities (its logits with use_activation=False)."""
+        if self.task == "classify":
+            logits = pooled @ self.classifier.T
+            if params.use_activation is False:
+                return logits
+            return torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
         if params.dimensions is not None:
             pooled = pooled[:, :params.dimensions]
         normalize = self.normalize if params.normalize is None else params.normalize
         return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def is_classifier(hf_config) -> bool:
+    """Whether a model folder's config.json names a sequence classifier (Qwen3ForSequenceClassification, ...)."""
+    return any(str(name).endswith(CLASSIFIER_SUFFIX) for name in getattr(hf_config, "architectures", None) or [])
 
 
 def _sentence_transformers_pooling(folder: Path, needs_type: bool = True) -> tuple[str | None, bool | None]:
@@ -139,6 +185,7 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     dimensions: int | None = None  # a Matryoshka model's leading dimensions to keep (None: all)
     normalize: bool | None = None  # None: as the model's pooler does
+    use_activation: bool | None = None  # a classifier's: False gives its logits, not probabilities (None: True)
 
     def __post_init__(self):
         if self.truncate_prompt_tokens is not None:
@@ -146,8 +193,9 @@ class PoolingParams:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or
                                             not isinstance(self.dimensions, (int, np.integer)) or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive int, got {self.dimensions!r}")
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be a bool or None, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
 
     def clone(self) -> PoolingParams:
         return replace(self)
@@ -228,11 +276,37 @@ class EmbeddingRequestOutput:
 
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        if output.outputs is None:
-            raise RuntimeError(f"request {output.request_id} ended without its embedding: "
-                               f"{output.error or 'it was aborted'}")
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+        return cls(output.request_id, EmbeddingOutput(_data(output).tolist()), output.prompt_token_ids,
                    output.finished, output.prompt)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class (the logits, with use_activation=False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(output.request_id, ClassificationOutput(_data(output).tolist()), output.prompt_token_ids,
+                   output.finished, output.prompt)
+
+
+def _data(output: PoolingRequestOutput) -> torch.Tensor:
+    if output.outputs is None:
+        raise RuntimeError(f"request {output.request_id} ended without its result: {output.error or 'it was aborted'}")
+    return output.outputs.data
 
 
 @dataclass
@@ -273,5 +347,31 @@ def cosine_scores(pairs: list[tuple[PoolingRequestOutput, PoolingRequestOutput]]
                                  a.prompt_token_ids + b.prompt_token_ids) for a, b in pairs]
 
 
+def pair_token_ids(tokenizer, first, second, add_special_tokens: bool = True) -> list[int]:
+    """A cross-encoder's input for a pair: two texts (str, or {"prompt": str}) as the tokenizer encodes a pair of
+    them (its separator, and its special tokens if add_special_tokens), or two token-id prompts one after the
+    other."""
+    texts = [prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) and
+             "prompt_token_ids" not in prompt else None for prompt in (first, second)]
+    if None not in texts:
+        if tokenizer is None:
+            raise ValueError("score() of texts needs the model folder's tokenizer, and this LLM has none "
+                             "(skip_tokenizer_init=True): pass token-id prompts")
+        return list(tokenizer(texts[0], text_pair=texts[1], add_special_tokens=add_special_tokens)["input_ids"])
+    ids = [prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt for prompt in (first, second)]
+    if any(isinstance(one, str) or one is None for one in ids):
+        raise ValueError("score() on a cross-encoder reads each pair together: give both sides as texts, or both "
+                         "as token ids")
+    return [int(token) for token in ids[0]] + [int(token) for token in ids[1]]
+
+
+def classifier_scores(outputs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
+    """Each pair's score from a cross-encoder (a classifier of one label, run on the pair's tokens together): its
+    one probability."""
+    return [ScoringRequestOutput(output.request_id, ScoringOutput(float(_data(output)[0])), output.prompt_token_ids)
+            for output in outputs]
+
+
 __all__ = ["PoolerConfig", "Pooler", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput", "POOLING_TYPES"]
+           "EmbeddingRequestOutput", "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput",
+           "ScoringRequestOutput", "POOLING_TYPES"]

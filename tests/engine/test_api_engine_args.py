@@ -40,7 +40,7 @@ def reference(folder):
     ("calculate_kv_scales", True, "calculate_kv_scales=False"),
     ("tokenizer_mode", "mistral", "tokenizer_mode='auto' or 'hf'"),
     ("load_format", "pt", "load_format='auto' or 'safetensors'"),
-    ("task", "classify", "task='auto' or 'generate' or 'embed'"),
+    ("task", "reward", "task='auto' or 'generate' or 'embed' or 'classify'"),
     ("enable_lora", True, "enable_lora=False"),
     ("speculative_config", {"method": "ngram"}, "speculative_config=None"),
     ("distributed_executor_backend", "ray", "distributed_executor_backend=None or 'uni'"),

@@ -210,7 +210,6 @@ def test_errors(qwen3_tied, tiny_chat_folder):
     ({"runner": "pooling", "pooler_config": {"pooling": "MEAN"}}, r"unknown key\(s\) \['pooling'\]"),
     ({"runner": "generate", "task": "embed"}, "contradicts"),
     ({"runner": "pooling", "task": "generate"}, "contradicts"),
-    ({"convert": "classify"}, "convert='classify' is not supported"),
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

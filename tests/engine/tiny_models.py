@@ -40,11 +40,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 def make_tiny_chat_model(folder, seed: int = 0):
     """A tiny random model with SmolLM2-135M-Instruct's real tokenizer and chat template (from the default model's
     folder). Returns the HF model."""
-    from nanograph.default_model import default_model_path
-
     model = _save_random_model(folder, {**_COMMON, **SMOLLM2_SHAPED}, seed)
     for name in TOKENIZER_FILES:
-        shutil.copy(Path(default_model_path()) / name, Path(folder) / name)
+        shutil.copy(Path(_default_folder()) / name, Path(folder) / name)
     return model
 
 
@@ -56,13 +54,35 @@ def make_tiny_model(folder, name: str, seed: int = 0, config_overrides: dict | N
                               **save_kwargs)
 
 
-def _save_random_model(folder, spec: dict, seed: int, **save_kwargs):
+def make_tiny_classifier(folder, name: str, num_labels: int, seed: int = 0, with_tokenizer: bool = False):
+    """make_tiny_model's model of TINY_CONFIGS[name] (or SmolLM2's shape with its tokenizer, with_tokenizer) as a
+    sequence classifier (transformers' XForSequenceClassification: a `score` head of num_labels rows, no lm_head).
+    Returns the HF model."""
+    from transformers import AutoModelForSequenceClassification
+
+    base = SMOLLM2_SHAPED if with_tokenizer else TINY_CONFIGS[name]
+    architecture = base["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    spec = {**_COMMON, **base, "architectures": [architecture], "num_labels": num_labels,
+            "id2label": {i: f"class_{i}" for i in range(num_labels)}}
+    model = _save_random_model(folder, spec, seed, auto_class=AutoModelForSequenceClassification)
+    if with_tokenizer:
+        for file in TOKENIZER_FILES:
+            shutil.copy(Path(_default_folder()) / file, Path(folder) / file)
+    return model
+
+
+def _default_folder():
+    from nanograph.default_model import default_model_path
+    return default_model_path()
+
+
+def _save_random_model(folder, spec: dict, seed: int, auto_class=None, **save_kwargs):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(spec)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = (auto_class or AutoModelForCausalLM).from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if "norm" in param_name:

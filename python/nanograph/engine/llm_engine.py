@@ -33,10 +33,10 @@ from ..engine_args import EngineArgs
 from ..default_model import default_model_path
 from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
-from ..model_config import ModelConfig
+from ..model_config import BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX, ModelConfig
 from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
-from ..pooling import Pooler, PoolingParams, PoolingRequestOutput
+from ..pooling import Pooler, PoolingParams, PoolingRequestOutput, is_classifier
 from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
@@ -73,7 +73,8 @@ class LLMEngine:
         # and override_generation_config's over them.
         self.sampling_defaults = sampling_defaults(_generation_config_folder(config), config.override_generation_config)
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
-        self.pooler = Pooler.for_model(model_config, config.pooler_config) if config.runner == "pooling" else None
+        self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device) \
+            if config.runner == "pooling" else None
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids, self.pooler)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), getattr(tokenizer, "eos_token_id", None))
@@ -102,14 +103,15 @@ class LLMEngine:
         tokenizer_path = model if config.tokenizer is None else \
             tokenizer_folder(config.tokenizer, config.tokenizer_revision, config.download_dir)
         model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
-        if config.runner == "auto":  # vLLM's rule: a base model's architecture pools
+        if config.runner == "auto":  # vLLM's rule: a base model's or a classifier's architecture pools
             names = getattr(model_config.hf_config, "architectures", None) or []
-            config = replace(config, runner="pooling" if names and all(name.endswith("Model") for name in names)
-                             else "generate")
-        if config.runner == "generate" and not has_lm_head(model, model_config):
-            raise ValueError(f"{model} holds a base model's weights without an lm_head (as an embedding model saves "
-                             f"them), so it gives no logits to sample: run it with runner='pooling' (embed()), or "
-                             f"use a causal LM's folder")
+            pools = names and all(name.endswith((BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX)) for name in names)
+            config = replace(config, runner="pooling" if pools else "generate")
+        if config.runner == "generate" and (is_classifier(model_config.hf_config) or
+                                            not has_lm_head(model, model_config)):
+            raise ValueError(f"{model} holds a model's weights without an lm_head (an embedding model's or a "
+                             f"classifier's), so it gives no logits to sample: run it with runner='pooling' "
+                             f"(embed(), classify()), or use a causal LM's folder")
         tokenizer = None if config.skip_tokenizer_init else \
             load_tokenizer(tokenizer_path, config.trust_remote_code, given=config.tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)

@@ -135,9 +135,10 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
         cut = _cuts(shard, mc)
         embed = ("model.embed_tokens.weight", (mc.vocab_size, hidden))
         weights = {"norm": get(("model.norm.weight", (hidden,)))}
-        # A base model's checkpoint without an lm_head is pooled, never sampled (has_lm_head): its embeddings
-        # stand in for the head the step computes.
-        tied = mc.tie_word_embeddings or base_model and "lm_head.weight" not in file_of
+        # A checkpoint without an lm_head (a base model's, a classifier's) is pooled, never sampled (has_lm_head):
+        # its embeddings stand in for the head the step computes.
+        tied = mc.tie_word_embeddings or "lm_head.weight" not in file_of and (base_model or
+                                                                              CLASSIFIER_WEIGHT in file_of)
         if shard is None or shard.rank == 0:
             weights["lm_head"] = get(embed if tied else ("lm_head.weight", (mc.vocab_size, hidden)))
         if tied and "lm_head" in weights:
@@ -165,21 +166,58 @@ def load_weights(path: str | Path, model_config: ModelConfig, dtype: torch.dtype
     return weights
 
 
+CLASSIFIER_WEIGHT = "score.weight"  # a sequence classifier's head
+
+
 def _is_base_model(names) -> bool:
     """Whether a checkpoint's tensor names are a base model's (embed_tokens.weight, not model.embed_tokens.weight)."""
     return "model.embed_tokens.weight" not in names and "embed_tokens.weight" in names
 
 
-def has_lm_head(path: str | Path, model_config: ModelConfig) -> bool:
-    """Whether the checkpoint can give logits: its embeddings are tied to the head, or it holds an lm_head (a base
-    model's checkpoint may not: it can only be pooled, runner="pooling")."""
-    if model_config.tie_word_embeddings:
-        return True
+def _is_headless(names) -> bool:
+    """Whether a checkpoint's tensors are a causal LM's body under another head, or none: a base model's, or a
+    sequence classifier's (its score head)."""
+    return _is_base_model(names) or CLASSIFIER_WEIGHT in names
+
+
+def _tensor_names(path: str | Path) -> set[str]:
     names = set()
     for f in weight_files(Path(path)):
         with safe_open(f, framework="pt") as handle:
             names.update(handle.keys())
-    return "lm_head.weight" in names or not _is_base_model(names)
+    return names
+
+
+def has_lm_head(path: str | Path, model_config: ModelConfig) -> bool:
+    """Whether the checkpoint can give logits: its embeddings are tied to the head, or it holds an lm_head (a base
+    model's or a classifier's checkpoint may not: it can only be pooled, runner="pooling")."""
+    if model_config.tie_word_embeddings:
+        return True
+    names = _tensor_names(path)
+    return "lm_head.weight" in names or not _is_headless(names)
+
+
+def load_classifier(path: str | Path, model_config: ModelConfig) -> torch.Tensor:
+    """A sequence classifier's head (transformers' XForSequenceClassification: a linear `score` without bias over the
+    last hidden state), float32 [num_labels, hidden_size] on the CPU."""
+    for f in weight_files(Path(path)):
+        with safe_open(f, framework="pt") as handle:
+            if CLASSIFIER_WEIGHT in handle.keys():
+                head = handle.get_tensor(CLASSIFIER_WEIGHT)
+                break
+    else:
+        raise ValueError(f"the checkpoint in {str(path)!r} has no {CLASSIFIER_WEIGHT}, the classification head of a "
+                         f"sequence classifier (architectures *ForSequenceClassification); use such a checkpoint, or "
+                         f"run this model with embed()")
+    labels = getattr(model_config.hf_config, "num_labels", None)
+    if head.dim() != 2 or head.shape[1] != model_config.hidden_size or labels not in (None, head.shape[0]):
+        raise ValueError(f"{CLASSIFIER_WEIGHT} in {str(path)!r} has shape {list(head.shape)}, but config.json gives "
+                         f"[num_labels={labels}, hidden_size={model_config.hidden_size}]: the weights and config.json "
+                         f"disagree")
+    if head.dtype == FP8_DTYPE:
+        raise ValueError(f"{CLASSIFIER_WEIGHT} in {str(path)!r} is FP8; nanograph reads a classification head in 16 "
+                         f"or 32 bits")
+    return head.float()
 
 
 def _cuts(shard: Shard | None, mc: ModelConfig) -> dict[str, tuple]:

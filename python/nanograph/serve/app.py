@@ -1,6 +1,6 @@
 """The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling), and vLLM's
-/score and /rerank routes for such a model and SageMaker's /invocations (all behind the API key when one is set), and
-/health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
+/classify, /score and /rerank routes for pooling models and SageMaker's /invocations (all behind the API key when one
+is set), and /health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_embedding, create_rerank, create_score
+from .embeddings import create_classification, create_embedding, create_rerank, create_score
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -26,8 +26,8 @@ from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
-GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/score", "/rerank",
-                    "/invocations")
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/classify", "/score",
+                    "/rerank", "/invocations")
 
 
 def dev_mode() -> bool:
@@ -136,13 +136,17 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     async def score_v1(request: Request):
         return await create_score(served, request)
 
+    @v1.post("/classify")
+    async def classify_v1(request: Request):
+        return await create_classification(served, request)
+
     app.include_router(v1)
 
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
     async def invocations(request: Request):
         """SageMaker's one route, as vLLM's: a body with messages is a chat completion, one with a prompt a
-        completion, one with an input an embedding, one with text_1 a score, one with a query and documents a
-        rerank."""
+        completion, one with an input an embedding (a classification on a classifier), one with text_1 a score,
+        one with a query and documents a rerank."""
         try:
             body = json.loads(await request.body())
         except ValueError:  # not JSON: the chat route's parse says so, as for any route
@@ -152,6 +156,8 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
         if isinstance(body, dict) and "prompt" in body:
             return await create_completion(served, request)
         if isinstance(body, dict) and "input" in body:
+            if served.pooling_task == "classify":
+                return await create_classification(served, request)
             return await create_embedding(served, request)
         if isinstance(body, dict) and "text_1" in body:
             return await create_score(served, request)
@@ -190,6 +196,11 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
                 raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
                                     "use); retry once they have finished", code="requests_running")
             return Response(status_code=200)
+
+    @app.post("/classify", dependencies=[Depends(check_api_key)])
+    async def classify(request: Request):
+        """vLLM's /classify beside /v1/classify."""
+        return await create_classification(served, request)
 
     @app.post("/score", dependencies=[Depends(check_api_key)])
     async def score(request: Request):

@@ -105,17 +105,21 @@ def top_entries(entry: dict[int, Logprob], token_id: int, k: int) -> dict[int, L
     return {top_id: lp for top_id, lp in entry.items() if top_id == token_id or k == -1 or lp.rank <= k}
 
 
+def prompt_list(prompt, field: str = "prompt") -> list[str] | list[list[int]]:
+    """A request's prompt field (a string, strings, token ids, or lists of them) as a list of prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, f"{field} is empty; give a string, a list of strings, token ids or lists of token ids",
+                       field, "invalid_value")
+    return [prompt] if isinstance(prompt[0], int) else prompt
+
+
 async def encode_prompts(served: ServedModel, prompt, add_special_tokens: bool, field: str = "prompt"
                          ) -> tuple[list[list[int]], list[str | None]]:
     """The prompts as token ids (text encoded with the tokenizer's special tokens, a BOS, if add_special_tokens),
     and as text (None for one given as token ids). field: the request's name for them."""
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    elif not prompt:
-        raise APIError(400, f"{field} is empty; give a string, a list of strings, token ids or lists of token ids",
-                       field, "invalid_value")
-    elif isinstance(prompt[0], int):
-        prompt = [prompt]
+    prompt = prompt_list(prompt, field)
     if isinstance(prompt[0], str):
         return await served.tokenized(lambda: [served.encode(text, add_special_tokens) for text in prompt]), prompt
     return prompt, [None] * len(prompt)

@@ -1,7 +1,9 @@
-"""POST /v1/embeddings: one embedding per input (text or token ids, one or many), from a server whose model runs as
-an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of their float32 bytes; and
-vLLM's POST /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank) on such a model: the cosine similarity of
-pairs of texts' embeddings, and documents ranked by it against a query."""
+"""The pooling models' routes. POST /v1/embeddings: one embedding per input (text or token ids, one or many), from a
+server whose model runs as an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of
+their float32 bytes. vLLM's POST /classify (/v1/classify) on a classifier: each input's class probabilities. vLLM's
+POST /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank) on an embedding model (the cosine similarity of two
+texts' embeddings) or a cross-encoder (a classifier of one label, reading the two texts together): pairs of texts
+scored, and documents ranked by their score against a query."""
 from __future__ import annotations
 
 import base64
@@ -10,19 +12,19 @@ import numpy as np
 from fastapi import Request
 
 from ..engine.intake import check_prompt_token_ids
-from ..pooling import PoolingParams, cosine, score_pairs
+from ..pooling import TASK_NOUNS, PoolingParams, cosine, pair_token_ids, score_pairs
 from .async_llm import EngineUnavailable
-from .completions import encode_prompts
+from .completions import encode_prompts, prompt_list
 from .errors import APIError, invalid_value, parse_body
-from .protocol import (EmbeddingData, EmbeddingRequest, EmbeddingResponse, PoolingRequest, RerankDocument,
-                       RerankRequest, RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest,
-                       ScoreResponse)
+from .protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
+                       EmbeddingRequest, EmbeddingResponse, PoolingRequest, RerankDocument, RerankRequest,
+                       RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
 
 
 async def create_embedding(served: ServedModel, raw_request: Request) -> EmbeddingResponse:
     request = await parse_body(raw_request, EmbeddingRequest)
-    _check_pooling(served, request, "/v1/embeddings")
+    _check_pooling(served, request, "/v1/embeddings", "embed")
     params = _pooling_params(request, request.dimensions, request.normalize)
     prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
     prompts = served.truncate(prompts, request)
@@ -34,19 +36,43 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
                              usage=usage(prompts, 0))
 
 
+async def create_classification(served: ServedModel, raw_request: Request) -> ClassificationResponse:
+    """vLLM's /classify on a classifier: each input's class probabilities, and its most likely class's name."""
+    request = await parse_body(raw_request, ClassificationRequest)
+    _check_pooling(served, request, "/classify", "classify")
+    params = _pooling_params(request, use_activation=request.use_activation)
+    prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
+    prompts = served.truncate(prompts, request)
+    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
+    vectors = await _vectors(served, request, prompts, names, params)
+    data = [ClassificationData(index=i, label=served.labels[int(np.argmax(vector))], probs=vector.tolist(),
+                               num_classes=len(vector)) for i, vector in enumerate(vectors)]
+    return ClassificationResponse(id=make_response_id("classify", raw_request, request), model=served.name,
+                                  data=data, usage=usage(prompts, 0))
+
+
 async def create_score(served: ServedModel, raw_request: Request) -> ScoreResponse:
-    """vLLM's /score with an embedding model: the cosine similarity of text_1's embedding and each of text_2's
-    (or of each pair, given as many of each)."""
+    """vLLM's /score: text_1 against each of text_2 (or each pair, given as many of each). On an embedding model,
+    the cosine similarity of their embeddings; on a cross-encoder, its probability for the pair read together."""
     request = await parse_body(raw_request, ScoreRequest)
-    _check_pooling(served, request, "/score")
+    cross_encoder = _check_scoring(served, request, "/score")
     params = _pooling_params(request)
-    firsts, _ = await encode_prompts(served, request.text_1, request.add_special_tokens, "text_1")
-    seconds, _ = await encode_prompts(served, request.text_2, request.add_special_tokens, "text_2")
+    firsts, seconds = prompt_list(request.text_1, "text_1"), prompt_list(request.text_2, "text_2")
     try:
         pairs = score_pairs(range(len(firsts)), range(len(firsts), len(firsts) + len(seconds)))
     except ValueError as exc:
         raise APIError(400, f"text_1 and text_2: {exc}".replace("score()", "/score"), "text_2",
                        "invalid_value") from None
+    if cross_encoder:
+        texts = firsts + seconds
+        prompts = await _pair_prompts(served, request, [(texts[a], texts[b]) for a, b in pairs])
+        names = [f"text_2 {b - len(firsts)} (with text_1 {a})" for a, b in pairs]
+        scores = [float(vector[0]) for vector in await _vectors(served, request, prompts, names, params)]
+        return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name,
+                             data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
+                             usage=usage(prompts, 0))
+    firsts, _ = await encode_prompts(served, firsts, request.add_special_tokens, "text_1")
+    seconds, _ = await encode_prompts(served, seconds, request.add_special_tokens, "text_2")
     prompts = served.truncate(firsts + seconds, request)
     names = [f"text_1 {i}" for i in range(len(firsts))] + [f"text_2 {i}" for i in range(len(seconds))]
     vectors = await _vectors(served, request, prompts, names, params)
@@ -56,39 +82,77 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
 
 
 async def create_rerank(served: ServedModel, raw_request: Request) -> RerankResponse:
-    """vLLM's /rerank with an embedding model: the documents ordered by the cosine similarity of their embedding
-    with the query's, best first (the top_n best, when top_n is above 0; else all, as vLLM)."""
+    """vLLM's /rerank: the documents ordered by their score against the query, best first (the top_n best, when
+    top_n is above 0; else all, as vLLM). The score is the cosine similarity of their embeddings on an embedding
+    model, a cross-encoder's probability for the query and the document read together on such a model."""
     request = await parse_body(raw_request, RerankRequest)
-    _check_pooling(served, request, "/rerank")
+    cross_encoder = _check_scoring(served, request, "/rerank")
     if not request.documents:
         raise APIError(400, "documents is empty; give at least one document to rank", "documents", "invalid_value")
     params = _pooling_params(request)
-    texts = [request.query, *request.documents]
-    prompts = served.truncate((await encode_prompts(served, texts, request.add_special_tokens, "documents"))[0],
-                              request)
-    names = ["query"] + [f"documents {i}" for i in range(len(request.documents))]
-    query, *documents = await _vectors(served, request, prompts, names, params)
-    ranked = sorted(((cosine(query, vector), i) for i, vector in enumerate(documents)), key=lambda item: -item[0])
+    names = [f"documents {i}" for i in range(len(request.documents))]
+    if cross_encoder:
+        prompts = await _pair_prompts(served, request, [(request.query, document) for document in request.documents])
+        scores = [float(vector[0]) for vector in await _vectors(served, request, prompts, names, params)]
+        num_tokens = sum(map(len, prompts))
+    else:
+        texts = [request.query, *request.documents]
+        prompts = served.truncate((await encode_prompts(served, texts, request.add_special_tokens, "documents"))[0],
+                                  request)
+        query, *documents = await _vectors(served, request, prompts, ["query", *names], params)
+        scores = [cosine(query, vector) for vector in documents]
+        num_tokens = sum(len(prompts[0]) + len(prompt) for prompt in prompts[1:])  # each pair's, as /score counts
+    ranked = sorted(((score, i) for i, score in enumerate(scores)), key=lambda item: -item[0])
     if request.top_n > 0:
         ranked = ranked[:request.top_n]
     results = [RerankResult(index=i, document=RerankDocument(text=request.documents[i]), relevance_score=score)
                for score, i in ranked]
-    num_tokens = sum(len(prompts[0]) + len(prompt) for prompt in prompts[1:])  # each pair's, as /score counts
     return RerankResponse(id=make_response_id("rerank", raw_request, request), model=served.name,
                           usage=RerankUsage(total_tokens=num_tokens), results=results)
 
 
-def _check_pooling(served: ServedModel, request: PoolingRequest, route: str):
+_TASK_FIX = {"embed": "an embedding model (served with `nanograph serve MODEL --runner pooling`)",
+             "classify": "a classifier (a model folder whose architectures are *ForSequenceClassification)"}
+
+
+def _check_pooling(served: ServedModel, request: PoolingRequest, route: str, task: str | None = None):
+    """A 400 unless the server's model is a pooling model, of `task` where given."""
     served.check_model(request.model)
     if served.runner != "pooling":
-        raise APIError(400, f"this server's model generates text: {route} needs an embedding model, served with "
-                            "`nanograph serve MODEL --runner pooling`", "model", "model_not_supported")
+        raise APIError(400, f"this server's model generates text: {route} needs {_TASK_FIX[task or 'embed']}",
+                       "model", "model_not_supported")
+    if task is not None and served.pooling_task != task:
+        other = "/classify" if served.pooling_task == "classify" else "/v1/embeddings"
+        raise APIError(400, f"this server's model is {TASK_NOUNS[served.pooling_task]}: {route} needs "
+                            f"{_TASK_FIX[task]}; this one serves {other}", "model", "model_not_supported")
 
 
-def _pooling_params(request: PoolingRequest, dimensions: int | None = None,
-                    normalize: bool | None = None) -> PoolingParams:
+def _check_scoring(served: ServedModel, request: PoolingRequest, route: str) -> bool:
+    """A 400 unless the server's model scores pairs; whether it is a cross-encoder (a classifier of one label)."""
+    _check_pooling(served, request, route)
+    if served.pooling_task != "classify":
+        return False
+    if len(served.labels) != 1:
+        raise APIError(400, f"this server's model is a classifier of {len(served.labels)} classes: {route} needs an "
+                            f"embedding model or a cross-encoder (a classifier of one label); use /classify",
+                       "model", "model_not_supported")
+    return True
+
+
+async def _pair_prompts(served: ServedModel, request: PoolingRequest, pairs: list[tuple]) -> list[list[int]]:
+    """A cross-encoder's inputs: each pair of texts as the tokenizer encodes a pair, or two token-id lists joined."""
     try:
-        return PoolingParams(request.truncate_prompt_tokens, dimensions, normalize)
+        prompts = await served.tokenized(lambda: [pair_token_ids(served.tokenizer, a, b, request.add_special_tokens)
+                                                  for a, b in pairs])
+    except ValueError as exc:
+        raise invalid_value(exc, request) from None
+    return served.truncate(prompts, request)
+
+
+def _pooling_params(request: PoolingRequest, dimensions: int | None = None, normalize: bool | None = None,
+                    use_activation: bool | None = None) -> PoolingParams:
+    try:
+        return PoolingParams(request.truncate_prompt_tokens, dimensions, normalize, use_activation)
     except ValueError as exc:
         raise invalid_value(exc, request) from None
 

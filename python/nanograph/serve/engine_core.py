@@ -43,7 +43,9 @@ class EngineInfo:
     kv_cache: str  # what the KV cache holds, in words (Runner.kv_cache_summary)
     cache_config: dict[str, str]  # vLLM's cache_config_info labels that apply here
     reasoning_parser: str | None = None  # Config.reasoning_parser: how replies' thinking is taken apart
-    runner: str = "generate"  # Config.runner: "pooling" for an embedding model
+    runner: str = "generate"  # Config.runner: "pooling" for an embedding model or a classifier
+    pooling_task: str | None = None  # a pooling model's: "embed" or "classify" (Pooler.task)
+    labels: tuple[str, ...] = ()  # a classifier's class names
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class EngineSnapshot:
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
-    config, runner = engine.config, engine.runner
+    config, runner, pooler = engine.config, engine.runner, engine.pooler
     cache_config = {"block_size": runner.block_size, "cache_dtype": config.kv_cache_dtype,
                     "enable_prefix_caching": config.enable_prefix_caching,
                     "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": runner.num_kv_blocks,
@@ -67,7 +69,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
                       {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
-                      config.runner)
+                      config.runner, pooler and pooler.task, pooler.labels if pooler else ())
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

@@ -272,7 +272,7 @@ class TokenizeRequest(Request):
 
 
 class PoolingRequest(Request):
-    """What the embedding model's routes share (vLLM's fields)."""
+    """What the pooling model's routes share (vLLM's fields)."""
     model: str | None = None
     truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: max_model_len)
     add_special_tokens: bool = True  # a text input takes the tokenizer's special tokens (a BOS)
@@ -292,15 +292,39 @@ class EmbeddingRequest(PoolingRequest):
     normalize: bool | None = None  # vLLM's: None as the model's pooler does
 
 
+class ClassificationRequest(PoolingRequest):
+    """vLLM's /classify request on a classifier."""
+    input: str | list[str] | list[int] | list[list[int]]
+    use_activation: bool | None = None  # False: each class's logit, not its probability
+    user: str | None = None  # not used
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most likely class's name
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+
+
 class ScoreRequest(PoolingRequest):
-    """vLLM's /score request on an embedding model: text_1 against each of text_2, or pairwise."""
+    """vLLM's /score request on an embedding model or a cross-encoder: text_1 against each of text_2, or
+    pairwise."""
     text_1: str | list[str] | list[int] | list[list[int]]
     text_2: str | list[str] | list[int] | list[list[int]]
 
 
 class RerankRequest(PoolingRequest):
-    """vLLM's /rerank (Jina's and Cohere's API) on an embedding model: the documents by their score against the
-    query."""
+    """vLLM's /rerank (Jina's and Cohere's API) on an embedding model or a cross-encoder: the documents by their
+    score against the query."""
     query: str
     documents: list[str]
     top_n: int = 0  # the best top_n documents; 0 (or less): all of them

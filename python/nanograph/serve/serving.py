@@ -71,7 +71,9 @@ class ServedModel:
         # The engine's (reasoning.REASONING_PARSERS), which applies grammars after the thinking; None: a reply is
         # all content.
         self.reasoning_parser = async_llm.info.reasoning_parser
-        self.runner = async_llm.info.runner  # "pooling": an embedding model (/v1/embeddings), else "generate"
+        self.runner = async_llm.info.runner  # "pooling": an embedding model or a classifier, else "generate"
+        self.pooling_task = async_llm.info.pooling_task  # "embed" (/v1/embeddings) or "classify" (/classify)
+        self.labels = async_llm.info.labels  # a classifier's class names
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.content_format = content_format
