@@ -1,6 +1,8 @@
 """Embeddings on the CUDA core against HF transformers (random bf16 weights, GPU): the final norm's output read from
-the core's hidden and residual rows after prefill chunks, pooled LAST, MEAN and CLS."""
+the core's hidden and residual rows after prefill chunks, pooled LAST, MEAN and CLS; and a classifier's logits and
+probabilities against transformers' own classifier."""
 import gc
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +58,58 @@ def test_embed_on_cuda_matches_transformers(folder, hf_hidden, pooling_type):
             assert torch.nn.functional.cosine_similarity(repeat.outputs.data, got, dim=0) > 0.9999
         if pooling_type == "LAST":
             assert again[0].num_cached_tokens > 0
+        manager = llm.engine.scheduler.block_manager
+        assert manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def classifier_folder(folder, tmp_path_factory):
+    """The same 2-layer model as a classifier of 4 classes: its body, and a random `score` head (bf16)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("qwen3-classifier")
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], id2label={str(i): f"c{i}" for i in range(4)},
+                  label2id={f"c{i}": i for i in range(4)})
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for file in Path(folder).glob("*.safetensors"):
+        tensors.update({name: t for name, t in load_file(file).items() if not name.startswith("lm_head.")})
+    generator = torch.Generator().manual_seed(11)
+    tensors["score.weight"] = (torch.randn(4, config["hidden_size"], generator=generator) * 0.05).to(torch.bfloat16)
+    save_file(tensors, out / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(folder) / name).exists():
+            shutil.copy(Path(folder) / name, out / name)
+    return str(out)
+
+
+def test_classify_on_cuda_matches_transformers(classifier_folder):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(classifier_folder, dtype=torch.bfloat16).cuda().eval()
+    with torch.no_grad():
+        reference = [model(torch.tensor([p], device="cuda")).logits[0].float().cpu() for p in PROMPTS + ONE_TOKEN]
+    del model
+    torch.cuda.empty_cache()
+    llm = LLM(classifier_folder, device="cuda", num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256,
+              max_num_seqs=8)
+    try:
+        assert llm.engine.pooler.task == "classify"
+        probs = llm.classify(PROMPTS + ONE_TOKEN, use_tqdm=False)
+        logits = llm.encode(PROMPTS + ONE_TOKEN, PoolingParams(use_activation=False), use_tqdm=False)
+        for expected, prob, logit in zip(reference, probs, logits):
+            # bf16 logits on HF's side, a float32 head over the bf16 hidden state on ours.
+            assert (logit.outputs.data - expected).abs().max() <= 0.05 * expected.abs().max() + 1e-3
+            torch.testing.assert_close(torch.tensor(prob.outputs.probs), expected.softmax(-1), atol=0.02, rtol=0)
+        assert len({tuple(round(p, 3) for p in output.outputs.probs) for output in probs}) > 1
         manager = llm.engine.scheduler.block_manager
         assert manager.num_free_blocks == llm.engine.runner.num_kv_blocks
     finally:
