@@ -12,6 +12,7 @@ SUPPORTED_QUANTIZATION = ("fp8",)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")  # Config.runner's values
+POOLING_TASKS = ("embed", "classify")  # what a pooling model's requests get: an embedding, or class probabilities
 
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).
@@ -68,6 +69,9 @@ class Config:
     # encode(), no generate(); "auto": "pooling" for a base model's folder (architectures Qwen3Model, LlamaModel,
     # ...), else "generate" (LLMEngine.from_config settles it).
     runner: str = "auto"
+    # vLLM's task / convert with runner="pooling": "embed" or "classify", checked against the model folder (a
+    # classifier's is *ForSequenceClassification); None: the folder's.
+    pooling_task: str | None = None
     # vLLM's: overrides of the pooling the model folder gives (pooling.PoolerConfig, or a dict of its fields).
     pooler_config: object | None = None
 
@@ -126,6 +130,9 @@ class Config:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} is not one nanograph has; use 'generate' (text), 'pooling' "
                              f"(embeddings) or 'auto'")
+        if self.pooling_task is not None and (self.pooling_task not in POOLING_TASKS or self.runner == "generate"):
+            raise ValueError(f"pooling_task={self.pooling_task!r}: a pooling model ({self.runner=}) takes "
+                             f"{' or '.join(map(repr, POOLING_TASKS))}, or None (the model folder's)")
         if self.pooler_config is not None:
             if self.runner == "generate":
                 raise ValueError("pooler_config is for a pooling model: pass runner='pooling' with it, or leave it "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
 
-from .config import Config
+from .config import POOLING_TASKS, Config
 
 ANY = None  # an argument accepted at any value: nothing in nanograph depends on it
 
@@ -82,13 +82,13 @@ def engine_config(model: str | None, **kwargs) -> Config:
         if arg.field is not None and value is not None:
             config_kwargs[arg.field] = value
     task, convert = kwargs.get("task"), kwargs.get("convert")
-    pooling = {"embed", "classify"}
-    if task in pooling or convert in pooling:
-        name = "task" if task in pooling else "convert"
+    if task in POOLING_TASKS or convert in POOLING_TASKS:
+        name = "task" if task in POOLING_TASKS else "convert"
         if config_kwargs.setdefault("runner", "pooling") not in ("auto", "pooling"):
             raise ValueError(f"{name}={kwargs[name]!r} makes a pooling model, which runner="
                              f"{config_kwargs['runner']!r} contradicts; pass runner='pooling' or leave it out")
         config_kwargs["runner"] = "pooling"
+        config_kwargs["pooling_task"] = kwargs[name]
     elif task == "generate" and config_kwargs.get("runner") == "pooling":
         raise ValueError("task='generate' contradicts runner='pooling'; pass one of them")
     return Config(model=model, **config_kwargs)

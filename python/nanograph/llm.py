@@ -9,7 +9,7 @@ import numpy as np
 
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
-from .engine.intake import Prompt
+from .engine.intake import Prompt, truncation_length
 from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
 from .engine_args import engine_config
 from .inputs import TokensPrompt
@@ -17,7 +17,7 @@ from .outputs import CompletionDelta, RequestOutput
 from .pooling import (POOLING_TASKS, TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                       PoolingRequestOutput, ScoringRequestOutput, classifier_scores, cosine_scores, pair_token_ids,
                       score_pairs)
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams, check_truncate_prompt_tokens
 
 
 class LLM:
@@ -156,14 +156,14 @@ class LLM:
         pooler = self.engine.pooler
         if pooler is None:
             raise ValueError("embed(), classify(), encode() and score() need a pooling model: build the LLM with "
-                             "runner='pooling' (vLLM's task='embed' is taken too); this one generates text")
+                             "runner='pooling' (vLLM's task='embed' is taken too), or from a sequence classifier's "
+                             "folder (architectures *ForSequenceClassification); this one generates text")
         if pooling_task not in (None, *POOLING_TASKS):
             raise ValueError(f"pooling_task={pooling_task!r} is not one nanograph has; pass "
                              f"{' or '.join(map(repr, POOLING_TASKS))}, or None")
         if pooling_task not in (None, pooler.task):
-            method = "classify" if pooler.task == "classify" else "embed"
             raise ValueError(f"pooling_task={pooling_task!r}: this model is {TASK_NOUNS[pooler.task]}, which "
-                             f"nanograph runs for {pooler.task!r} only; call {method}() (or use "
+                             f"nanograph runs for {pooler.task!r} only; call {pooler.task}() (or use "
                              f"{TASK_NOUNS[pooling_task]}'s folder)")
         prompts, params = _requests(prompts, PoolingParams() if pooling_params is None else pooling_params,
                                     PoolingParams)
@@ -178,7 +178,8 @@ class LLM:
         """vLLM's score(), pairing one first text with each second one, or as many with as many in order. On an
         embedding model: the cosine similarity of each pair's embeddings (outputs.score in [-1, 1]). On a
         cross-encoder (a classifier of one label): its probability for the pair's texts read together, the
-        tokenizer's encoding of the pair (outputs.score in [0, 1])."""
+        tokenizer's encoding of the pair (outputs.score in [0, 1] with a sigmoid); truncate_prompt_tokens then
+        bounds each pair's tokens, the tokenizer cutting the longer text first."""
         firsts, seconds = _prompt_list(data_1), _prompt_list(data_2)
         pairs = score_pairs(firsts, seconds)  # the sides pair up, before anything runs
         pooler = self.engine.pooler
@@ -186,10 +187,16 @@ class LLM:
             if pooler.num_labels != 1:
                 raise ValueError(f"score() on a classifier needs a cross-encoder, a classifier of one label; this "
                                  f"one has {pooler.num_labels} ({', '.join(pooler.labels)}): use classify()")
-            prompts = [TokensPrompt(prompt_token_ids=pair_token_ids(self.tokenizer, *pair)) for pair in pairs]
-            return classifier_scores(self.encode(prompts, pooling_params,
-                                                 truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                                                 lora_request=lora_request, tokenization_kwargs=tokenization_kwargs))
+            params = pooling_params or PoolingParams()
+            k = params.truncate_prompt_tokens if truncate_prompt_tokens is None else truncate_prompt_tokens
+            if k is not None:
+                check_truncate_prompt_tokens(k)
+                k = truncation_length(k, self.engine.config.max_model_len)
+            prompts = [TokensPrompt(prompt_token_ids=pair_token_ids(self.tokenizer, *pair, max_length=k))
+                       for pair in pairs]
+            return classifier_scores(self.encode(prompts, replace(params, truncate_prompt_tokens=None),
+                                                 use_tqdm=use_tqdm, lora_request=lora_request,
+                                                 tokenization_kwargs=tokenization_kwargs))
         outputs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return cosine_scores(score_pairs(outputs[:len(firsts)], outputs[len(firsts):]))

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import POOLING_TASKS
 from .hub import sentence_transformers_modules
 from .model_config import CLASSIFIER_SUFFIX
 from .models.weights import load_classifier
 from .sampling_params import check_truncate_prompt_tokens
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-POOLING_TASKS = ("embed", "classify")  # what a pooling model's requests get: an embedding, or class probabilities
 TASK_NOUNS = {"embed": "an embedding model", "classify": "a classifier"}
 # sentence-transformers' Pooling config keys, and the pooling type each selects.
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
@@ -72,23 +72,34 @@ class Pooler:
     task: str = "embed"  # or "classify"
     classifier: torch.Tensor | None = None  # classify: float32 [num_labels, hidden_size], on the runner's device
     labels: tuple[str, ...] = ()  # classify: each class's name (config.json's id2label)
-    activation: str = "softmax"  # classify: "softmax" over the classes, or "sigmoid" of each
+    activation: str = "softmax"  # classify: "softmax" over the classes, "sigmoid" of each, or "identity"
 
     @classmethod
-    def for_model(cls, model_config, given=None, device="cpu") -> Pooler:
+    def for_model(cls, model_config, given=None, device="cpu", task: str | None = None) -> Pooler:
         """model_config: a ModelConfig (its folder and config.json); given: Config.pooler_config; device: where the
-        runner's hidden states are (a classifier's head is put there)."""
+        runner's hidden states are (a classifier's head is put there); task: Config.pooling_task, the folder's
+        (None) or one it must have."""
         override = PoolerConfig.of(given)
         hf = model_config.hf_config
-        if is_classifier(hf):
+        folder_task = "classify" if is_classifier(hf) else "embed"
+        if task not in (None, folder_task):
+            architectures = getattr(hf, "architectures", None)
+            raise ValueError(f"task={task!r} (or convert) asks for {TASK_NOUNS[task]}, and {model_config.path} "
+                             f"holds {TASK_NOUNS[folder_task]} (architectures {architectures}); "
+                             + ("use a sequence classifier's folder (architectures *ForSequenceClassification, "
+                                "with its `score` head): nanograph adds no head to a model" if task == "classify"
+                                else "leave task out and call classify()"))
+        if folder_task == "classify":
+            if override.normalize is not None:
+                raise ValueError("pooler_config.normalize is for embeddings, and this model is a classifier; leave "
+                                 "it out")
             classifier = load_classifier(model_config.path, model_config).to(device)
             num_labels = classifier.shape[0]
             names = getattr(hf, "id2label", None) or {}
             labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
-            multi_label = num_labels == 1 or getattr(hf, "problem_type", None) == "multi_label_classification"
             # transformers' classifiers score the last token (the last that is not padding).
-            return cls(override.pooling_type or "LAST", bool(override.normalize), model_config.hidden_size, (),
-                       "classify", classifier, labels, "sigmoid" if multi_label else "softmax")
+            return cls(override.pooling_type or "LAST", False, model_config.hidden_size, (), "classify",
+                       classifier, labels, _classifier_activation(hf, num_labels))
         pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path),
                                                                  needs_type=override.pooling_type is None)
         pooling_type = override.pooling_type or pooling_type or "LAST"
@@ -136,13 +147,32 @@ class Pooler:
         probabilities (its logits with use_activation=False)."""
         if self.task == "classify":
             logits = pooled @ self.classifier.T
-            if params.use_activation is False:
+            if params.use_activation is False or self.activation == "identity":
                 return logits
             return torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
         if params.dimensions is not None:
             pooled = pooled[:, :params.dimensions]
         normalize = self.normalize if params.normalize is None else params.normalize
         return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def _classifier_activation(hf, num_labels: int) -> str:
+    """What turns a classifier's logits into its output: a cross-encoder's own (sentence-transformers' activation_fn
+    in config.json, Identity or Sigmoid), else by transformers' problem_type: none for a regression, a sigmoid for
+    one label or several independent ones, a softmax over the classes otherwise."""
+    saved = getattr(hf, "sentence_transformers", None)
+    name = (saved.get("activation_fn") if isinstance(saved, dict) else None) or \
+        getattr(hf, "sbert_ce_default_activation_function", None)
+    if name:
+        short = str(name).rsplit(".", 1)[-1]
+        if short in ("Identity", "Sigmoid"):
+            return short.lower()
+        raise ValueError(f"config.json's cross-encoder activation {name!r} is not one nanograph applies; it "
+                         f"applies torch.nn.Identity or torch.nn.Sigmoid")
+    problem_type = getattr(hf, "problem_type", None)
+    if problem_type == "regression":
+        return "identity"
+    return "sigmoid" if num_labels == 1 or problem_type == "multi_label_classification" else "softmax"
 
 
 def is_classifier(hf_config) -> bool:
@@ -347,22 +377,25 @@ def cosine_scores(pairs: list[tuple[PoolingRequestOutput, PoolingRequestOutput]]
                                  a.prompt_token_ids + b.prompt_token_ids) for a, b in pairs]
 
 
-def pair_token_ids(tokenizer, first, second, add_special_tokens: bool = True) -> list[int]:
+def pair_token_ids(tokenizer, first, second, add_special_tokens: bool = True,
+                   max_length: int | None = None) -> list[int]:
     """A cross-encoder's input for a pair: two texts (str, or {"prompt": str}) as the tokenizer encodes a pair of
-    them (its separator, and its special tokens if add_special_tokens), or two token-id prompts one after the
-    other."""
+    them (its separator, and its special tokens if add_special_tokens), or two token-id prompts one after the other
+    as given; at most max_length tokens (the tokenizer cuts the longer text first; joined ids keep their first
+    max_length, the first side's before the second's)."""
     texts = [prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) and
              "prompt_token_ids" not in prompt else None for prompt in (first, second)]
     if None not in texts:
         if tokenizer is None:
-            raise ValueError("score() of texts needs the model folder's tokenizer, and this LLM has none "
-                             "(skip_tokenizer_init=True): pass token-id prompts")
-        return list(tokenizer(texts[0], text_pair=texts[1], add_special_tokens=add_special_tokens)["input_ids"])
+            raise ValueError("scoring texts needs the model folder's tokenizer, and there is none "
+                             "(skip_tokenizer_init=True): give token ids")
+        cut = {"truncation": True, "max_length": max_length} if max_length is not None else {}
+        return list(tokenizer(texts[0], text_pair=texts[1], add_special_tokens=add_special_tokens,
+                              **cut)["input_ids"])
     ids = [prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt for prompt in (first, second)]
     if any(isinstance(one, str) or one is None for one in ids):
-        raise ValueError("score() on a cross-encoder reads each pair together: give both sides as texts, or both "
-                         "as token ids")
-    return [int(token) for token in ids[0]] + [int(token) for token in ids[1]]
+        raise ValueError("a cross-encoder reads each pair together: give both sides as texts, or both as token ids")
+    return ([int(token) for token in ids[0]] + [int(token) for token in ids[1]])[:max_length]
 
 
 def classifier_scores(outputs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:

@@ -87,6 +87,47 @@ def test_cross_encoder_scores_pairs(cross_encoder):
         llm.score(query, [[5, 6]])
 
 
+def test_cross_encoder_truncation_keeps_the_query(cross_encoder):
+    """truncate_prompt_tokens bounds a pair's tokens as the tokenizer truncates a pair (the longer text cut first), so
+    the query stays whole; token-id pairs keep their first tokens."""
+    folder, model = cross_encoder
+    llm = classifier_llm(folder)
+    tokenizer = llm.get_tokenizer()
+    query, document = "capital of France?", "Paris is the capital of France and a large city on the Seine river."
+    full = tokenizer(query, text_pair=document)["input_ids"]
+    cut = tokenizer(query, text_pair=document, truncation=True, max_length=10)["input_ids"]
+    assert len(cut) == 10 < len(full) and cut[:len(tokenizer(query)["input_ids"])] == tokenizer(query)["input_ids"]
+    for score in (llm.score(query, document, truncate_prompt_tokens=10, use_tqdm=False)[0],
+                  llm.score(query, document, pooling_params=PoolingParams(truncate_prompt_tokens=10),
+                            use_tqdm=False)[0]):
+        assert score.prompt_token_ids == cut
+        assert score.outputs.score == pytest.approx(hf_logits(model, cut).sigmoid().item(), abs=TOLERANCE)
+    assert llm.score([1, 2, 3], [4, 5, 6], truncate_prompt_tokens=4, use_tqdm=False)[0].prompt_token_ids == \
+        [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=9000 is more than max_model_len=8192"):
+        llm.score(query, document, truncate_prompt_tokens=9000)
+
+
+@pytest.mark.parametrize("overrides, activation", [
+    ({"problem_type": "regression"}, lambda logits: logits),
+    ({"problem_type": "multi_label_classification"}, torch.sigmoid),
+])
+def test_activation_follows_the_problem_type(tmp_path, overrides, activation):
+    model = make_tiny_classifier(tmp_path, "qwen3-tied", num_labels=3, seed=8, config_overrides=overrides)
+    probs = classifier_llm(tmp_path).classify(PROMPTS[:2], use_tqdm=False)
+    for prompt, output in zip(PROMPTS, probs):
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), activation(hf_logits(model, prompt)),
+                                   atol=TOLERANCE, rtol=0)
+
+
+def test_cross_encoder_activation_from_sentence_transformers(tmp_path):
+    """A cross-encoder saved by sentence-transformers with an Identity activation scores with its logit."""
+    model = make_tiny_classifier(tmp_path, "qwen3-tied", num_labels=1, seed=9, config_overrides={
+        "sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}})
+    score = classifier_llm(tmp_path).score([5, 6], [7, 8], use_tqdm=False)[0].outputs.score
+    assert score == pytest.approx(hf_logits(model, [5, 6, 7, 8]).item(), abs=TOLERANCE)
+
+
 def test_errors(qwen3_classifier, cross_encoder):
     folder, _ = qwen3_classifier
     llm = classifier_llm(folder)
@@ -103,9 +144,14 @@ def test_errors(qwen3_classifier, cross_encoder):
         PoolingParams(use_activation=1)
     assert not llm.engine.has_unfinished()
     assert len(llm.classify(PROMPTS[:1], use_tqdm=False)[0].outputs.probs) == 3  # it still serves
-    # A classifier's folder holds no lm_head: generating from it is refused, naming the fix.
-    with pytest.raises(ValueError, match="without an lm_head .* run it with runner='pooling'"):
-        LLM(str(cross_encoder[0]), device="cpu", runner="generate")
+    # A classifier's folder holds no lm_head (tied embeddings or not): generating from it is refused, naming the fix.
+    for classifier_folder in (folder, cross_encoder[0]):
+        with pytest.raises(ValueError, match="without an lm_head .* run it with runner='pooling'"):
+            LLM(str(classifier_folder), device="cpu", runner="generate")
+    with pytest.raises(ValueError, match="task='embed' .* asks for an embedding model, .* holds a classifier"):
+        classifier_llm(folder, task="embed")
+    with pytest.raises(ValueError, match="pooler_config.normalize is for embeddings"):
+        classifier_llm(folder, pooler_config={"normalize": True})
 
 
 def test_embedding_model_refuses_classification(tmp_path):
@@ -116,6 +162,9 @@ def test_embedding_model_refuses_classification(tmp_path):
         llm.classify(PROMPTS[:1])
     with pytest.raises(ValueError, match="request 0: use_activation is for a classifier"):
         llm.embed(PROMPTS[:1], pooling_params=PoolingParams(use_activation=False))
+    with pytest.raises(ValueError, match="task='classify' .* asks for a classifier, .* holds an embedding model .*"
+                                         "use a sequence classifier's folder"):
+        classifier_llm(tmp_path, task="classify")
 
 
 def test_vllm_spellings():

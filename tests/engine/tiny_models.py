@@ -54,7 +54,8 @@ def make_tiny_model(folder, name: str, seed: int = 0, config_overrides: dict | N
                               **save_kwargs)
 
 
-def make_tiny_classifier(folder, name: str, num_labels: int, seed: int = 0, with_tokenizer: bool = False):
+def make_tiny_classifier(folder, name: str, num_labels: int, seed: int = 0, with_tokenizer: bool = False,
+                         config_overrides: dict | None = None):
     """make_tiny_model's model of TINY_CONFIGS[name] (or SmolLM2's shape with its tokenizer, with_tokenizer) as a
     sequence classifier (transformers' XForSequenceClassification: a `score` head of num_labels rows, no lm_head).
     Returns the HF model."""
@@ -63,7 +64,7 @@ def make_tiny_classifier(folder, name: str, num_labels: int, seed: int = 0, with
     base = SMOLLM2_SHAPED if with_tokenizer else TINY_CONFIGS[name]
     architecture = base["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
     spec = {**_COMMON, **base, "architectures": [architecture], "num_labels": num_labels,
-            "id2label": {i: f"class_{i}" for i in range(num_labels)}}
+            "id2label": {i: f"class_{i}" for i in range(num_labels)}, **(config_overrides or {})}
     model = _save_random_model(folder, spec, seed, auto_class=AutoModelForSequenceClassification)
     if with_tokenizer:
         for file in TOKENIZER_FILES:

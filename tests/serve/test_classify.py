@@ -111,7 +111,17 @@ def test_cross_encoder_score_and_rerank(cross_encoder, cross_encoder_folder):
         assert ranked["results"][0]["document"]["text"] == documents[order[0]]
         assert ranked["usage"]["total_tokens"] == sum(pair_tokens)
     mixed = post(cross_encoder, "/score", {"text_1": query, "text_2": [[5, 6]]})
-    assert mixed.status_code == 400 and "both sides as texts" in mixed.json()["error"]["message"]
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "text_2"
+    assert mixed.json()["error"]["message"].startswith("/score: a cross-encoder reads each pair together")
+    # truncate_prompt_tokens bounds each pair as the tokenizer truncates one: the query stays whole.
+    cut = post(cross_encoder, "/rerank", {"query": query, "documents": documents[1:2],
+                                          "truncate_prompt_tokens": 9}).json()
+    local_cut = llm.score(query, documents[1], truncate_prompt_tokens=9, use_tqdm=False)[0]
+    assert cut["usage"]["total_tokens"] == len(local_cut.prompt_token_ids) == 9
+    assert cut["results"][0]["relevance_score"] == pytest.approx(local_cut.outputs.score, abs=TOLERANCE)
+    assert local_cut.outputs.score != pytest.approx(expected[1], abs=1e-4)
+    too_long = post(cross_encoder, "/score", {"text_1": query, "text_2": documents, "truncate_prompt_tokens": 9000})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "truncate_prompt_tokens"
     # A one-label classifier classifies too.
     single = post(cross_encoder, "/classify", {"input": "Paris"}).json()["data"][0]
     assert single["num_classes"] == 1 and single["label"] == "class_0"

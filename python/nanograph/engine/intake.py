@@ -74,13 +74,17 @@ def prompt_too_long(prompt_tokens: int, max_model_len: int, max_context: int) ->
     return PromptTooLongError(f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}: {fix}")
 
 
-def truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
-    """The last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
+def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """The tokens truncate_prompt_tokens keeps (-1: max_model_len)."""
     if truncate_prompt_tokens > max_model_len:
         raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={max_model_len}; "
                          f"keep at most {max_model_len} tokens (-1: max_model_len)")
-    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-    return token_ids[-keep:]
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+def truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:
+    """The last truncate_prompt_tokens tokens (-1: max_model_len), as vLLM keeps them."""
+    return token_ids[-truncation_length(truncate_prompt_tokens, max_model_len):]
 
 
 def token_id_list(token_ids) -> list[int]:

@@ -73,7 +73,7 @@ class LLMEngine:
         # and override_generation_config's over them.
         self.sampling_defaults = sampling_defaults(_generation_config_folder(config), config.override_generation_config)
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
-        self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device) \
+        self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device, config.pooling_task) \
             if config.runner == "pooling" else None
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids, self.pooler)

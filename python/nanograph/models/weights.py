@@ -206,9 +206,9 @@ def load_classifier(path: str | Path, model_config: ModelConfig) -> torch.Tensor
                 head = handle.get_tensor(CLASSIFIER_WEIGHT)
                 break
     else:
-        raise ValueError(f"the checkpoint in {str(path)!r} has no {CLASSIFIER_WEIGHT}, the classification head of a "
-                         f"sequence classifier (architectures *ForSequenceClassification); use such a checkpoint, or "
-                         f"run this model with embed()")
+        raise ValueError(f"the checkpoint in {str(path)!r} has no {CLASSIFIER_WEIGHT}, the classification head that "
+                         f"its config.json's architectures (*ForSequenceClassification) promise; use the checkpoint "
+                         f"saved with its head (transformers' save_pretrained of the classifier)")
     labels = getattr(model_config.hf_config, "num_labels", None)
     if head.dim() != 2 or head.shape[1] != model_config.hidden_size or labels not in (None, head.shape[0]):
         raise ValueError(f"{CLASSIFIER_WEIGHT} in {str(path)!r} has shape {list(head.shape)}, but config.json gives "
@@ -216,7 +216,8 @@ def load_classifier(path: str | Path, model_config: ModelConfig) -> torch.Tensor
                          f"disagree")
     if head.dtype == FP8_DTYPE:
         raise ValueError(f"{CLASSIFIER_WEIGHT} in {str(path)!r} is FP8; nanograph reads a classification head in 16 "
-                         f"or 32 bits")
+                         f"or 32 bits: quantize the checkpoint with `score` among the modules left unquantized "
+                         f"(modules_to_not_convert), or load the 16-bit one with quantization='fp8'")
     return head.float()
 
 

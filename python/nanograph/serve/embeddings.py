@@ -11,8 +11,9 @@ import base64
 import numpy as np
 from fastapi import Request
 
-from ..engine.intake import check_prompt_token_ids
+from ..engine.intake import check_prompt_token_ids, truncation_length
 from ..pooling import TASK_NOUNS, PoolingParams, cosine, pair_token_ids, score_pairs
+from ..sampling_params import check_truncate_prompt_tokens
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts, prompt_list
 from .errors import APIError, invalid_value, parse_body
@@ -25,11 +26,8 @@ from .serving import ServedModel, engine_failure, make_response_id, unavailable,
 async def create_embedding(served: ServedModel, raw_request: Request) -> EmbeddingResponse:
     request = await parse_body(raw_request, EmbeddingRequest)
     _check_pooling(served, request, "/v1/embeddings", "embed")
-    params = _pooling_params(request, request.dimensions, request.normalize)
-    prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
-    prompts = served.truncate(prompts, request)
-    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
-    vectors = await _vectors(served, request, prompts, names, params)
+    prompts, vectors = await _input_vectors(served, request, _pooling_params(request, request.dimensions,
+                                                                             request.normalize))
     data = [EmbeddingData(index=i, embedding=_encoded(vector, request.encoding_format))
             for i, vector in enumerate(vectors)]
     return EmbeddingResponse(id=make_response_id("embd", raw_request, request), model=served.name, data=data,
@@ -40,11 +38,8 @@ async def create_classification(served: ServedModel, raw_request: Request) -> Cl
     """vLLM's /classify on a classifier: each input's class probabilities, and its most likely class's name."""
     request = await parse_body(raw_request, ClassificationRequest)
     _check_pooling(served, request, "/classify", "classify")
-    params = _pooling_params(request, use_activation=request.use_activation)
-    prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
-    prompts = served.truncate(prompts, request)
-    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
-    vectors = await _vectors(served, request, prompts, names, params)
+    prompts, vectors = await _input_vectors(served, request,
+                                            _pooling_params(request, use_activation=request.use_activation))
     data = [ClassificationData(index=i, label=served.labels[int(np.argmax(vector))], probs=vector.tolist(),
                                num_classes=len(vector)) for i, vector in enumerate(vectors)]
     return ClassificationResponse(id=make_response_id("classify", raw_request, request), model=served.name,
@@ -56,7 +51,6 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
     the cosine similarity of their embeddings; on a cross-encoder, its probability for the pair read together."""
     request = await parse_body(raw_request, ScoreRequest)
     cross_encoder = _check_scoring(served, request, "/score")
-    params = _pooling_params(request)
     firsts, seconds = prompt_list(request.text_1, "text_1"), prompt_list(request.text_2, "text_2")
     try:
         pairs = score_pairs(range(len(firsts)), range(len(firsts), len(firsts) + len(seconds)))
@@ -65,9 +59,9 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
                        "invalid_value") from None
     if cross_encoder:
         texts = firsts + seconds
-        prompts = await _pair_prompts(served, request, [(texts[a], texts[b]) for a, b in pairs])
         names = [f"text_2 {b - len(firsts)} (with text_1 {a})" for a, b in pairs]
-        scores = [float(vector[0]) for vector in await _vectors(served, request, prompts, names, params)]
+        scores, prompts = await _cross_encoder_scores(served, request, [(texts[a], texts[b]) for a, b in pairs],
+                                                      names, "/score")
         return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name,
                              data=[ScoreData(index=i, score=score) for i, score in enumerate(scores)],
                              usage=usage(prompts, 0))
@@ -75,7 +69,7 @@ async def create_score(served: ServedModel, raw_request: Request) -> ScoreRespon
     seconds, _ = await encode_prompts(served, seconds, request.add_special_tokens, "text_2")
     prompts = served.truncate(firsts + seconds, request)
     names = [f"text_1 {i}" for i in range(len(firsts))] + [f"text_2 {i}" for i in range(len(seconds))]
-    vectors = await _vectors(served, request, prompts, names, params)
+    vectors = await _vectors(served, request, prompts, names, _pooling_params(request))
     data = [ScoreData(index=i, score=cosine(vectors[a], vectors[b])) for i, (a, b) in enumerate(pairs)]
     return ScoreResponse(id=make_response_id("score", raw_request, request), model=served.name, data=data,
                          usage=usage([prompts[a] + prompts[b] for a, b in pairs], 0))
@@ -89,17 +83,16 @@ async def create_rerank(served: ServedModel, raw_request: Request) -> RerankResp
     cross_encoder = _check_scoring(served, request, "/rerank")
     if not request.documents:
         raise APIError(400, "documents is empty; give at least one document to rank", "documents", "invalid_value")
-    params = _pooling_params(request)
     names = [f"documents {i}" for i in range(len(request.documents))]
     if cross_encoder:
-        prompts = await _pair_prompts(served, request, [(request.query, document) for document in request.documents])
-        scores = [float(vector[0]) for vector in await _vectors(served, request, prompts, names, params)]
+        scores, prompts = await _cross_encoder_scores(
+            served, request, [(request.query, document) for document in request.documents], names, "/rerank")
         num_tokens = sum(map(len, prompts))
     else:
         texts = [request.query, *request.documents]
         prompts = served.truncate((await encode_prompts(served, texts, request.add_special_tokens, "documents"))[0],
                                   request)
-        query, *documents = await _vectors(served, request, prompts, ["query", *names], params)
+        query, *documents = await _vectors(served, request, prompts, ["query", *names], _pooling_params(request))
         scores = [cosine(query, vector) for vector in documents]
         num_tokens = sum(len(prompts[0]) + len(prompt) for prompt in prompts[1:])  # each pair's, as /score counts
     ranked = sorted(((score, i) for i, score in enumerate(scores)), key=lambda item: -item[0])
@@ -139,22 +132,41 @@ def _check_scoring(served: ServedModel, request: PoolingRequest, route: str) -> 
     return True
 
 
-async def _pair_prompts(served: ServedModel, request: PoolingRequest, pairs: list[tuple]) -> list[list[int]]:
-    """A cross-encoder's inputs: each pair of texts as the tokenizer encodes a pair, or two token-id lists joined."""
+async def _cross_encoder_scores(served: ServedModel, request: PoolingRequest, pairs: list[tuple], names: list[str],
+                                route: str) -> tuple[list[float], list[list[int]]]:
+    """A cross-encoder's score of each pair, read together (two texts as the tokenizer encodes a pair, cut to
+    truncate_prompt_tokens; two token-id lists joined), and the pairs' tokens."""
+    k = request.truncate_prompt_tokens
     try:
-        prompts = await served.tokenized(lambda: [pair_token_ids(served.tokenizer, a, b, request.add_special_tokens)
-                                                  for a, b in pairs])
+        if k is not None:
+            check_truncate_prompt_tokens(k)
+            k = truncation_length(k, served.max_model_len)
+        prompts = await served.tokenized(lambda: [pair_token_ids(served.tokenizer, a, b, request.add_special_tokens,
+                                                                 k) for a, b in pairs])
     except ValueError as exc:
-        raise invalid_value(exc, request) from None
-    return served.truncate(prompts, request)
+        field = "truncate_prompt_tokens" if "truncate_prompt_tokens" in str(exc) else names[0].split()[0]
+        raise APIError(400, f"{route}: {exc}", field, "invalid_value") from None
+    vectors = await _vectors(served, request, prompts, names, _pooling_params(request, truncate=False))
+    return [float(vector[0]) for vector in vectors], prompts
 
 
 def _pooling_params(request: PoolingRequest, dimensions: int | None = None, normalize: bool | None = None,
-                    use_activation: bool | None = None) -> PoolingParams:
+                    use_activation: bool | None = None, truncate: bool = True) -> PoolingParams:
+    """The request's PoolingParams (truncate: with its truncate_prompt_tokens)."""
     try:
-        return PoolingParams(request.truncate_prompt_tokens, dimensions, normalize, use_activation)
+        return PoolingParams(request.truncate_prompt_tokens if truncate else None, dimensions, normalize,
+                             use_activation)
     except ValueError as exc:
         raise invalid_value(exc, request) from None
+
+
+async def _input_vectors(served: ServedModel, request: EmbeddingRequest | ClassificationRequest,
+                         params: PoolingParams) -> tuple[list[list[int]], list[np.ndarray]]:
+    """The request's inputs as token ids (truncated as it asks), and each one's vector from the engine."""
+    prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
+    prompts = served.truncate(prompts, request)
+    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
+    return prompts, await _vectors(served, request, prompts, names, params)
 
 
 async def _vectors(served: ServedModel, request: PoolingRequest, prompts: list[list[int]], names: list[str],
