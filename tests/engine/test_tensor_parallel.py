@@ -1,6 +1,7 @@
 """Tensor parallelism on the torch backend (CPU, gloo, 2 processes): the shards load_weights reads, the engine's
 outputs against tensor_parallel_size=1 (greedy, seeded, chunked prefill with prefix caching and preemption, KV
-heads replicated, an FP8 KV cache, the real SmolLM2), bad sizes, and a worker that dies or hangs."""
+heads replicated, an FP8 KV cache, the real SmolLM2, embeddings and a classifier), bad sizes, and a worker that dies or
+hangs."""
 import os
 import signal
 import sys
@@ -349,3 +350,28 @@ def test_bench_sweep_refuses_tensor_parallelism(tiny_folder):
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported there: leave it at 1"):
         sweep(str(tiny_folder), [1], [16], tensor_parallel_size=2, device="cpu")
+
+
+def test_pooling_equals_one_rank(tiny_folder, tmp_path):
+    """Embeddings (mean pooling over chunked prompts) and a classifier's probabilities on two ranks: rank 0's final
+    hidden states give the vectors one rank gives."""
+    from nanograph import PoolingParams
+
+    from .tiny_models import make_tiny_classifier
+
+    prompts = [PREFIX + [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 8]]
+    for folder, method, kwargs in ((tiny_folder, "encode", {"runner": "pooling",
+                                                            "pooler_config": {"pooling_type": "MEAN"}}),
+                                   (tmp_path, "classify", {})):
+        if method == "classify":
+            make_tiny_classifier(tmp_path, "qwen3-tied", num_labels=3, seed=4)
+        params = {"pooling_params": PoolingParams(normalize=False)} if method == "encode" else {}
+        expected = getattr(LLM(str(folder), **SMALL, **kwargs), method)(prompts, use_tqdm=False, **params)
+        llm = LLM(str(folder), **SMALL, **kwargs, tensor_parallel_size=2)
+        outputs = getattr(llm, method)(prompts, use_tqdm=False, **params)
+        shutdown_leaves_no_worker(llm)
+        for ours, theirs in zip(outputs, expected, strict=True):
+            got, want = (torch.tensor(o.outputs.probs) if method == "classify" else o.outputs.data
+                         for o in (ours, theirs))
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            assert want.abs().max() > 0.01
