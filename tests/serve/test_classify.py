@@ -122,8 +122,14 @@ def test_cross_encoder_score_and_rerank(cross_encoder, cross_encoder_folder):
     assert local_cut.outputs.score != pytest.approx(expected[1], abs=1e-4)
     too_long = post(cross_encoder, "/score", {"text_1": query, "text_2": documents, "truncate_prompt_tokens": 9000})
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "truncate_prompt_tokens"
-    # A one-label classifier classifies too.
+    # A one-label classifier classifies too, a chat among its inputs (vLLM's messages, rendered by the template).
     single = post(cross_encoder, "/classify", {"input": "Paris"}).json()["data"][0]
     assert single["num_classes"] == 1 and single["label"] == "class_0"
+    messages = [{"role": "user", "content": "Is Paris in France?"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    chat = post(cross_encoder, "/classify", {"messages": messages}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["data"][0]["probs"] == pytest.approx(llm.classify([ids], use_tqdm=False)[0].outputs.probs,
+                                                     abs=TOLERANCE)
     assert post(cross_encoder, "/score", {"text_1": query, "text_2": documents[1]}).json()["data"][0]["score"] == \
         pytest.approx(expected[1], abs=TOLERANCE)

@@ -79,6 +79,29 @@ def test_token_ids_and_vllm_fields(server, client, reference):
                                                                                         add_special_tokens=False))
 
 
+def test_a_chat_is_rendered_and_embedded(server, reference):
+    """vLLM's chat form: messages in place of input, rendered by the model's chat template (no generation prompt
+    unless asked) into the one prompt embedded; also through /invocations."""
+    messages = [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": "In France."}]
+    tokenizer = reference.get_tokenizer()
+    for generation_prompt in (False, True):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        body = post(server, {"messages": messages, "add_generation_prompt": generation_prompt,
+                             "encoding_format": "float"}).json()
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(body["data"][0]["embedding"], reference.embed([ids], use_tqdm=False)[0].outputs
+                                   .embedding, atol=TOLERANCE, rtol=0)
+    invoked = httpx.post(server.base_url + "/invocations", json={"messages": messages, "encoding_format": "float"},
+                         timeout=60).json()
+    np.testing.assert_allclose(invoked["data"][0]["embedding"], post(server, {"messages": messages, "encoding_format":
+                               "float"}).json()["data"][0]["embedding"], atol=TOLERANCE, rtol=0)
+    for fields in ({"messages": messages, "input": "Paris"}, {}):
+        error = post(server, fields)
+        assert error.status_code == 400 and error.json()["error"]["param"] == "input", fields
+        assert "exactly one of input" in error.json()["error"]["message"]
+
+
 def test_errors_and_the_server_goes_on(server, client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.embeddings.create(model="smol-embed", input=TEXTS[0], dimensions=64)

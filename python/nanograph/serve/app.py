@@ -144,14 +144,17 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
 
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
     async def invocations(request: Request):
-        """SageMaker's one route, as vLLM's: a body with messages is a chat completion, one with a prompt a
-        completion, one with an input an embedding (a classification on a classifier), one with text_1 a score,
-        one with a query and documents a rerank."""
+        """SageMaker's one route, as vLLM's: a body with messages is a chat completion (a chat to pool on a pooling
+        model), one with a prompt a completion, one with an input an embedding (a classification on a classifier),
+        one with text_1 a score, one with a query and documents a rerank."""
         try:
             body = json.loads(await request.body())
         except ValueError:  # not JSON: the chat route's parse says so, as for any route
             return await create_chat_completion(served, request)
         if isinstance(body, dict) and "messages" in body:
+            if served.runner == "pooling":  # a chat to pool
+                return await (create_classification if served.pooling_task == "classify" else create_embedding)(
+                    served, request)
             return await create_chat_completion(served, request)
         if isinstance(body, dict) and "prompt" in body:
             return await create_completion(served, request)

@@ -18,7 +18,7 @@ from .async_llm import EngineUnavailable
 from .completions import encode_prompts, prompt_list
 from .errors import APIError, invalid_value, parse_body
 from .protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
-                       EmbeddingRequest, EmbeddingResponse, PoolingRequest, RerankDocument, RerankRequest,
+                       EmbeddingRequest, EmbeddingResponse, PoolingChatRequest, PoolingRequest, RerankDocument, RerankRequest,
                        RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
 
@@ -160,12 +160,19 @@ def _pooling_params(request: PoolingRequest, dimensions: int | None = None, norm
         raise invalid_value(exc, request) from None
 
 
-async def _input_vectors(served: ServedModel, request: EmbeddingRequest | ClassificationRequest,
+async def _input_vectors(served: ServedModel, request: PoolingChatRequest,
                          params: PoolingParams) -> tuple[list[list[int]], list[np.ndarray]]:
-    """The request's inputs as token ids (truncated as it asks), and each one's vector from the engine."""
-    prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
+    """The request's inputs as token ids (its messages rendered by the chat template into one), truncated as it asks,
+    and each one's vector from the engine."""
+    if (request.input is None) == (request.messages is None):
+        raise APIError(400, "give exactly one of input (texts or token ids) or messages (a chat)", "input",
+                       "invalid_value")
+    if request.messages is not None:
+        prompts, names = [await served.render_chat(request.messages, request)], ["messages"]
+    else:
+        prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")
+        names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
     prompts = served.truncate(prompts, request)
-    names = ["input" if len(prompts) == 1 else f"input {i}" for i in range(len(prompts))]
     return prompts, await _vectors(served, request, prompts, names, params)
 
 

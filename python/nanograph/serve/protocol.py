@@ -283,18 +283,28 @@ class PoolingRequest(Request):
         return {}  # no grammar
 
 
-class EmbeddingRequest(PoolingRequest):
+class PoolingChatRequest(PoolingRequest):
+    """What /v1/embeddings and /classify take besides input: vLLM's chat form, a conversation that the chat template
+    renders into the one prompt to pool."""
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None  # in place of input
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = False  # vLLM's default here: the conversation as it is
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    tools: list[dict] | None = None
+
+
+class EmbeddingRequest(PoolingChatRequest):
     """OpenAI's embeddings request, with vLLM's extra fields."""
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"  # base64: each vector's float32 bytes, little-endian
     dimensions: int | None = None  # a Matryoshka model's leading dimensions
     user: str | None = None  # OpenAI's; not used
     normalize: bool | None = None  # vLLM's: None as the model's pooler does
 
 
-class ClassificationRequest(PoolingRequest):
+class ClassificationRequest(PoolingChatRequest):
     """vLLM's /classify request on a classifier."""
-    input: str | list[str] | list[int] | list[list[int]]
     use_activation: bool | None = None  # False: each class's logit, not its probability
     user: str | None = None  # not used
 
