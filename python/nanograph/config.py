@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from os import PathLike
 
 from .reasoning import REASONING_PARSERS
@@ -13,6 +13,7 @@ SUPPORTED_QUANTIZATION = ("fp8",)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")  # Config.runner's values
 POOLING_TASKS = ("embed", "classify")  # what a pooling model's requests get: an embedding, or class probabilities
+POOLING_TYPES = ("LAST", "MEAN", "CLS")  # PoolerConfig.pooling_type's values
 
 # vLLM's kv_cache_dtype values that nanograph runs: "auto", the model's dtype; "fp8" and "fp8_e4m3", both e4m3 with a
 # K and a V scale per layer (models/kv_cache.py).
@@ -72,7 +73,7 @@ class Config:
     # vLLM's task / convert with runner="pooling": "embed" or "classify", checked against the model folder (a
     # classifier's is *ForSequenceClassification); None: the folder's.
     pooling_task: str | None = None
-    # vLLM's: overrides of the pooling the model folder gives (pooling.PoolerConfig, or a dict of its fields).
+    # vLLM's: overrides of the pooling the model folder gives (PoolerConfig below, or a dict of its fields).
     pooler_config: object | None = None
 
     def __post_init__(self):
@@ -137,7 +138,6 @@ class Config:
             if self.runner == "generate":
                 raise ValueError("pooler_config is for a pooling model: pass runner='pooling' with it, or leave it "
                                  "out")
-            from .pooling import PoolerConfig
             self.pooler_config = PoolerConfig.of(self.pooler_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanograph's KV cache "
@@ -163,3 +163,35 @@ class Config:
             raise ValueError(f"tensor_parallel_step_timeout must be a number of seconds above 0, got {timeout!r}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+
+@dataclass
+class PoolerConfig:
+    """vLLM's pooler_config: what overrides the model folder's pooling (None: the folder's, else the default)."""
+    pooling_type: str | None = None  # "LAST" (the prompt's last token), "MEAN" (over its tokens) or "CLS" (its first)
+    normalize: bool | None = None  # divide by the L2 norm (a request's PoolingParams.normalize overrides it)
+
+    def __post_init__(self):
+        if self.pooling_type is not None:
+            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not one nanograph has; use "
+                                 f"{', '.join(map(repr, POOLING_TYPES))}")
+            self.pooling_type = self.pooling_type.upper()
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config.normalize must be a bool, got {self.normalize!r}")
+
+    @classmethod
+    def of(cls, given) -> PoolerConfig:
+        """A PoolerConfig, a dict of its fields (as --pooler-config's JSON gives them), or None (no override)."""
+        if given is None:
+            return cls()
+        if isinstance(given, cls):
+            return cls(given.pooling_type, given.normalize)
+        if not isinstance(given, dict):
+            raise ValueError(f"pooler_config must be a PoolerConfig or a dict such as {{\"pooling_type\": \"MEAN\"}}, "
+                             f"got {given!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"pooler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
+        return cls(**given)

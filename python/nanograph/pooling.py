@@ -8,55 +8,22 @@ dimensions (a Matryoshka model's leading ones) and whether to normalize."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import POOLING_TASKS
+from .config import POOLING_TASKS, POOLING_TYPES, PoolerConfig
 from .hub import sentence_transformers_modules
 from .model_config import CLASSIFIER_SUFFIX
 from .models.weights import load_classifier
 from .sampling_params import check_truncate_prompt_tokens
 
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
 TASK_NOUNS = {"embed": "an embedding model", "classify": "a classifier"}
 # sentence-transformers' Pooling config keys, and the pooling type each selects.
 _SENTENCE_TRANSFORMERS_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                                 "pooling_mode_cls_token": "CLS"}
-
-
-@dataclass
-class PoolerConfig:
-    """vLLM's pooler_config: what overrides the model folder's pooling (None: the folder's, else the default)."""
-    pooling_type: str | None = None  # "LAST" (the prompt's last token), "MEAN" (over its tokens) or "CLS" (its first)
-    normalize: bool | None = None  # divide by the L2 norm (a request's PoolingParams.normalize overrides it)
-
-    def __post_init__(self):
-        if self.pooling_type is not None:
-            if not isinstance(self.pooling_type, str) or self.pooling_type.upper() not in POOLING_TYPES:
-                raise ValueError(f"pooler_config.pooling_type={self.pooling_type!r} is not one nanograph has; use "
-                                 f"{', '.join(map(repr, POOLING_TYPES))}")
-            self.pooling_type = self.pooling_type.upper()
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"pooler_config.normalize must be a bool, got {self.normalize!r}")
-
-    @classmethod
-    def of(cls, given) -> PoolerConfig:
-        """A PoolerConfig, a dict of its fields (as --pooler-config's JSON gives them), or None (no override)."""
-        if given is None:
-            return cls()
-        if isinstance(given, cls):
-            return cls(given.pooling_type, given.normalize)
-        if not isinstance(given, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig or a dict such as {{\"pooling_type\": \"MEAN\"}}, "
-                             f"got {given!r}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise ValueError(f"pooler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
-        return cls(**given)
 
 
 @dataclass(frozen=True, eq=False)

@@ -119,7 +119,8 @@ def test_the_servers_chat_template_renders_requests_that_bring_none():
     from nanograph.serve.serving import ServedModel
 
     info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None,
-                           reasoning_parser=None, runner="generate")
+                           reasoning_parser=None, runner="generate",
+                           pooling_task=None, labels=())
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     served = ServedModel(SimpleNamespace(info=info), ["smol", "alias"], tokenizer, chat_template=template)
@@ -153,7 +154,8 @@ def test_the_content_format_flag_reaches_the_servers_rendering(capsys):
         build_parser().parse_args(["serve", "--chat-template-content-format", "parts"])
     assert "invalid choice: 'parts'" in capsys.readouterr().err
     info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None,
-                           reasoning_parser=None, runner="generate")
+                           reasoning_parser=None, runner="generate",
+                           pooling_task=None, labels=())
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     template = "{% for m in messages %}[{{ m.role }}]{% for part in m.content %}{{ part.text }};{% endfor %}{% endfor %}"
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
