@@ -412,7 +412,7 @@ def test_embeddings_need_a_pooling_model(server):
     ("/score", {"text_1": "a", "text_2": "b"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
     ("/rerank", {"query": "a", "documents": ["b"]}), ("/v1/rerank", {"query": "a", "documents": ["b"]}),
     ("/v2/rerank", {"query": "a", "documents": ["b"]}), ("/classify", {"input": "a"}),
-    ("/v1/classify", {"input": "a"})])
+    ("/v1/classify", {"input": "a"}), ("/pooling", {"input": "a"})])
 def test_score_and_rerank_need_a_pooling_model_and_the_key(server, path, body):
     error = error_of(post(server, "/behind-proxy" + path, body), 400)
     assert error["code"] == "model_not_supported" and path.split("/")[-1] in error["message"]

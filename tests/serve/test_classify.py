@@ -69,6 +69,11 @@ def test_classify_is_llm_classify(classifier, classifier_folder):
     np.testing.assert_allclose(np.exp(logits) / np.exp(logits).sum(), expected[1], atol=TOLERANCE, rtol=0)
     invoked = post(classifier, "/invocations", {"input": [PROMPTS[2]]}).json()["data"][0]
     np.testing.assert_allclose(invoked["probs"], expected[2], atol=TOLERANCE, rtol=0)
+    # vLLM's /pooling: the model's own output, LLM.encode()'s data.
+    pooled = post(classifier, "/pooling", {"input": PROMPTS[:2]}).json()
+    assert pooled["id"].startswith("pool-") and [item["object"] for item in pooled["data"]] == ["pooling"] * 2
+    for item, probs in zip(pooled["data"], expected):
+        np.testing.assert_allclose(item["data"], probs, atol=TOLERANCE, rtol=0)
 
 
 def test_classifier_errors_and_the_server_goes_on(classifier):
@@ -79,6 +84,7 @@ def test_classifier_errors_and_the_server_goes_on(classifier):
         ("/classify", {"input": [[1, 2], []]}, "input", "input 1 is empty"),
         ("/classify", {"input": [[1, 100000]]}, "input", "input: "),
         ("/classify", {"input": PROMPTS[0], "model": "other"}, "model", "other"),
+        ("/pooling", {"input": PROMPTS[0], "dimensions": 2}, "dimensions", "dimensions is for embeddings"),
         ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}, None, ""),
     ]
     for path, body, param, message in cases:

@@ -63,6 +63,24 @@ def test_base64_is_little_endian_float32(server, reference):
     assert body["id"].startswith("embd-") and body["data"][0]["object"] == "embedding"
 
 
+def test_pooling_route_gives_the_embeddings(server, reference):
+    """vLLM's /pooling on an embedding model: LLM.encode()'s data, as floats or base64."""
+    expected = reference.encode(TEXTS[:2], PoolingParams(normalize=False), use_tqdm=False)
+    body = httpx.post(server.base_url + "/pooling", json={"input": TEXTS[:2], "normalize": False},
+                      timeout=60).json()
+    assert body["object"] == "list" and body["model"] == "smol-embed"
+    for item, output in zip(body["data"], expected):
+        assert item["object"] == "pooling"
+        np.testing.assert_allclose(item["data"], output.outputs.data.numpy(),
+                                   atol=TOLERANCE * float(output.outputs.data.abs().max()), rtol=0)
+    encoded = httpx.post(server.base_url + "/pooling", json={"input": TEXTS[2], "encoding_format": "base64"},
+                         timeout=60).json()["data"][0]["data"]
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(encoded), dtype="<f4"),
+                               reference.embed(TEXTS[2], use_tqdm=False)[0].outputs.embedding, atol=TOLERANCE, rtol=0)
+    wrong = httpx.post(server.base_url + "/pooling", json={"input": TEXTS[2], "use_activation": False}, timeout=60)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "use_activation"
+
+
 def test_token_ids_and_vllm_fields(server, client, reference):
     ids = reference.get_tokenizer().encode(TEXTS[0])
     by_ids = client.embeddings.create(model="smol-embed", input=[ids, ids[:3]], encoding_format="float")

@@ -1,6 +1,6 @@
 """The FastAPI app: the OpenAI routes under /v1 (embeddings for a model served with --runner pooling), and vLLM's
-/classify, /score and /rerank routes for pooling models and SageMaker's /invocations (all behind the API key when one
-is set), and /health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
+/pooling, /classify, /score and /rerank routes for pooling models and SageMaker's /invocations (all behind the API
+key when one is set), and /health, /ping, /version, /tokenize, /detokenize and /metrics beside them."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
-from .embeddings import create_classification, create_embedding, create_rerank, create_score
+from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -26,8 +26,8 @@ from .serving import ServedModel
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
-GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/classify", "/score",
-                    "/rerank", "/invocations")
+GENERATING_PATHS = ("/completions", "/chat/completions", "/responses", "/embeddings", "/pooling", "/classify",
+                    "/score", "/rerank", "/invocations")
 
 
 def dev_mode() -> bool:
@@ -199,6 +199,11 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
                 raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
                                     "use); retry once they have finished", code="requests_running")
             return Response(status_code=200)
+
+    @app.post("/pooling", dependencies=[Depends(check_api_key)])
+    async def pooling(request: Request):
+        """vLLM's /pooling: the pooling model's own output."""
+        return await create_pooling(served, request)
 
     @app.post("/classify", dependencies=[Depends(check_api_key)])
     async def classify(request: Request):

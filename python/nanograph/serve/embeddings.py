@@ -1,7 +1,8 @@
 """The pooling models' routes. POST /v1/embeddings: one embedding per input (text or token ids, one or many), from a
 server whose model runs as an embedding model (nanograph serve MODEL --runner pooling), as floats or as base64 of
-their float32 bytes. vLLM's POST /classify (/v1/classify) on a classifier: each input's class probabilities. vLLM's
-POST /score (/v1/score) and /rerank (/v1/rerank, /v2/rerank) on an embedding model (the cosine similarity of two
+their float32 bytes. vLLM's POST /classify (/v1/classify) on a classifier: each input's class probabilities; and
+its POST /pooling on either: the model's own output, as LLM.encode() gives it. vLLM's POST /score (/v1/score) and
+/rerank (/v1/rerank, /v2/rerank) on an embedding model (the cosine similarity of two
 texts' embeddings) or a cross-encoder (a classifier of one label, reading the two texts together): pairs of texts
 scored, and documents ranked by their score against a query."""
 from __future__ import annotations
@@ -18,8 +19,9 @@ from .async_llm import EngineUnavailable
 from .completions import encode_prompts, prompt_list
 from .errors import APIError, invalid_value, parse_body
 from .protocol import (ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingData,
-                       EmbeddingRequest, EmbeddingResponse, PoolingChatRequest, PoolingRequest, RerankDocument, RerankRequest,
-                       RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+                       EmbeddingRequest, EmbeddingResponse, PoolingChatRequest, PoolingData, PoolingOutputRequest,
+                       PoolingRequest, PoolingResponse, RerankDocument, RerankRequest, RerankResponse, RerankResult,
+                       RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
 from .serving import ServedModel, engine_failure, make_response_id, unavailable, usage
 
 
@@ -32,6 +34,18 @@ async def create_embedding(served: ServedModel, raw_request: Request) -> Embeddi
             for i, vector in enumerate(vectors)]
     return EmbeddingResponse(id=make_response_id("embd", raw_request, request), model=served.name, data=data,
                              usage=usage(prompts, 0))
+
+
+async def create_pooling(served: ServedModel, raw_request: Request) -> PoolingResponse:
+    """vLLM's /pooling: each input's pooled output as the model gives it (LLM.encode()'s data): an embedding model's
+    vector, a classifier's probabilities."""
+    request = await parse_body(raw_request, PoolingOutputRequest)
+    _check_pooling(served, request, "/pooling")
+    prompts, vectors = await _input_vectors(served, request, _pooling_params(
+        request, request.dimensions, request.normalize, use_activation=request.use_activation))
+    data = [PoolingData(index=i, data=_encoded(vector, request.encoding_format)) for i, vector in enumerate(vectors)]
+    return PoolingResponse(id=make_response_id("pool", raw_request, request), model=served.name, data=data,
+                           usage=usage(prompts, 0))
 
 
 async def create_classification(served: ServedModel, raw_request: Request) -> ClassificationResponse:

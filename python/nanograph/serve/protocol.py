@@ -303,6 +303,26 @@ class EmbeddingRequest(PoolingChatRequest):
     normalize: bool | None = None  # vLLM's: None as the model's pooler does
 
 
+class PoolingOutputRequest(EmbeddingRequest):
+    """vLLM's /pooling request: the model's own pooled output (an embedding, or a classifier's probabilities)."""
+    use_activation: bool | None = None  # a classifier's: False gives its logits
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+
+
 class ClassificationRequest(PoolingChatRequest):
     """vLLM's /classify request on a classifier."""
     use_activation: bool | None = None  # False: each class's logit, not its probability
