@@ -9,12 +9,13 @@ import numpy as np
 
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
+from .config import POOLING_TASKS
 from .engine.intake import Prompt, truncation_length
 from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
-from .pooling import (POOLING_TASKS, TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
+from .pooling import (TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                       PoolingRequestOutput, ScoringRequestOutput, classifier_scores, cosine_scores, pair_token_ids,
                       score_pairs)
 from .sampling_params import BeamSearchParams, SamplingParams, check_truncate_prompt_tokens

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import POOLING_TASKS, POOLING_TYPES, PoolerConfig
+from .config import POOLING_TYPES, PoolerConfig
 from .hub import sentence_transformers_modules
 from .model_config import CLASSIFIER_SUFFIX
 from .models.weights import load_classifier

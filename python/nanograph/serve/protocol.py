@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import typing
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -314,15 +314,6 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: Usage
-
-
 class ClassificationRequest(PoolingChatRequest):
     """vLLM's /classify request on a classifier."""
     use_activation: bool | None = None  # False: each class's logit, not its probability
@@ -334,15 +325,6 @@ class ClassificationData(BaseModel):
     label: str  # the most likely class's name
     probs: list[float]
     num_classes: int
-
-
-class ClassificationResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ClassificationData]
-    usage: Usage
 
 
 class ScoreRequest(PoolingRequest):
@@ -387,28 +369,10 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreData]
-    usage: Usage
-
-
 class EmbeddingData(BaseModel):
     index: int
     object: str = "embedding"
     embedding: list[float] | str
-
-
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingData]
-    usage: Usage
 
 
 class DetokenizeRequest(Request):
@@ -430,6 +394,25 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None  # with --enable-prompt-tokens-details (vLLM's)
     completion_tokens_details: CompletionTokensDetails | None = None  # a chat's, with --reasoning-parser
+
+
+DataT = TypeVar("DataT")
+
+
+class ListResponse(BaseModel, Generic[DataT]):
+    """The pooling routes' response: one item of data per input (or pair)."""
+    id: str
+    object: str = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[DataT]
+    usage: Usage
+
+
+PoolingResponse = ListResponse[PoolingData]
+ClassificationResponse = ListResponse[ClassificationData]
+ScoreResponse = ListResponse[ScoreData]
+EmbeddingResponse = ListResponse[EmbeddingData]
 
 
 class CompletionLogprobs(BaseModel):
