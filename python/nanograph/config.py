@@ -131,9 +131,12 @@ class Config:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner={self.runner!r} is not one nanograph has; use 'generate' (text), 'pooling' "
                              f"(embeddings) or 'auto'")
-        if self.pooling_task is not None and (self.pooling_task not in POOLING_TASKS or self.runner == "generate"):
-            raise ValueError(f"pooling_task={self.pooling_task!r}: a pooling model ({self.runner=}) takes "
+        if self.pooling_task not in (None, *POOLING_TASKS):
+            raise ValueError(f"pooling_task={self.pooling_task!r} is not one nanograph has; use "
                              f"{' or '.join(map(repr, POOLING_TASKS))}, or None (the model folder's)")
+        if self.pooling_task is not None and self.runner == "generate":
+            raise ValueError(f"pooling_task={self.pooling_task!r} is for a pooling model, which runner='generate' "
+                             f"contradicts; pass runner='pooling' (or 'auto') with it")
         if self.pooler_config is not None:
             if self.runner == "generate":
                 raise ValueError("pooler_config is for a pooling model: pass runner='pooling' with it, or leave it "

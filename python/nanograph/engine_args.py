@@ -82,6 +82,8 @@ def engine_config(model: str | None, **kwargs) -> Config:
         if arg.field is not None and value is not None:
             config_kwargs[arg.field] = value
     task, convert = kwargs.get("task"), kwargs.get("convert")
+    if task in POOLING_TASKS and convert in POOLING_TASKS and task != convert:
+        raise ValueError(f"task={task!r} and convert={convert!r} ask for two kinds of pooling model; pass one")
     if task in POOLING_TASKS or convert in POOLING_TASKS:
         name = "task" if task in POOLING_TASKS else "convert"
         if config_kwargs.setdefault("runner", "pooling") not in ("auto", "pooling"):

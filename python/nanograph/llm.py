@@ -10,15 +10,15 @@ import numpy as np
 from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
 from .config import POOLING_TASKS
-from .engine.intake import Prompt, truncation_length
+from .engine.intake import Prompt
 from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .outputs import CompletionDelta, RequestOutput
 from .pooling import (TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                       PoolingRequestOutput, ScoringRequestOutput, classifier_scores, cosine_scores, pair_token_ids,
-                      score_pairs)
-from .sampling_params import BeamSearchParams, SamplingParams, check_truncate_prompt_tokens
+                      pair_truncation, score_pairs)
+from .sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -188,16 +188,16 @@ class LLM:
             if pooler.num_labels != 1:
                 raise ValueError(f"score() on a classifier needs a cross-encoder, a classifier of one label; this "
                                  f"one has {pooler.num_labels} ({', '.join(pooler.labels)}): use classify()")
+            if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+                raise TypeError("score()'s pooling_params is one PoolingParams for every pair, or None")
             params = pooling_params or PoolingParams()
-            k = params.truncate_prompt_tokens if truncate_prompt_tokens is None else truncate_prompt_tokens
-            if k is not None:
-                check_truncate_prompt_tokens(k)
-                k = truncation_length(k, self.engine.config.max_model_len)
+            k = pair_truncation(params.truncate_prompt_tokens if truncate_prompt_tokens is None
+                                else truncate_prompt_tokens, self.engine.config.max_model_len)
             prompts = [TokensPrompt(prompt_token_ids=pair_token_ids(self.tokenizer, *pair, max_length=k))
                        for pair in pairs]
-            return classifier_scores(self.encode(prompts, replace(params, truncate_prompt_tokens=None),
-                                                 use_tqdm=use_tqdm, lora_request=lora_request,
-                                                 tokenization_kwargs=tokenization_kwargs))
+            logits = self.encode(prompts, replace(params, truncate_prompt_tokens=None, use_activation=False),
+                                 use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+            return classifier_scores(logits, "identity" if params.use_activation is False else pooler.score_activation)
         outputs = self.encode(firsts + seconds, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                               use_tqdm=use_tqdm, lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         return cosine_scores(score_pairs(outputs[:len(firsts)], outputs[len(firsts):]))

@@ -18,7 +18,7 @@ from .config import POOLING_TYPES, PoolerConfig
 from .hub import sentence_transformers_modules
 from .model_config import CLASSIFIER_SUFFIX
 from .models.weights import load_classifier
-from .sampling_params import check_truncate_prompt_tokens
+from .sampling_params import check_truncate_prompt_tokens, truncation_length
 
 TASK_NOUNS = {"embed": "an embedding model", "classify": "a classifier"}
 # sentence-transformers' Pooling config keys, and the pooling type each selects.
@@ -40,6 +40,7 @@ class Pooler:
     classifier: torch.Tensor | None = None  # classify: float32 [num_labels, hidden_size], on the runner's device
     labels: tuple[str, ...] = ()  # classify: each class's name (config.json's id2label)
     activation: str = "softmax"  # classify: "softmax" over the classes, "sigmoid" of each, or "identity"
+    score_activation: str = "sigmoid"  # a cross-encoder's score of its logit: "sigmoid" or "identity"
 
     @classmethod
     def for_model(cls, model_config, given=None, device="cpu", task: str | None = None) -> Pooler:
@@ -66,7 +67,7 @@ class Pooler:
             labels = tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num_labels))
             # transformers' classifiers score the last token (the last that is not padding).
             return cls(override.pooling_type or "LAST", False, model_config.hidden_size, (), "classify",
-                       classifier, labels, _classifier_activation(hf, num_labels))
+                       classifier, labels, _classifier_activation(hf, num_labels), _score_activation(hf))
         pooling_type, normalize = _sentence_transformers_pooling(Path(model_config.path),
                                                                  needs_type=override.pooling_type is None)
         pooling_type = override.pooling_type or pooling_type or "LAST"
@@ -114,32 +115,43 @@ class Pooler:
         probabilities (its logits with use_activation=False)."""
         if self.task == "classify":
             logits = pooled @ self.classifier.T
-            if params.use_activation is False or self.activation == "identity":
-                return logits
-            return torch.sigmoid(logits) if self.activation == "sigmoid" else torch.softmax(logits, dim=-1)
+            return logits if params.use_activation is False else activated(logits, self.activation)
         if params.dimensions is not None:
             pooled = pooled[:, :params.dimensions]
         normalize = self.normalize if params.normalize is None else params.normalize
         return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
 
 
+def activated(logits, activation: str):
+    """A classifier's logits (a tensor, or a numpy array) through its activation."""
+    logits = torch.as_tensor(logits)
+    if activation == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1) if activation == "softmax" else logits
+
+
 def _classifier_activation(hf, num_labels: int) -> str:
-    """What turns a classifier's logits into its output: a cross-encoder's own (sentence-transformers' activation_fn
-    in config.json, Identity or Sigmoid), else by transformers' problem_type: none for a regression, a sigmoid for
-    one label or several independent ones, a softmax over the classes otherwise."""
-    saved = getattr(hf, "sentence_transformers", None)
-    name = (saved.get("activation_fn") if isinstance(saved, dict) else None) or \
-        getattr(hf, "sbert_ce_default_activation_function", None)
-    if name:
-        short = str(name).rsplit(".", 1)[-1]
-        if short in ("Identity", "Sigmoid"):
-            return short.lower()
-        raise ValueError(f"config.json's cross-encoder activation {name!r} is not one nanograph applies; it "
-                         f"applies torch.nn.Identity or torch.nn.Sigmoid")
+    """What turns a classifier's logits into its probabilities, by transformers' problem_type: none for a
+    regression, a sigmoid for one label or several independent ones, a softmax over the classes otherwise."""
     problem_type = getattr(hf, "problem_type", None)
     if problem_type == "regression":
         return "identity"
     return "sigmoid" if num_labels == 1 or problem_type == "multi_label_classification" else "softmax"
+
+
+def _score_activation(hf) -> str:
+    """What turns a cross-encoder's logit into its score: the activation a sentence-transformers CrossEncoder saved
+    in config.json (activation_fn, or the older sbert_ce_default_activation_function), Identity or Sigmoid; else a
+    sigmoid."""
+    saved = getattr(hf, "sentence_transformers", None)
+    name = (saved.get("activation_fn") if isinstance(saved, dict) else None) or \
+        getattr(hf, "sbert_ce_default_activation_function", None)
+    short = str(name).rsplit(".", 1)[-1] if name else "Sigmoid"
+    if short not in ("Identity", "Sigmoid"):
+        raise ValueError(f"config.json's cross-encoder activation {name!r} is not one nanograph applies to a score; "
+                         f"it applies torch.nn.Identity or torch.nn.Sigmoid (set the folder's "
+                         f"sentence_transformers.activation_fn to one of them)")
+    return short.lower()
 
 
 def is_classifier(hf_config) -> bool:
@@ -365,11 +377,19 @@ def pair_token_ids(tokenizer, first, second, add_special_tokens: bool = True,
     return ([int(token) for token in ids[0]] + [int(token) for token in ids[1]])[:max_length]
 
 
-def classifier_scores(outputs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
+def classifier_scores(outputs: list[PoolingRequestOutput], activation: str) -> list[ScoringRequestOutput]:
     """Each pair's score from a cross-encoder (a classifier of one label, run on the pair's tokens together): its
-    one probability."""
-    return [ScoringRequestOutput(output.request_id, ScoringOutput(float(_data(output)[0])), output.prompt_token_ids)
-            for output in outputs]
+    logit (outputs with use_activation=False) through the score's activation."""
+    return [ScoringRequestOutput(output.request_id, ScoringOutput(float(activated(_data(output), activation)[0])),
+                                 output.prompt_token_ids) for output in outputs]
+
+
+def pair_truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The most tokens of a cross-encoder's pair (pair_token_ids' max_length) that truncate_prompt_tokens asks."""
+    if truncate_prompt_tokens is None:
+        return None
+    check_truncate_prompt_tokens(truncate_prompt_tokens)
+    return truncation_length(truncate_prompt_tokens, max_model_len)
 
 
 __all__ = ["PoolerConfig", "Pooler", "PoolingParams", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput",

@@ -325,6 +325,14 @@ def check_truncate_prompt_tokens(value):
         raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {value}")
 
 
+def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """The tokens truncate_prompt_tokens keeps (-1: max_model_len)."""
+    if truncate_prompt_tokens > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={max_model_len}; "
+                         f"keep at most {max_model_len} tokens (-1: max_model_len)")
+    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
 def _check_int(name: str, value):
     """An int field takes ints (numpy's too), never bools or floats: 2.5 tokens is a mistake, not a request."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

@@ -124,8 +124,16 @@ def test_cross_encoder_activation_from_sentence_transformers(tmp_path):
     """A cross-encoder saved by sentence-transformers with an Identity activation scores with its logit."""
     model = make_tiny_classifier(tmp_path, "qwen3-tied", num_labels=1, seed=9, config_overrides={
         "sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}})
-    score = classifier_llm(tmp_path).score([5, 6], [7, 8], use_tqdm=False)[0].outputs.score
-    assert score == pytest.approx(hf_logits(model, [5, 6, 7, 8]).item(), abs=TOLERANCE)
+    llm = classifier_llm(tmp_path)
+    score = llm.score([5, 6], [7, 8], use_tqdm=False)[0].outputs.score
+    logit = hf_logits(model, [5, 6, 7, 8]).item()
+    assert score == pytest.approx(logit, abs=TOLERANCE)
+    # classify() keeps the classifier's own activation (a sigmoid for one label), as vLLM's.
+    assert llm.classify([[5, 6, 7, 8]], use_tqdm=False)[0].outputs.probs == pytest.approx(
+        [torch.sigmoid(torch.tensor(logit)).item()], abs=TOLERANCE)
+    # Without the activation, a score is the logit on any cross-encoder.
+    assert llm.score([5, 6], [7, 8], pooling_params=PoolingParams(use_activation=False),
+                     use_tqdm=False)[0].outputs.score == pytest.approx(logit, abs=TOLERANCE)
 
 
 def test_errors(qwen3_classifier, cross_encoder):
@@ -167,8 +175,17 @@ def test_embedding_model_refuses_classification(tmp_path):
         classifier_llm(tmp_path, task="classify")
 
 
-def test_vllm_spellings():
+def test_vllm_spellings(tmp_path):
     assert engine_config(None, task="classify").runner == "pooling"
-    assert engine_config(None, convert="classify").runner == "pooling"
+    assert engine_config(None, convert="classify").pooling_task == "classify"
+    with pytest.raises(ValueError, match="task='classify' and convert='embed' ask for two kinds"):
+        engine_config(None, task="classify", convert="embed")
+    with pytest.raises(ValueError, match="pooling_task='embed' is for a pooling model, which runner='generate'"):
+        engine_config(None, runner="generate", pooling_task="embed")
+    # A pooling task asked with runner="auto" pools a causal LM's folder.
+    from .tiny_models import make_tiny_model
+    make_tiny_model(tmp_path, "qwen3-tied")
+    llm = LLM(str(tmp_path), device="cpu", runner="auto", pooling_task="embed")
+    assert llm.engine.config.runner == "pooling" and llm.engine.pooler.task == "embed"
     with pytest.raises(ValueError, match="task='classify' makes a pooling model, which runner='generate'"):
         engine_config(None, task="classify", runner="generate")

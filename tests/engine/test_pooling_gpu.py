@@ -2,7 +2,6 @@
 the core's hidden and residual rows after prefill chunks, pooled LAST, MEAN and CLS; and a classifier's logits and
 probabilities against transformers' own classifier."""
 import gc
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,25 +39,27 @@ def hf_hidden(folder):
     return hidden
 
 
-@contextmanager
-def cuda_llm(folder, **kwargs):
-    """An LLM on the GPU (prompts chunked by 256 tokens) whose KV blocks are all back after the test's requests, and
-    whose memory is freed after it."""
-    llm = LLM(folder, device="cuda", num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256,
-              max_num_seqs=8, **kwargs)
-    try:
-        yield llm
-        manager = llm.engine.scheduler.block_manager
-        assert manager.num_free_blocks == llm.engine.runner.num_kv_blocks
-    finally:
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+def cuda_llm(folder, **kwargs) -> LLM:
+    """An LLM on the GPU whose prompts run in chunks of 256 tokens."""
+    return LLM(folder, device="cuda", num_kv_blocks=256, max_model_len=1024, max_num_batched_tokens=256,
+               max_num_seqs=8, **kwargs)
+
+
+def assert_blocks_back(llm: LLM):
+    manager = llm.engine.scheduler.block_manager
+    assert manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+
+
+def free_gpu_memory():
+    """After the caller dropped its LLM."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
 def test_embed_on_cuda_matches_transformers(folder, hf_hidden, pooling_type):
-    with cuda_llm(folder, runner="pooling", pooler_config={"pooling_type": pooling_type}) as llm:
+    llm = cuda_llm(folder, runner="pooling", pooler_config={"pooling_type": pooling_type})
+    try:
         outputs = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)
         again = llm.encode(PROMPTS, PoolingParams(normalize=False), use_tqdm=False)  # LAST: from the prefix cache
         outputs += llm.encode(ONE_TOKEN, PoolingParams(normalize=False), use_tqdm=False)
@@ -73,6 +74,10 @@ def test_embed_on_cuda_matches_transformers(folder, hf_hidden, pooling_type):
             assert torch.nn.functional.cosine_similarity(repeat.outputs.data, got, dim=0) > 0.9999
         if pooling_type == "LAST":
             assert again[0].num_cached_tokens > 0
+        assert_blocks_back(llm)
+    finally:
+        del llm
+        free_gpu_memory()
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +113,8 @@ def test_classify_on_cuda_matches_transformers(classifier_folder):
         reference = [model(torch.tensor([p], device="cuda")).logits[0].float().cpu() for p in PROMPTS + ONE_TOKEN]
     del model
     torch.cuda.empty_cache()
-    with cuda_llm(classifier_folder) as llm:
+    llm = cuda_llm(classifier_folder)
+    try:
         assert llm.engine.pooler.task == "classify"
         probs = llm.classify(PROMPTS + ONE_TOKEN, use_tqdm=False)
         logits = llm.encode(PROMPTS + ONE_TOKEN, PoolingParams(use_activation=False), use_tqdm=False)
@@ -117,3 +123,7 @@ def test_classify_on_cuda_matches_transformers(classifier_folder):
             assert (logit.outputs.data - expected).abs().max() <= 0.05 * expected.abs().max() + 1e-3
             torch.testing.assert_close(torch.tensor(prob.outputs.probs), expected.softmax(-1), atol=0.02, rtol=0)
         assert len({tuple(round(p, 3) for p in output.outputs.probs) for output in probs}) > 1
+        assert_blocks_back(llm)
+    finally:
+        del llm
+        free_gpu_memory()

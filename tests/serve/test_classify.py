@@ -85,6 +85,8 @@ def test_classifier_errors_and_the_server_goes_on(classifier):
         ("/classify", {"input": [[1, 100000]]}, "input", "input: "),
         ("/classify", {"input": PROMPTS[0], "model": "other"}, "model", "other"),
         ("/pooling", {"input": PROMPTS[0], "dimensions": 2}, "dimensions", "dimensions is for embeddings"),
+        ("/pooling", {"input": PROMPTS[0], "task": "embed"}, "task", "whose /pooling output is 'classify'"),
+        ("/classify", {"messages": []}, "messages", "messages is empty"),
         ("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}, None, ""),
     ]
     for path, body, param, message in cases:

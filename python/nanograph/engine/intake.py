@@ -13,7 +13,7 @@ from ..pooling import Pooler, PoolingParams, PoolingState
 from ..reasoning import ThinkingEnd, end_token_id, reply_thinks
 from ..sampling import seeded_generator
 from ..sampling.grammar import GrammarCompiler
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, truncation_length
 from .detokenizer import IncrementalDetokenizer
 from .request import Request
 from .sequence import Sequence
@@ -72,14 +72,6 @@ def prompt_too_long(prompt_tokens: int, max_model_len: int, max_context: int) ->
     else:
         fix = f"{keep}; max_model_len is already the model's whole context"
     return PromptTooLongError(f"prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}: {fix}")
-
-
-def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
-    """The tokens truncate_prompt_tokens keeps (-1: max_model_len)."""
-    if truncate_prompt_tokens > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens={truncate_prompt_tokens} is more than max_model_len={max_model_len}; "
-                         f"keep at most {max_model_len} tokens (-1: max_model_len)")
-    return max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
 def truncated(token_ids: list[int], truncate_prompt_tokens: int, max_model_len: int) -> list[int]:

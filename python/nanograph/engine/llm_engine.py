@@ -105,7 +105,8 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(model, config.hf_overrides)
         if config.runner == "auto":  # vLLM's rule: a base model's or a classifier's architecture pools
             names = getattr(model_config.hf_config, "architectures", None) or []
-            pools = names and all(name.endswith((BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX)) for name in names)
+            pools = config.pooling_task is not None or names and all(
+                name.endswith((BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX)) for name in names)
             config = replace(config, runner="pooling" if pools else "generate")
         if config.runner == "generate" and (is_classifier(model_config.hf_config) or
                                             not has_lm_head(model, model_config)):

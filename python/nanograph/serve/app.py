@@ -151,17 +151,15 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             body = json.loads(await request.body())
         except ValueError:  # not JSON: the chat route's parse says so, as for any route
             return await create_chat_completion(served, request)
+        pool = create_classification if served.pooling_task == "classify" else create_embedding
         if isinstance(body, dict) and "messages" in body:
             if served.runner == "pooling":  # a chat to pool
-                return await (create_classification if served.pooling_task == "classify" else create_embedding)(
-                    served, request)
+                return await pool(served, request)
             return await create_chat_completion(served, request)
         if isinstance(body, dict) and "prompt" in body:
             return await create_completion(served, request)
         if isinstance(body, dict) and "input" in body:
-            if served.pooling_task == "classify":
-                return await create_classification(served, request)
-            return await create_embedding(served, request)
+            return await pool(served, request)
         if isinstance(body, dict) and "text_1" in body:
             return await create_score(served, request)
         if isinstance(body, dict) and "query" in body and "documents" in body:

@@ -12,9 +12,8 @@ import base64
 import numpy as np
 from fastapi import Request
 
-from ..engine.intake import check_prompt_token_ids, truncation_length
-from ..pooling import TASK_NOUNS, PoolingParams, cosine, pair_token_ids, score_pairs
-from ..sampling_params import check_truncate_prompt_tokens
+from ..engine.intake import check_prompt_token_ids
+from ..pooling import TASK_NOUNS, PoolingParams, activated, cosine, pair_token_ids, pair_truncation, score_pairs
 from .async_llm import EngineUnavailable
 from .completions import encode_prompts, prompt_list
 from .errors import APIError, invalid_value, parse_body
@@ -41,6 +40,10 @@ async def create_pooling(served: ServedModel, raw_request: Request) -> PoolingRe
     vector, a classifier's probabilities."""
     request = await parse_body(raw_request, PoolingOutputRequest)
     _check_pooling(served, request, "/pooling")
+    if request.task not in (None, served.pooling_task):
+        raise APIError(400, f"task={request.task!r}: this server's model is {TASK_NOUNS[served.pooling_task]}, "
+                            f"whose /pooling output is {served.pooling_task!r}; leave task out or pass "
+                            f"{served.pooling_task!r}", "task", "invalid_value")
     prompts, vectors = await _input_vectors(served, request, _pooling_params(
         request, request.dimensions, request.normalize, use_activation=request.use_activation))
     data = [PoolingData(index=i, data=_encoded(vector, request.encoding_format)) for i, vector in enumerate(vectors)]
@@ -150,18 +153,18 @@ async def _cross_encoder_scores(served: ServedModel, request: PoolingRequest, pa
                                 route: str) -> tuple[list[float], list[list[int]]]:
     """A cross-encoder's score of each pair, read together (two texts as the tokenizer encodes a pair, cut to
     truncate_prompt_tokens; two token-id lists joined), and the pairs' tokens."""
-    k = request.truncate_prompt_tokens
     try:
-        if k is not None:
-            check_truncate_prompt_tokens(k)
-            k = truncation_length(k, served.max_model_len)
+        k = pair_truncation(request.truncate_prompt_tokens, served.max_model_len)
+    except ValueError as exc:
+        raise invalid_value(exc, request) from None
+    try:
         prompts = await served.tokenized(lambda: [pair_token_ids(served.tokenizer, a, b, request.add_special_tokens,
                                                                  k) for a, b in pairs])
     except ValueError as exc:
-        field = "truncate_prompt_tokens" if "truncate_prompt_tokens" in str(exc) else names[0].split()[0]
-        raise APIError(400, f"{route}: {exc}", field, "invalid_value") from None
-    vectors = await _vectors(served, request, prompts, names, _pooling_params(request, truncate=False))
-    return [float(vector[0]) for vector in vectors], prompts
+        raise APIError(400, f"{route}: {exc}", names[0].split()[0], "invalid_value") from None
+    logits = await _vectors(served, request, prompts, names,
+                            _pooling_params(request, use_activation=False, truncate=False))
+    return [float(activated(logit, served.score_activation)[0]) for logit in logits], prompts
 
 
 def _pooling_params(request: PoolingRequest, dimensions: int | None = None, normalize: bool | None = None,
@@ -182,6 +185,8 @@ async def _input_vectors(served: ServedModel, request: PoolingChatRequest,
         raise APIError(400, "give exactly one of input (texts or token ids) or messages (a chat)", "input",
                        "invalid_value")
     if request.messages is not None:
+        if not request.messages:
+            raise APIError(400, "messages is empty; give at least one message", "messages", "invalid_value")
         prompts, names = [await served.render_chat(request.messages, request)], ["messages"]
     else:
         prompts, _ = await encode_prompts(served, request.input, request.add_special_tokens, "input")

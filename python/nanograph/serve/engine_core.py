@@ -46,6 +46,7 @@ class EngineInfo:
     runner: str = "generate"  # Config.runner: "pooling" for an embedding model or a classifier
     pooling_task: str | None = None  # a pooling model's: "embed" or "classify" (Pooler.task)
     labels: tuple[str, ...] = ()  # a classifier's class names
+    score_activation: str | None = None  # a classifier's (Pooler.score_activation): a cross-encoder's score of its logit
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
                       {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
-                      config.runner, pooler and pooler.task, pooler.labels if pooler else ())
+                      config.runner, pooler and pooler.task, pooler.labels if pooler else (),
+                      pooler and pooler.score_activation)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

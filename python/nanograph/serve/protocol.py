@@ -306,6 +306,7 @@ class EmbeddingRequest(PoolingChatRequest):
 class PoolingOutputRequest(EmbeddingRequest):
     """vLLM's /pooling request: the model's own pooled output (an embedding, or a classifier's probabilities)."""
     use_activation: bool | None = None  # a classifier's: False gives its logits
+    task: str | None = None  # vLLM's: the output asked for, "embed" or "classify" (the model's own; None: it)
 
 
 class PoolingData(BaseModel):

@@ -74,6 +74,7 @@ class ServedModel:
         self.runner = async_llm.info.runner  # "pooling": an embedding model or a classifier, else "generate"
         self.pooling_task = async_llm.info.pooling_task  # "embed" (/v1/embeddings) or "classify" (/classify)
         self.labels = async_llm.info.labels  # a classifier's class names
+        self.score_activation = async_llm.info.score_activation  # a cross-encoder's score of its logit
         self.trust_request_chat_template = trust_request_chat_template
         self.chat_template = chat_template
         self.content_format = content_format
