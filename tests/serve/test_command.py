@@ -120,7 +120,7 @@ def test_the_servers_chat_template_renders_requests_that_bring_none():
 
     info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None,
                            reasoning_parser=None, runner="generate",
-                           pooling_task=None, labels=())
+                           pooling_task=None, labels=(), score_activation=None)
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
     served = ServedModel(SimpleNamespace(info=info), ["smol", "alias"], tokenizer, chat_template=template)
@@ -155,7 +155,7 @@ def test_the_content_format_flag_reaches_the_servers_rendering(capsys):
     assert "invalid choice: 'parts'" in capsys.readouterr().err
     info = SimpleNamespace(model=default_model_path(), max_model_len=512, sampling_defaults={}, tokenizer=None,
                            reasoning_parser=None, runner="generate",
-                           pooling_task=None, labels=())
+                           pooling_task=None, labels=(), score_activation=None)
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     template = "{% for m in messages %}[{{ m.role }}]{% for part in m.content %}{{ part.text }};{% endfor %}{% endfor %}"
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})

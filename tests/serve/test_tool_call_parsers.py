@@ -176,7 +176,7 @@ def test_a_template_that_checks_for_nine_character_ids_gets_them_under_any_parse
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     engine = SimpleNamespace(info=SimpleNamespace(reasoning_parser=None, model="m", max_model_len=64,
                                                   sampling_defaults={}, tokenizer=None, runner="generate",
-                                                  pooling_task=None, labels=()))
+                                                  pooling_task=None, labels=(), score_activation=None))
     checks_equal = MISTRAL_TEMPLATE.replace("!=", "==")
     for template, parser, nine in [(MISTRAL_TEMPLATE, "hermes", True), (checks_equal, None, True),
                                    (None, "hermes", False), (None, "mistral", True)]:
