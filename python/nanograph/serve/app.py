@@ -132,14 +132,6 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     async def embeddings(request: Request):
         return await create_embedding(served, request)
 
-    @v1.post("/score")
-    async def score_v1(request: Request):
-        return await create_score(served, request)
-
-    @v1.post("/classify")
-    async def classify_v1(request: Request):
-        return await create_classification(served, request)
-
     app.include_router(v1)
 
     @app.post("/invocations", dependencies=[Depends(check_api_key)])
@@ -204,13 +196,13 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
         return await create_pooling(served, request)
 
     @app.post("/classify", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/classify", dependencies=[Depends(check_api_key)])
     async def classify(request: Request):
-        """vLLM's /classify beside /v1/classify."""
         return await create_classification(served, request)
 
     @app.post("/score", dependencies=[Depends(check_api_key)])
+    @app.post("/v1/score", dependencies=[Depends(check_api_key)])
     async def score(request: Request):
-        """vLLM's /score beside /v1/score."""
         return await create_score(served, request)
 
     @app.post("/rerank", dependencies=[Depends(check_api_key)])
