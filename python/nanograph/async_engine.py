@@ -240,6 +240,14 @@ class AsyncLLMEngine:
                              "abort them first, or pass False")
         return await self._async_llm.reset_prefix_cache()
 
+    async def start_profile(self):
+        """vLLM's: start the profiler of the engine's profiler_config (LLM.start_profile())."""
+        await self._async_llm.start_profile()
+
+    async def stop_profile(self):
+        """vLLM's: end the profile, writing its trace (LLM.stop_profile())."""
+        await self._async_llm.stop_profile()
+
 
 AsyncLLM = AsyncLLMEngine  # vLLM V1's name
 

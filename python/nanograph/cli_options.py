@@ -76,6 +76,9 @@ ENGINE_OPTIONS = {
                     "/v1/embeddings)"),
     "pooler_config": (json_object, "with --runner pooling, a JSON object over the model folder's pooling, e.g. "
                                    "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'"),
+    "profiler_config": (json_object, "a JSON object configuring the profiler that LLM.start_profile() and the server's "
+                                     "POST /start_profile run, e.g. '{\"profiler\": \"torch\", "
+                                     "\"torch_profiler_dir\": \"./traces\"}'"),
     "block_size": (int, "tokens per KV cache block"),
     "tokenizer_revision": (str, "the Hub revision of a --tokenizer Hub id"),
     "generation_config": (str, "auto: default sampling parameters from the model's generation_config.json; vllm: "

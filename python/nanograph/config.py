@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from os import PathLike
 
+from .profiler import ProfilerConfig
 from .reasoning import REASONING_PARSERS
 
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
@@ -75,6 +76,9 @@ class Config:
     pooling_task: str | None = None
     # vLLM's: overrides of the pooling the model folder gives (PoolerConfig below, or a dict of its fields).
     pooler_config: object | None = None
+    # vLLM's: the profiler that LLM.start_profile() / stop_profile() run (profiler.py: ProfilerConfig, or a dict of
+    # its fields, such as {"profiler": "torch", "torch_profiler_dir": "./traces"}); None: none.
+    profiler_config: object | None = None
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
@@ -142,6 +146,8 @@ class Config:
                 raise ValueError("pooler_config is for a pooling model: pass runner='pooling' with it, or leave it "
                                  "out")
             self.pooler_config = PoolerConfig.of(self.pooler_config)
+        if self.profiler_config is not None:
+            self.profiler_config = ProfilerConfig.of(self.profiler_config)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanograph's KV cache "
                              f"holds the model's dtype or FP8 e4m3; use kv_cache_dtype='auto' (the model's dtype), "

@@ -60,6 +60,15 @@ class LLM:
         a request holds KV blocks (a stream still running)."""
         return self.engine.reset_prefix_cache()
 
+    def start_profile(self):
+        """vLLM's: start the profiler that profiler_config= configures (e.g. {"profiler": "torch",
+        "torch_profiler_dir": "./traces"}; profiler.py), recording the engine's steps until stop_profile()."""
+        self.engine.start_profile()
+
+    def stop_profile(self):
+        """vLLM's: end the profile, writing its trace into torch_profiler_dir."""
+        self.engine.stop_profile()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams that generate(), chat() and stream() use when given none: the model folder's
         generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as

@@ -12,6 +12,7 @@ abandoned stream holds no KV blocks. Requests queued with add_request() are retu
 the step that finished them."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +38,7 @@ from ..model_config import BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX, ModelConfig
 from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
 from ..pooling import Pooler, PoolingParams, PoolingRequestOutput, is_classifier
+from ..profiler import EngineProfiler
 from ..sampling import TokenLogprobs
 from ..sampling_params import SamplingParams
 from .batch import build_forward_batch
@@ -75,6 +77,9 @@ class LLMEngine:
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
         self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device, config.pooling_task) \
             if config.runner == "pooling" else None
+        profiler_config = config.profiler_config
+        self.profiler = EngineProfiler(profiler_config, runner.device) \
+            if profiler_config is not None and profiler_config.profiler is not None else None
         self.intake = Intake(config, model_config.vocab_size, model_config.max_context, tokenizer,
                              model_config.eos_token_ids, self.pooler)
         self.stop_checker = StopChecker(set(model_config.eos_token_ids), getattr(tokenizer, "eos_token_id", None))
@@ -226,6 +231,23 @@ class LLMEngine:
         with self._lock:
             return self.scheduler.block_manager.reset_prefix_cache()
 
+    def start_profile(self):
+        """vLLM's: start the profiler of Config.profiler_config (profiler.py). A RuntimeError without one, or while
+        it runs."""
+        with self._lock:
+            self._configured_profiler().start()
+
+    def stop_profile(self):
+        """vLLM's: end the profile start_profile() began, writing its trace. A RuntimeError when none runs."""
+        with self._lock:
+            self._configured_profiler().stop()
+
+    def _configured_profiler(self) -> EngineProfiler:
+        if self.profiler is None:
+            raise RuntimeError("no profiler is configured: pass profiler_config={\"profiler\": \"torch\", "
+                               "\"torch_profiler_dir\": DIR} (nanograph serve: --profiler-config)")
+        return self.profiler
+
     def shutdown(self):
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
         which its steps fail)."""
@@ -338,13 +360,20 @@ class LLMEngine:
     def _step(self) -> tuple[list[tuple[object, RequestOutput]], ScheduledBatch]:
         """One step; the requests it finished, each with its owner, and the batch it queued (empty when only the
         previous step's tokens were left to apply)."""
+        if self.profiler is not None and self.profiler.running:
+            with self.profiler.step():
+                return self._run_step()
+        return self._run_step()
+
+    def _run_step(self) -> tuple[list[tuple[object, RequestOutput]], ScheduledBatch]:
         batch = self.scheduler.schedule()
         failure = prompt_logprobs = None
         if batch.seqs:
             forward_batch = build_forward_batch(batch, self.scheduler.block_manager)
             self.stats.record_step(batch.num_tokens, batch.is_prefill, int(forward_batch.context_lens.sum()))
             try:
-                self.runner.forward(forward_batch, batch.seqs)
+                with self._forward_range(batch):
+                    self.runner.forward(forward_batch, batch.seqs)
                 prompt_logprobs = self._queue_prompt_logprobs(batch, forward_batch.cu_seqlens_q)
                 if self.pooler is not None:
                     self._pool(batch, forward_batch.cu_seqlens_q)
@@ -362,6 +391,13 @@ class LLMEngine:
                 if self.pooler is not None:
                     finished += self._finish_pooled(batch)
         return finished, batch
+
+    def _forward_range(self, batch: ScheduledBatch):
+        """The profiler's range of a batch's forward (nothing unless it records)."""
+        if self.profiler is None or not self.profiler.running:
+            return contextlib.nullcontext()
+        return self.profiler.range(f"nanograph.forward {'prefill' if batch.is_prefill else 'decode'}: "
+                                   f"{len(batch.seqs)} sequences, {batch.num_tokens} tokens")
 
     def _queue_prompt_logprobs(self, batch: ScheduledBatch, cu_seqlens_q: np.ndarray
                                ) -> tuple[list[tuple[Sequence, int, int]], Pending] | None:

@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
+from .async_llm import EngineUnavailable
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
@@ -22,7 +23,7 @@ from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
 from .responses import create_response
-from .serving import ServedModel
+from .serving import ServedModel, unavailable
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
@@ -60,6 +61,16 @@ class ServerLoad:
                 self.load.value -= 1
 
 
+async def _profile_call(call):
+    """A profiler call; the engine's refusal (already running, or not running) is a 409 naming it."""
+    try:
+        await call()
+    except EngineUnavailable as exc:
+        raise unavailable(exc) from None
+    except RuntimeError as exc:
+        raise APIError(409, str(exc), code="profiler_state") from None
+
+
 def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict | None = None,
               root_path: str = "", request_id_headers: bool = False, docs: bool = True,
               load_tracking: bool = False) -> FastAPI:
@@ -69,7 +80,8 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
     /redoc and /openapi.json. load_tracking: /load counts the generating requests in flight (vLLM's
     --enable-server-load-tracking). With NANOGRAPH_SERVER_DEV_MODE (or VLLM_SERVER_DEV_MODE) set, vLLM's development
-    route POST /reset_prefix_cache is served too."""
+    route POST /reset_prefix_cache is served too. With the engine's profiler_config (--profiler-config), vLLM's
+    POST /start_profile and /stop_profile are served."""
     if isinstance(api_keys, str):
         raise TypeError("build_app takes api_keys as a list of keys")
     keys = [key.encode() for key in api_keys or () if key]
@@ -188,6 +200,19 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             if not await async_llm.reset_prefix_cache():
                 raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
                                     "use); retry once they have finished", code="requests_running")
+            return Response(status_code=200)
+
+    if async_llm.info.profiler is not None:
+        @app.post("/start_profile")
+        async def start_profile():
+            """vLLM's profiling route, served where --profiler-config configures a profiler."""
+            await _profile_call(async_llm.start_profile)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            """vLLM's: end the profile, its trace written (the answer waits for the file)."""
+            await _profile_call(async_llm.stop_profile)
             return Response(status_code=200)
 
     @app.post("/pooling", dependencies=[Depends(check_api_key)])

@@ -97,7 +97,7 @@ class AsyncLLM:
         self._streams: dict[int, list] = {}
         self._adds: dict[int, tuple[asyncio.Future, float, list[tuple[int, int, int]]]] = {}  # + arrival, sizes
         self._call_ids = count()
-        self._calls: dict[int, asyncio.Future] = {}  # each reset_prefix_cache waiting for the engine's answer
+        self._calls: dict[int, asyncio.Future] = {}  # each engine call (_call) waiting for its answer
         self._last_log = (time.monotonic(), 0, 0, None)  # time, prompt and generation tokens, the line's state
         self._process: multiprocessing.Process | None = None
         # Called (on the reader thread) with the error once the engine has died, after open requests have failed.
@@ -182,13 +182,25 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """The engine's LLMEngine.reset_prefix_cache(): False, changing nothing, while a request holds KV blocks."""
+        return await self._call("reset_prefix_cache")
+
+    async def start_profile(self):
+        """The engine's LLMEngine.start_profile(): its RuntimeError without a profiler, or while one runs."""
+        await self._call("start_profile")
+
+    async def stop_profile(self):
+        """The engine's LLMEngine.stop_profile() (the trace written): its RuntimeError when no profile runs."""
+        await self._call("stop_profile")
+
+    async def _call(self, method: str):
+        """LLMEngine.<method>() in the engine process, between its steps: its answer, or its error raised here."""
         call_id = next(self._call_ids)
         answer = asyncio.get_running_loop().create_future()
         with self._state_lock:
             if not self.is_running:
                 raise self._unavailable()
             self._calls[call_id] = answer
-        self._send(("reset_prefix_cache", call_id))
+        self._send(("call", call_id, method))
         return await answer
 
     def abort(self, stream_id: int):
@@ -246,10 +258,10 @@ class AsyncLLM:
                     self._log_stats()
                 elif message[0] == "added":
                     self._answer_add(*message[1:])
-                elif message[0] == "reset_prefix_cache":
+                elif message[0] == "answer":
                     answer = self._calls.pop(message[1], None)
                     if answer is not None:
-                        _settle(answer, None, message[2])
+                        _settle(answer, message[3], message[2])
                 elif message[0] == "dead":
                     logger.error("the engine loop died: %s: %s", type(message[1]).__name__, message[1])
                     self._die(message[1])

@@ -2,14 +2,14 @@
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
 In: ("add", stream_id, prompts, params (SamplingParams, or PoolingParams for an embedding model), priority,
-report_prompts), ("abort", stream_id), ("reset_prefix_cache",
-call_id), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step
+report_prompts), ("abort", stream_id), ("call", call_id, method) (LLMEngine.<method>(), one of ENGINE_CALLS),
+("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step
 runs. Out, sent by a thread of their own so that a step never waits on a frontend that is behind, in this order of
 events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None[, prompts]) for each add, all its prompts queued or none (prompts: each one's text
 and token ids as queued, where the add asked for them);
-("reset_prefix_cache", call_id, done) for each reset asked for (done: LLMEngine.reset_prefix_cache's answer);
+("answer", call_id, result, error) for each call (the method's result and None, or None and the error it raised);
 ("step", [(stream_id, prompt index, CompletionDelta), ...], EngineSnapshot) after each step that produced
 deltas, and whenever the state the frontend reports changed; ("dead", error) when the loop died outside any
 request; ("stopped",) after a stop, its aborts delivered."""
@@ -30,6 +30,10 @@ from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
 
+# The LLMEngine methods the frontend may call between steps (AsyncLLM._call), none of which takes an argument.
+ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile")
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What the frontend needs to know of the engine, sent once it is built."""
@@ -47,6 +51,7 @@ class EngineInfo:
     pooling_task: str | None = None  # a pooling model's: "embed" or "classify" (Pooler.task)
     labels: tuple[str, ...] = ()  # a classifier's class names
     score_activation: str | None = None  # a classifier's (Pooler.score_activation): a cross-encoder's score of its logit
+    profiler: str | None = None  # Config.profiler_config's profiler, if any: the server then serves /start_profile
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
                       {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
                       config.runner, pooler and pooler.task, pooler.labels if pooler else (),
-                      pooler and pooler.score_activation)
+                      pooler and pooler.score_activation, engine.profiler and engine.profiler.config.profiler)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:
@@ -167,14 +172,24 @@ class EngineCore:
                 self._add(*command[1:])
             elif command[0] == "abort":
                 self._abort(self._streams.get(command[1], []))
-            elif command[0] == "reset_prefix_cache":
-                self._send(("reset_prefix_cache", command[1], self.engine.reset_prefix_cache()))
+            elif command[0] == "call":
+                self._send(("answer", command[1], *self._call(command[2])))
             else:
                 self._abort(list(self._origin))
                 self._send(("step", self._route(self.engine.take_deltas()), snapshot(self.engine)))
                 self._send(("stopped",))
                 return False
         return True
+
+    def _call(self, method: str) -> tuple[object, BaseException | None]:
+        """LLMEngine.<method>() (one of ENGINE_CALLS): its result and None, or None and its error (the caller's to
+        raise: a refused call never ends the loop)."""
+        if method not in ENGINE_CALLS:
+            return None, ValueError(f"the engine takes no call {method!r}; it takes {', '.join(ENGINE_CALLS)}")
+        try:
+            return getattr(self.engine, method)(), None
+        except Exception as exc:
+            return None, exc
 
     def _add(self, stream_id: int, prompts: list, params: list[SamplingParams], priority: int = 0,
              report_prompts: bool = False):

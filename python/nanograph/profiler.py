@@ -1,0 +1,173 @@
+"""vLLM's profiler_config: a trace of the engine's steps between start_profile() and stop_profile().
+
+profiler="torch" records torch.profiler's trace of the engine's process (its host code, and on a GPU every kernel the
+core and torch launch, graph replays included) into torch_profiler_dir, one file per profile, named
+"rank0.<time>.pt.trace.json[.gz]" (open it in Perfetto or chrome://tracing); with torch_profiler_dump_cuda_time_total,
+the profile's table of ops by self time is written beside it as "profiler_out_0.txt". Each engine step is a
+"nanograph.step" range in the trace, and its forward a "nanograph.forward" range named by the batch's kind and size. profiler="cuda" brackets the profile with
+cudaProfilerStart/Stop, for Nsight Systems' `--capture-range=cudaProfilerApi`.
+
+delay_iterations: engine steps skipped after start_profile() before recording begins; max_iterations: steps recorded
+before the profile ends by itself (0: until stop_profile()). A tensor-parallel engine records rank 0's process (the
+scheduler, the sampler and rank 0's shard), not its worker processes."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+PROFILERS = ("torch", "cuda")  # ProfilerConfig.profiler's values
+TRACE_WORKER_NAME = "rank0"
+CUDA_TIME_TABLE = "profiler_out_0.txt"
+
+logger = logging.getLogger("nanograph")
+
+
+@dataclass
+class ProfilerConfig:
+    """vLLM's profiler_config. A torch_profiler_dir given without a profiler means profiler="torch"."""
+    profiler: str | None = None  # "torch", "cuda", or None (no profiler: start_profile() is an error)
+    torch_profiler_dir: str | None = None  # where profiler="torch" writes its traces (created if missing)
+    torch_profiler_with_stack: bool = True  # the Python stack of each op
+    torch_profiler_with_flops: bool = False  # estimated FLOPs of matrix products and convolutions
+    torch_profiler_use_gzip: bool = True  # traces gzip-compressed (.json.gz)
+    torch_profiler_dump_cuda_time_total: bool = True  # the table of ops by self time, beside the trace
+    torch_profiler_record_shapes: bool = False  # the input shapes of each op
+    torch_profiler_with_memory: bool = False  # tensor allocations and frees
+    delay_iterations: int = 0
+    max_iterations: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.torch_profiler_dir, os.PathLike):
+            self.torch_profiler_dir = os.fspath(self.torch_profiler_dir)
+        if self.torch_profiler_dir is not None and (not isinstance(self.torch_profiler_dir, str)
+                                                    or not self.torch_profiler_dir):
+            raise ValueError(f"profiler_config.torch_profiler_dir must be a folder's path, got "
+                             f"{self.torch_profiler_dir!r}")
+        if self.profiler is None and self.torch_profiler_dir is not None:
+            self.profiler = "torch"
+        if self.profiler not in (None, *PROFILERS):
+            raise ValueError(f"profiler_config.profiler={self.profiler!r} is not one nanograph has; use "
+                             f"{' or '.join(map(repr, PROFILERS))}, or None (no profiler)")
+        if self.profiler == "torch" and self.torch_profiler_dir is None:
+            raise ValueError("profiler_config.profiler='torch' writes its traces into torch_profiler_dir; give one, "
+                             "e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("torch_profiler_") and field.name != "torch_profiler_dir" \
+                    and not isinstance(value, bool):
+                raise ValueError(f"profiler_config.{field.name} must be a bool, got {value!r}")
+        for name in ("delay_iterations", "max_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"profiler_config.{name} must be a whole number of engine steps (0 or more), got "
+                                 f"{value!r}")
+
+    @classmethod
+    def of(cls, given) -> ProfilerConfig:
+        """A ProfilerConfig, a dict of its fields (as --profiler-config's JSON gives them), or None (no profiler)."""
+        if given is None:
+            return cls()
+        if isinstance(given, cls):
+            return cls(**{field.name: getattr(given, field.name) for field in fields(cls)})
+        if not isinstance(given, dict):
+            raise ValueError(f"profiler_config must be a ProfilerConfig or a dict such as {{\"profiler\": \"torch\", "
+                             f"\"torch_profiler_dir\": \"./traces\"}}, got {given!r}")
+        names = {field.name for field in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"profiler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
+        return cls(**given)
+
+
+class EngineProfiler:
+    """The engine's profiler: start() and stop() from the API, step() around each engine step. Not thread-safe: the
+    engine calls it under its lock."""
+
+    def __init__(self, config: ProfilerConfig, device: torch.device):
+        if config.profiler == "cuda" and device.type != "cuda":
+            raise ValueError(f"profiler_config.profiler='cuda' brackets a profile for Nsight Systems, and this engine "
+                             f"runs on {device.type}; use profiler='torch' (with a torch_profiler_dir)")
+        self.config = config
+        self.device = device
+        self.running = False  # between start() and stop()
+        self._steps = 0  # engine steps since start()
+        self._torch: torch.profiler.profile | None = None
+        self._recording = False
+
+    def start(self):
+        if self.running:
+            raise RuntimeError("the profiler is already running: call stop_profile() first")
+        self.running, self._steps = True, 0
+        if self.config.delay_iterations == 0:
+            self._begin()
+
+    def stop(self):
+        """End the profile (writing its trace), if it has not ended by itself (max_iterations)."""
+        if not self.running:
+            raise RuntimeError("the profiler is not running: call start_profile() first")
+        self.running = False
+        self._end()
+
+    @contextlib.contextmanager
+    def step(self):
+        """One engine step: a "nanograph.step" range of the trace while recording; it counts towards
+        delay_iterations and max_iterations."""
+        with self.range("nanograph.step"):
+            yield
+        if not self.running:
+            return
+        self._steps += 1
+        config = self.config
+        if not self._recording and self._steps == config.delay_iterations:
+            self._begin()
+        elif self._recording and config.max_iterations and self._steps == config.delay_iterations + config.max_iterations:
+            self._end()
+
+    def range(self, name: str):
+        """A named range of the trace while recording; nothing otherwise."""
+        return torch.profiler.record_function(name) if self._recording else contextlib.nullcontext()
+
+    def _begin(self):
+        self._recording = True
+        if self.config.profiler == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.profiler.start()
+            return
+        config = self.config
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._torch = torch.profiler.profile(
+            activities=activities, record_shapes=config.torch_profiler_record_shapes,
+            profile_memory=config.torch_profiler_with_memory, with_stack=config.torch_profiler_with_stack,
+            with_flops=config.torch_profiler_with_flops,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(config.torch_profiler_dir,
+                                                                    worker_name=TRACE_WORKER_NAME,
+                                                                    use_gzip=config.torch_profiler_use_gzip))
+        self._torch.start()
+
+    def _end(self):
+        if not self._recording:
+            return
+        self._recording = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the steps' kernels belong to this profile
+        if self.config.profiler == "cuda":
+            torch.cuda.profiler.stop()
+            return
+        profile, self._torch = self._torch, None
+        profile.stop()  # writes the trace (on_trace_ready)
+        if self.config.torch_profiler_dump_cuda_time_total:
+            sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            try:
+                table = profile.key_averages().table(sort_by=sort_by, row_limit=100)
+            except UnicodeDecodeError as exc:  # torch's reading of a Python stack's event names, now and then
+                logger.warning("the profile's trace is written, but not its table of ops: torch could not read its "
+                               "events (%s); torch_profiler_with_stack=False avoids it", exc)
+                return
+            with open(os.path.join(self.config.torch_profiler_dir, CUDA_TIME_TABLE), "w") as out:
+                out.write(table)

@@ -1,0 +1,45 @@
+"""vLLM's POST /start_profile and /stop_profile on `nanograph serve --profiler-config` (the default model on the CPU):
+the trace of the requests between them, written by the engine process, and the routes' errors."""
+import gzip
+import json
+import os
+
+import httpx
+import pytest
+
+from nanograph import SamplingParams
+
+from .server_process import module_server
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, traces):
+    config = {"profiler": "torch", "torch_profiler_dir": str(traces), "torch_profiler_with_stack": False}
+    yield from module_server(tmp_path_factory, "--profiler-config", json.dumps(config))
+
+
+def test_a_profile_of_served_requests(server, client, model, traces, reference_llm):
+    stopped = httpx.post(server.base_url + "/stop_profile", timeout=60)
+    assert stopped.status_code == 409
+    assert "the profiler is not running: call start_profile() first" in stopped.json()["error"]["message"]
+    assert httpx.post(server.base_url + "/start_profile", timeout=60).status_code == 200
+    again = httpx.post(server.base_url + "/start_profile", timeout=60)
+    assert again.status_code == 409 and "already running" in again.json()["error"]["message"]
+    text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4,
+                                     temperature=0).choices[0].text
+    assert httpx.post(server.base_url + "/stop_profile", timeout=120).status_code == 200
+    # The trace is on disk when /stop_profile answers, and the profile changed no token.
+    [trace] = [name for name in os.listdir(traces) if name.endswith(".pt.trace.json.gz")]
+    with gzip.open(traces / trace, "rt") as f:
+        names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+    assert "nanograph.step" in names
+    assert any(name.startswith("nanograph.forward prefill: 1 sequences") for name in names)
+    assert (traces / "profiler_out_0.txt").exists()
+    expected = reference_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
+                                      use_tqdm=False)[0].outputs[0].text
+    assert text == expected
