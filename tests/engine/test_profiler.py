@@ -94,6 +94,11 @@ def test_the_profilers_state_errors(tmp_path):
     [output] = engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)  # the engine goes on
     assert output.outputs[0].token_ids == reference_completion([3, 4, 5], 6)
     assert len(traces(tmp_path)) == 1
+    # A profile still running at shutdown ends there, its trace written.
+    engine.start_profile()
+    engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)
+    engine.shutdown()
+    assert len(traces(tmp_path)) == 2 and not engine.profiler.running
 
 
 @pytest.mark.parametrize("given, message", [

@@ -250,8 +250,10 @@ class LLMEngine:
 
     def shutdown(self):
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
-        which its steps fail)."""
+        which its steps fail); a profile still running ends, its trace written."""
         with self._lock:
+            if self.profiler is not None and self.profiler.running:
+                self.profiler.stop()
             self.runner.shutdown()
 
     def take_deltas(self) -> list[CompletionDelta]:
