@@ -87,8 +87,20 @@ async def _send(session: aiohttp.ClientSession, url: str, body: dict) -> Request
     return result
 
 
+async def _profile(session: aiohttp.ClientSession, base_url: str, action: str):
+    """POST /start_profile or /stop_profile (vLLM's routes, served with --profiler-config)."""
+    async with session.post(base_url.rstrip("/") + f"/{action}_profile") as response:
+        if response.status == 404:
+            raise RuntimeError(f"{base_url} serves no profiler: start the server with --profiler-config (e.g. "
+                               "'{\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}'), or leave out "
+                               "--profile")
+        if response.status != 200:
+            raise RuntimeError(f"POST /{action}_profile answered {response.status}: {await response.text()}")
+
+
 async def _run(base_url: str, model: str | None, prompts: list[list[int]], output_len: int, request_rate: float,
-               max_concurrency: int | None, api_key: str | None, seed: int) -> tuple[list[RequestResult], float]:
+               max_concurrency: int | None, api_key: str | None, seed: int, profile: bool = False
+               ) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -110,6 +122,8 @@ async def _run(base_url: str, model: str | None, prompts: list[list[int]], outpu
             async with gate:
                 return await _send(session, url, body(prompt, output_len))
 
+        if profile:
+            await _profile(session, base_url, "start")
         start = time.perf_counter()
         tasks = []
         for prompt in prompts:
@@ -117,7 +131,10 @@ async def _run(base_url: str, model: str | None, prompts: list[list[int]], outpu
             if request_rate != float("inf"):
                 await asyncio.sleep(arrivals.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        duration = time.perf_counter() - start
+        if profile:
+            await _profile(session, base_url, "stop")  # after the timing: writing the trace takes a while
+        return results, duration
 
 
 def _summary(name: str, seconds: list[float]) -> dict[str, float]:
@@ -129,11 +146,12 @@ def _summary(name: str, seconds: list[float]) -> dict[str, float]:
 def bench_serve(base_url: str, model: str | None = None, num_prompts: int = 1000, input_len: int = 1024,
                 output_len: int = 128, request_rate: float = float("inf"), max_concurrency: int | None = None,
                 goodput: list[str] | None = None, api_key: str | None = None, seed: int = 0,
-                result_file: str | None = None) -> dict:
+                result_file: str | None = None, profile: bool = False) -> dict:
+    """profile: the server's profiler (vLLM's /start_profile and /stop_profile) records the timed requests."""
     slos = parse_goodput(goodput)
     prompts = random_workload(num_prompts, input_len, seed)
     results, duration = asyncio.run(_run(base_url, model, prompts, output_len, request_rate, max_concurrency,
-                                         api_key, seed))
+                                         api_key, seed, profile))
     done = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in done)
     good = [r for r in done if all(getattr(r, "latency" if name == "e2el" else name) <= limit

@@ -88,6 +88,8 @@ def add_bench_arguments(bench: argparse.ArgumentParser):
                        "for the goodput, e.g. ttft:500 tpot:50")
     bench.add_argument("--api-key", help="serve: the server's API key")
     bench.add_argument("--result-file", help="serve: write the results as JSON here")
+    bench.add_argument("--profile", action="store_true", help="serve: the server's profiler records the timed "
+                       "requests (POST /start_profile and /stop_profile; the server needs --profiler-config)")
 
 
 def _positive_int(text: str) -> int:
@@ -126,7 +128,7 @@ def bench(args: argparse.Namespace):
             raise SystemExit(f"nanograph bench serve needs the {exc.name} package: pip install aiohttp")
         bench_serve(args.base_url, args.model, args.num_prompts, args.prompt_len or 1024, args.output_len or 128,
                     args.request_rate, args.max_concurrency, args.goodput, args.api_key, getattr(args, "seed", 0),
-                    args.result_file)
+                    args.result_file, args.profile)
         return
     from . import bench as benchmarks
     if args.workload == "latency":

@@ -46,3 +46,9 @@ def test_the_workload_repeats_for_a_seed_and_bad_slos_are_named():
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 0.5, "tpot": 0.05}
     with pytest.raises(ValueError, match="NAME:MS pairs with NAME one of ttft, tpot, e2el; got 'itl:5'"):
         parse_goodput(["itl:5"])
+
+
+def test_profile_needs_a_server_with_a_profiler(server, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run_cli(server, tmp_path, "--profile")
+    assert "serves no profiler: start the server with --profiler-config" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from nanograph import SamplingParams
+from nanograph.cli import main
 
 from .server_process import module_server
 
@@ -43,3 +44,17 @@ def test_a_profile_of_served_requests(server, client, model, traces, reference_l
     expected = reference_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
                                       use_tqdm=False)[0].outputs[0].text
     assert text == expected
+
+
+def test_bench_serve_profiles_its_timed_requests(server, traces, tmp_path):
+    before = set(os.listdir(traces))
+    main(["bench", "serve", "--base-url", server.base_url, "--num-prompts", "3", "--prompt-len", "8", "--output-len",
+          "3", "--profile", "--result-file", str(tmp_path / "result.json")])
+    assert json.loads((tmp_path / "result.json").read_text())["completed"] == 3
+    [trace] = [name for name in set(os.listdir(traces)) - before if name.endswith(".pt.trace.json.gz")]
+    with gzip.open(traces / trace, "rt") as f:
+        names = [event.get("name", "") for event in json.load(f)["traceEvents"]]
+    # The forwards of the three timed requests, and not of the warm-up before the profile began: each request's
+    # prompt (8 tokens) and its first two output tokens (the third is sampled, never fed back).
+    forwards = [name for name in names if name.startswith("nanograph.forward")]
+    assert sum(int(name.split(", ")[1].split()[0]) for name in forwards) == 3 * (8 + 2), forwards
