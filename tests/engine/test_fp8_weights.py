@@ -250,14 +250,16 @@ def test_fused_pieces_must_meet_at_a_multiple_of_8_rows(tmp_path):
 
 
 def test_the_torch_backend_runs_an_fp8_checkpoint_as_transformers_does(tmp_path):
-    """transformers (on a CPU it dequantizes FP8 checkpoints) reads the checkpoint as nanograph does: the same
-    dequantized weights and the same logits."""
+    """transformers, dequantizing, reads the checkpoint as nanograph does: the same dequantized weights and the same
+    logits. (It dequantizes by itself where no GPU is visible, and keeps e4m3 weights where one is: dequantize=True
+    asks for the former everywhere; test_fp8_gpu.py compares with its FP8 forward.)"""
     pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints with accelerate")
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     _save_random_model(tmp_path / "float", WHOLE_BLOCKS, seed=1)
     folder = make_fp8_checkpoint(tmp_path / "float", tmp_path / "fp8")
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
     stored = checkpoint_tensors(folder)
     name = "model.layers.1.mlp.gate_proj"
     assert torch.equal(hf.get_submodule(name).weight.float(),
