@@ -145,7 +145,7 @@ def hf_decode_seconds_per_token(model_path: str, prompt: list[int], output_len: 
 
     generate(output_len)  # compiles
     seconds = decode_seconds_per_token(generate, output_len)
-    del model
+    model = None  # the weights go (the closure above reads the name, and is not called again)
     torch.cuda.empty_cache()
     return seconds
 
@@ -258,7 +258,7 @@ def hf_batched_generate_seconds(model_path: str, prompts: list[list[int]], param
     start = time.perf_counter()
     generate(max_new)
     seconds = time.perf_counter() - start
-    del model
+    model = None  # the weights go (the closure above reads the name, and is not called again)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return seconds
