@@ -240,9 +240,9 @@ class AsyncLLMEngine:
                              "abort them first, or pass False")
         return await self._async_llm.reset_prefix_cache()
 
-    async def start_profile(self):
+    async def start_profile(self, profile_prefix: str | None = None):
         """vLLM's: start the profiler of the engine's profiler_config (LLM.start_profile())."""
-        await self._async_llm.start_profile()
+        await self._async_llm.start_profile(profile_prefix)
 
     async def stop_profile(self):
         """vLLM's: end the profile, writing its trace (LLM.stop_profile())."""

@@ -124,16 +124,18 @@ async def _run(base_url: str, model: str | None, prompts: list[list[int]], outpu
 
         if profile:
             await _profile(session, base_url, "start")
-        start = time.perf_counter()
-        tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(one(prompt)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(arrivals.expovariate(request_rate))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        if profile:
-            await _profile(session, base_url, "stop")  # after the timing: writing the trace takes a while
+        try:
+            start = time.perf_counter()
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(one(prompt)))
+                if request_rate != float("inf"):
+                    await asyncio.sleep(arrivals.expovariate(request_rate))
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+        finally:
+            if profile:  # after the timing (writing the trace takes a while), and whatever ended the run
+                await _profile(session, base_url, "stop")
         return results, duration
 
 

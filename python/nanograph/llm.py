@@ -60,10 +60,11 @@ class LLM:
         a request holds KV blocks (a stream still running)."""
         return self.engine.reset_prefix_cache()
 
-    def start_profile(self):
+    def start_profile(self, profile_prefix: str | None = None):
         """vLLM's: start the profiler that profiler_config= configures (e.g. {"profiler": "torch",
-        "torch_profiler_dir": "./traces"}; profiler.py), recording the engine's steps until stop_profile()."""
-        self.engine.start_profile()
+        "torch_profiler_dir": "./traces"}; profiler.py), recording the engine's steps until stop_profile().
+        profile_prefix: the trace file's name begins with it."""
+        self.engine.start_profile(profile_prefix)
 
     def stop_profile(self):
         """vLLM's: end the profile, writing its trace into torch_profiler_dir."""

@@ -4,8 +4,9 @@ profiler="torch" records torch.profiler's trace of the engine's process (its hos
 core and torch launch, graph replays included) into torch_profiler_dir, one file per profile, named
 "rank0.<time>.pt.trace.json[.gz]" (open it in Perfetto or chrome://tracing); with torch_profiler_dump_cuda_time_total,
 the profile's table of ops by self time is written beside it as "profiler_out_0.txt". Each engine step is a
-"nanograph.step" range in the trace, and its forward a "nanograph.forward" range named by the batch's kind and size. profiler="cuda" brackets the profile with
-cudaProfilerStart/Stop, for Nsight Systems' `--capture-range=cudaProfilerApi`.
+"nanograph.step" range in the trace, and its forward a "nanograph.forward" range named by the batch's kind and size.
+profiler="cuda" brackets the profile with cudaProfilerStart/Stop, for Nsight Systems'
+`--capture-range=cudaProfilerApi`, the same ranges as NVTX ranges.
 
 delay_iterations: engine steps skipped after start_profile() before recording begins; max_iterations: steps recorded
 before the profile ends by itself (0: until stop_profile()). A tensor-parallel engine records rank 0's process (the
@@ -39,26 +40,32 @@ class ProfilerConfig:
     torch_profiler_with_memory: bool = False  # tensor allocations and frees
     delay_iterations: int = 0
     max_iterations: int = 0
+    ignore_frontend: bool = False  # vLLM's; the API server is never profiled here, only the engine's process
 
     def __post_init__(self):
         if isinstance(self.torch_profiler_dir, os.PathLike):
             self.torch_profiler_dir = os.fspath(self.torch_profiler_dir)
-        if self.torch_profiler_dir is not None and (not isinstance(self.torch_profiler_dir, str)
-                                                    or not self.torch_profiler_dir):
-            raise ValueError(f"profiler_config.torch_profiler_dir must be a folder's path, got "
-                             f"{self.torch_profiler_dir!r}")
+        if self.torch_profiler_dir is not None:
+            if not isinstance(self.torch_profiler_dir, str) or not self.torch_profiler_dir:
+                raise ValueError(f"profiler_config.torch_profiler_dir must be a folder's path, got "
+                                 f"{self.torch_profiler_dir!r}")
+            # As vLLM: ~ expanded, and absolute (the engine process's working folder is not the caller's to guess).
+            self.torch_profiler_dir = os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
         if self.profiler is None and self.torch_profiler_dir is not None:
             self.profiler = "torch"
         if self.profiler not in (None, *PROFILERS):
             raise ValueError(f"profiler_config.profiler={self.profiler!r} is not one nanograph has; use "
                              f"{' or '.join(map(repr, PROFILERS))}, or None (no profiler)")
+        if self.profiler == "cuda" and self.torch_profiler_dir is not None:
+            raise ValueError("profiler_config.torch_profiler_dir is for profiler='torch'; profiler='cuda' writes no "
+                             "trace (Nsight Systems does): leave the folder out, or use profiler='torch'")
         if self.profiler == "torch" and self.torch_profiler_dir is None:
             raise ValueError("profiler_config.profiler='torch' writes its traces into torch_profiler_dir; give one, "
                              "e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}")
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name.startswith("torch_profiler_") and field.name != "torch_profiler_dir" \
-                    and not isinstance(value, bool):
+            if (field.name.startswith("torch_profiler_") and field.name != "torch_profiler_dir"
+                    or field.name == "ignore_frontend") and not isinstance(value, bool):
                 raise ValueError(f"profiler_config.{field.name} must be a bool, got {value!r}")
         for name in ("delay_iterations", "max_iterations"):
             value = getattr(self, name)
@@ -85,7 +92,9 @@ class ProfilerConfig:
 
 class EngineProfiler:
     """The engine's profiler: start() and stop() from the API, step() around each engine step. Not thread-safe: the
-    engine calls it under its lock."""
+    engine calls it under its lock. As vLLM's: a start while a profile runs, or a stop while none does, changes
+    nothing (a warning says so); a profiler that fails between steps (its folder, its trace) ends its profile with an
+    error logged, and the engine goes on."""
 
     def __init__(self, config: ProfilerConfig, device: torch.device):
         if config.profiler == "cuda" and device.type != "cuda":
@@ -93,22 +102,38 @@ class EngineProfiler:
                              f"runs on {device.type}; use profiler='torch' (with a torch_profiler_dir)")
         self.config = config
         self.device = device
-        self.running = False  # between start() and stop()
+        self.running = False  # between start() and stop(), or the end max_iterations sets
         self._steps = 0  # engine steps since start()
         self._torch: torch.profiler.profile | None = None
         self._recording = False
+        self._worker_name = TRACE_WORKER_NAME
 
-    def start(self):
+    def start(self, profile_prefix: str | None = None):
+        """profile_prefix: the trace file's name starts with it (vLLM's), then "_rank0"."""
         if self.running:
-            raise RuntimeError("the profiler is already running: call stop_profile() first")
-        self.running, self._steps = True, 0
+            logger.warning("start_profile(): the profiler is already running; nothing changed")
+            return
+        if profile_prefix is not None and (not isinstance(profile_prefix, str) or not profile_prefix
+                                           or os.sep in profile_prefix):
+            raise ValueError(f"profile_prefix must be a non-empty file name prefix (no {os.sep!r}), got "
+                             f"{profile_prefix!r}")
+        if self.config.profiler == "torch":
+            try:
+                os.makedirs(self.config.torch_profiler_dir, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"profiler_config.torch_profiler_dir={self.config.torch_profiler_dir!r} cannot be "
+                                 f"made a folder ({exc}); give a folder this process can write") from None
+        self._worker_name = f"{profile_prefix}_{TRACE_WORKER_NAME}" if profile_prefix else TRACE_WORKER_NAME
+        self._steps = 0
         if self.config.delay_iterations == 0:
             self._begin()
+        self.running = True
 
     def stop(self):
         """End the profile (writing its trace), if it has not ended by itself (max_iterations)."""
         if not self.running:
-            raise RuntimeError("the profiler is not running: call start_profile() first")
+            logger.warning("stop_profile(): the profiler is not running; nothing changed")
+            return
         self.running = False
         self._end()
 
@@ -122,33 +147,48 @@ class EngineProfiler:
             return
         self._steps += 1
         config = self.config
-        if not self._recording and self._steps == config.delay_iterations:
-            self._begin()
-        elif self._recording and config.max_iterations and self._steps == config.delay_iterations + config.max_iterations:
-            self._end()
+        try:
+            if not self._recording and self._steps == config.delay_iterations:
+                self._begin()
+            elif self._recording and config.max_iterations and \
+                    self._steps == config.delay_iterations + config.max_iterations:
+                self.running = False
+                self._end()
+        except Exception:  # the profile's, not the step's: the step's outputs stand
+            self.running, self._recording, self._torch = False, False, None
+            logger.exception("the profiler failed between engine steps; its profile has ended")
+
+    @property
+    def recording(self) -> bool:
+        return self._recording
 
     def range(self, name: str):
-        """A named range of the trace while recording; nothing otherwise."""
-        return torch.profiler.record_function(name) if self._recording else contextlib.nullcontext()
+        """A named range while recording (torch.profiler's; NVTX's for Nsight Systems); nothing otherwise."""
+        if not self._recording:
+            return contextlib.nullcontext()
+        if self.config.profiler == "cuda":
+            return torch.cuda.nvtx.range(name)
+        return torch.profiler.record_function(name)
 
     def _begin(self):
-        self._recording = True
         if self.config.profiler == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.start()
+            self._recording = True
             return
         config = self.config
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._torch = torch.profiler.profile(
+        profile = torch.profiler.profile(
             activities=activities, record_shapes=config.torch_profiler_record_shapes,
             profile_memory=config.torch_profiler_with_memory, with_stack=config.torch_profiler_with_stack,
             with_flops=config.torch_profiler_with_flops,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(config.torch_profiler_dir,
-                                                                    worker_name=TRACE_WORKER_NAME,
+                                                                    worker_name=self._worker_name,
                                                                     use_gzip=config.torch_profiler_use_gzip))
-        self._torch.start()
+        profile.start()
+        self._torch, self._recording = profile, True
 
     def _end(self):
         if not self._recording:

@@ -1,34 +1,20 @@
 """vLLM's profiler_config with start_profile() / stop_profile(): torch.profiler traces of the engine's steps."""
-import gzip
-import json
-import os
+import logging
 
 import pytest
+import torch
 
 from nanograph import LLM, SamplingParams
 from nanograph.config import Config
 from nanograph.profiler import CUDA_TIME_TABLE, ProfilerConfig
 
+from ..trace_files import range_names as step_ranges
+from ..trace_files import trace_events
+from ..trace_files import trace_files as traces
 from .fake_model import fake_engine, reference_completion
 from .tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-
-
-def traces(folder) -> list[str]:
-    return sorted(name for name in os.listdir(folder) if ".pt.trace.json" in name)
-
-
-def trace_events(path) -> list[dict]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
-
-
-def step_ranges(path) -> list[str]:
-    """The names of the trace's nanograph ranges, in time order."""
-    events = [e for e in trace_events(path) if e.get("name", "").startswith("nanograph.") and e.get("ph") == "X"]
-    return [e["name"] for e in sorted(events, key=lambda e: e["ts"])]
 
 
 def test_a_profile_traces_the_steps_between_start_and_stop_and_changes_no_token(tmp_path):
@@ -79,26 +65,60 @@ def test_iteration_limits_and_the_trace_options(tmp_path):
     assert len(traces(folder)) == 2
 
 
-def test_the_profilers_state_errors(tmp_path):
+def test_the_profilers_state_changes_as_vllms(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="no profiler is configured: pass profiler_config="):
         fake_engine().start_profile()
     with pytest.raises(RuntimeError, match="no profiler is configured"):
         fake_engine().stop_profile()
     engine = fake_engine(profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
-    with pytest.raises(RuntimeError, match="the profiler is not running: call start_profile\\(\\) first"):
+    # A stop with no profile running, and a start while one runs, change nothing (warnings say so).
+    with caplog.at_level(logging.WARNING, logger="nanograph"):
         engine.stop_profile()
-    engine.start_profile()
-    with pytest.raises(RuntimeError, match="the profiler is already running: call stop_profile\\(\\) first"):
-        engine.start_profile()
+        engine.start_profile(profile_prefix="first")
+        engine.start_profile(profile_prefix="second")
+    assert "the profiler is not running; nothing changed" in caplog.text
+    assert "the profiler is already running; nothing changed" in caplog.text
     engine.stop_profile()
     [output] = engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)  # the engine goes on
     assert output.outputs[0].token_ids == reference_completion([3, 4, 5], 6)
-    assert len(traces(tmp_path)) == 1
+    [trace] = traces(tmp_path)
+    assert trace.startswith("first_rank0.")  # vLLM's profile_prefix
     # A profile still running at shutdown ends there, its trace written.
     engine.start_profile()
     engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)
     engine.shutdown()
     assert len(traces(tmp_path)) == 2 and not engine.profiler.running
+    with pytest.raises(ValueError, match="profile_prefix must be a non-empty file name prefix"):
+        fake_engine(profiler_config={"torch_profiler_dir": str(tmp_path)}).start_profile(profile_prefix="a/b")
+
+
+def test_a_profiler_that_fails_never_fails_a_step(tmp_path, monkeypatch, caplog):
+    # A folder that cannot be made fails start_profile(), naming it.
+    (tmp_path / "file").write_text("")
+    engine = fake_engine(profiler_config={"torch_profiler_dir": str(tmp_path / "file" / "traces")})
+    with pytest.raises(ValueError, match="torch_profiler_dir=.*cannot be made a folder"):
+        engine.start_profile()
+    assert not engine.profiler.running
+    # A profile that fails to begin between steps (delay_iterations) ends with the error logged; the requests'
+    # tokens are the same.
+    engine = fake_engine(profiler_config={"torch_profiler_dir": str(tmp_path / "traces"), "delay_iterations": 2})
+
+    def refuse(self):
+        raise RuntimeError("no profiler today")
+    monkeypatch.setattr(torch.profiler.profile, "start", refuse)
+    engine.start_profile()
+    with caplog.at_level(logging.ERROR, logger="nanograph"):
+        [output] = engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)
+    assert output.outputs[0].token_ids == reference_completion([3, 4, 5], 6)
+    assert "the profiler failed between engine steps; its profile has ended" in caplog.text
+    assert "no profiler today" in caplog.text
+    assert not engine.profiler.running and not engine.profiler.recording
+    engine.stop_profile()  # nothing to stop: a warning
+    monkeypatch.undo()
+    engine.start_profile()  # and it starts again
+    engine.generate([[3, 4, 5]], [GREEDY], use_tqdm=False)
+    engine.stop_profile()
+    assert len(traces(tmp_path / "traces")) == 1
 
 
 @pytest.mark.parametrize("given, message", [
@@ -109,11 +129,21 @@ def test_the_profilers_state_errors(tmp_path):
     ({"torch_profiler_dir": "t", "delay_iterations": 1.5}, "delay_iterations must be a whole number"),
     ({"torch_profiler_dir": "t", "torch_profiler_with_stack": "yes"}, "torch_profiler_with_stack must be a bool"),
     ({"torch_profiler_dir": "t", "trace_dir": "t"}, "profiler_config takes .*; got unknown key\\(s\\) \\['trace_dir'\\]"),
+    ({"profiler": "cuda", "torch_profiler_dir": "t"}, "torch_profiler_dir is for profiler='torch'"),
+    ({"torch_profiler_dir": "t", "ignore_frontend": 1}, "ignore_frontend must be a bool"),
     ("torch", "profiler_config must be a ProfilerConfig or a dict"),
 ])
 def test_bad_profiler_configs_name_the_field_and_the_fix(given, message):
     with pytest.raises(ValueError, match=message):
         Config(profiler_config=given)
+
+
+def test_the_folder_is_expanded_and_absolute(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert ProfilerConfig(torch_profiler_dir="~/traces").torch_profiler_dir == str(tmp_path / "traces")
+    monkeypatch.chdir(tmp_path)
+    config = ProfilerConfig.of({"torch_profiler_dir": "rel", "ignore_frontend": True})
+    assert config.torch_profiler_dir == str(tmp_path / "rel") and config.profiler == "torch"
 
 
 def test_the_cuda_profiler_needs_a_cuda_device():

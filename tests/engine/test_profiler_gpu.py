@@ -1,9 +1,6 @@
 """The profiler on the CUDA core (GPU): the trace holds the kernels of the engine's steps, graph replays included,
 and profiler='cuda' brackets a profile without changing a token."""
 import gc
-import gzip
-import json
-import os
 
 import pytest
 import torch
@@ -11,6 +8,7 @@ import torch
 from nanograph import LLM, SamplingParams
 
 from ..hf_models import make_random_model
+from ..trace_files import trace_events, trace_files
 
 pytestmark = pytest.mark.gpu
 
@@ -43,9 +41,8 @@ def test_the_torch_trace_holds_the_steps_kernels(qwen3_folder, tmp_path):
     expected = generate(qwen3_folder, profile=False)
     config = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_with_stack": False}
     assert generate(qwen3_folder, profile=True, profiler_config=config) == expected
-    [trace] = [name for name in os.listdir(tmp_path) if name.endswith(".pt.trace.json.gz")]
-    with gzip.open(tmp_path / trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    [trace] = trace_files(tmp_path)
+    events = trace_events(tmp_path / trace)
     kernels = [event["name"] for event in events if event.get("cat") == "kernel"]
     # The prefill's and the graph-replayed decode steps' kernels: the GEMVs run only at decode, in the graphs.
     assert any("gemv" in name for name in kernels), sorted(set(kernels))[:20]
@@ -55,6 +52,11 @@ def test_the_torch_trace_holds_the_steps_kernels(qwen3_folder, tmp_path):
     assert "Self CUDA" in (tmp_path / "profiler_out_0.txt").read_text()  # the table, by the kernels' time
 
 
-def test_the_cuda_profiler_brackets_a_profile(qwen3_folder):
+def test_the_cuda_profiler_brackets_a_profile(qwen3_folder, monkeypatch):
+    calls = []
+    for name in ("start", "stop"):
+        real = getattr(torch.cuda.profiler, name)
+        monkeypatch.setattr(torch.cuda.profiler, name, lambda real=real, name=name: (calls.append(name), real())[1])
     expected = generate(qwen3_folder, profile=False)
     assert generate(qwen3_folder, profile=True, profiler_config={"profiler": "cuda"}) == expected
+    assert calls == ["start", "stop"]

@@ -231,14 +231,14 @@ class LLMEngine:
         with self._lock:
             return self.scheduler.block_manager.reset_prefix_cache()
 
-    def start_profile(self):
-        """vLLM's: start the profiler of Config.profiler_config (profiler.py). A RuntimeError without one, or while
-        it runs."""
+    def start_profile(self, profile_prefix: str | None = None):
+        """vLLM's: start the profiler of Config.profiler_config (profiler.py); profile_prefix begins the trace's file
+        name. A RuntimeError without a profiler; a profile already running goes on (a warning says so)."""
         with self._lock:
-            self._configured_profiler().start()
+            self._configured_profiler().start(profile_prefix)
 
     def stop_profile(self):
-        """vLLM's: end the profile start_profile() began, writing its trace. A RuntimeError when none runs."""
+        """vLLM's: end the profile start_profile() began, writing its trace (none running: a warning)."""
         with self._lock:
             self._configured_profiler().stop()
 
@@ -252,9 +252,11 @@ class LLMEngine:
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes, after
         which its steps fail); a profile still running ends, its trace written."""
         with self._lock:
-            if self.profiler is not None and self.profiler.running:
-                self.profiler.stop()
-            self.runner.shutdown()
+            try:
+                if self.profiler is not None and self.profiler.running:
+                    self.profiler.stop()
+            finally:
+                self.runner.shutdown()
 
     def take_deltas(self) -> list[CompletionDelta]:
         """What the steps since the last call added to each request queued with add_request(stream=True) (or all of
@@ -396,7 +398,7 @@ class LLMEngine:
 
     def _forward_range(self, batch: ScheduledBatch):
         """The profiler's range of a batch's forward (nothing unless it records)."""
-        if self.profiler is None or not self.profiler.running:
+        if self.profiler is None or not self.profiler.recording:
             return contextlib.nullcontext()
         return self.profiler.range(f"nanograph.forward {'prefill' if batch.is_prefill else 'decode'}: "
                                    f"{len(batch.seqs)} sequences, {batch.num_tokens} tokens")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import uuid
@@ -15,7 +16,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from .async_llm import EngineUnavailable
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
@@ -23,7 +23,9 @@ from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
 from .responses import create_response
-from .serving import ServedModel, unavailable
+from .serving import ServedModel, profiler_call
+
+logger = logging.getLogger("nanograph.serve")
 
 SHUTDOWN_SECONDS = 10  # how long the engine loop may take to end its requests when the server stops
 # What /load counts (vLLM's: the requests that run in the engine).
@@ -59,16 +61,6 @@ class ServerLoad:
                 await self.app(scope, receive, send)
             finally:
                 self.load.value -= 1
-
-
-async def _profile_call(call):
-    """A profiler call; the engine's refusal (already running, or not running) is a 409 naming it."""
-    try:
-        await call()
-    except EngineUnavailable as exc:
-        raise unavailable(exc) from None
-    except RuntimeError as exc:
-        raise APIError(409, str(exc), code="profiler_state") from None
 
 
 def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict | None = None,
@@ -203,16 +195,19 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             return Response(status_code=200)
 
     if async_llm.info.profiler is not None:
+        logger.warning("profiler enabled (--profiler-config): POST /start_profile and /stop_profile are served, "
+                       "without the API key, for local development only")
+
         @app.post("/start_profile")
         async def start_profile():
             """vLLM's profiling route, served where --profiler-config configures a profiler."""
-            await _profile_call(async_llm.start_profile)
+            await profiler_call(async_llm.start_profile)
             return Response(status_code=200)
 
         @app.post("/stop_profile")
         async def stop_profile():
             """vLLM's: end the profile, its trace written (the answer waits for the file)."""
-            await _profile_call(async_llm.stop_profile)
+            await profiler_call(async_llm.stop_profile)
             return Response(status_code=200)
 
     @app.post("/pooling", dependencies=[Depends(check_api_key)])

@@ -184,23 +184,24 @@ class AsyncLLM:
         """The engine's LLMEngine.reset_prefix_cache(): False, changing nothing, while a request holds KV blocks."""
         return await self._call("reset_prefix_cache")
 
-    async def start_profile(self):
-        """The engine's LLMEngine.start_profile(): its RuntimeError without a profiler, or while one runs."""
-        await self._call("start_profile")
+    async def start_profile(self, profile_prefix: str | None = None):
+        """The engine's LLMEngine.start_profile(): its RuntimeError without a profiler."""
+        await self._call("start_profile", profile_prefix)
 
     async def stop_profile(self):
-        """The engine's LLMEngine.stop_profile() (the trace written): its RuntimeError when no profile runs."""
+        """The engine's LLMEngine.stop_profile(), answered once the trace is written."""
         await self._call("stop_profile")
 
-    async def _call(self, method: str):
-        """LLMEngine.<method>() in the engine process, between its steps: its answer, or its error raised here."""
+    async def _call(self, method: str, *args):
+        """LLMEngine.<method>(*args) in the engine process, between its steps: its answer, or its error raised
+        here."""
         call_id = next(self._call_ids)
         answer = asyncio.get_running_loop().create_future()
         with self._state_lock:
             if not self.is_running:
                 raise self._unavailable()
             self._calls[call_id] = answer
-        self._send(("call", call_id, method))
+        self._send(("call", call_id, method, args))
         return await answer
 
     def abort(self, stream_id: int):

@@ -2,9 +2,9 @@
 waits on the other's Python work (one interpreter lock each). AsyncLLM starts it and talks to it over two pipes.
 
 In: ("add", stream_id, prompts, params (SamplingParams, or PoolingParams for an embedding model), priority,
-report_prompts), ("abort", stream_id), ("call", call_id, method) (LLMEngine.<method>(), one of ENGINE_CALLS),
-("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a step
-runs. Out, sent by a thread of their own so that a step never waits on a frontend that is behind, in this order of
+report_prompts), ("abort", stream_id), ("call", call_id, method, args) (LLMEngine.<method>(*args), one of
+ENGINE_CALLS), ("stop",), read by a thread of their own so that the frontend never blocks on a full pipe while a
+step runs. Out, sent by a thread of their own so that a step never waits on a frontend that is behind, in this order of
 events:
 ("ready", EngineInfo) once the engine is built (or ("failed", error) when it cannot be);
 ("added", stream_id, error or None[, prompts]) for each add, all its prompts queued or none (prompts: each one's text
@@ -30,7 +30,7 @@ from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
 
-# The LLMEngine methods the frontend may call between steps (AsyncLLM._call), none of which takes an argument.
+# The LLMEngine methods the frontend may call between steps (AsyncLLM._call).
 ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile")
 
 
@@ -126,9 +126,11 @@ class EngineCore:
         try:
             self._loop()
         finally:
-            self.engine.shutdown()
-            self._outbox.put(None)
-            self._writer.join()
+            try:
+                self.engine.shutdown()
+            finally:
+                self._outbox.put(None)
+                self._writer.join()
 
     def _loop(self):
         last = None
@@ -173,7 +175,7 @@ class EngineCore:
             elif command[0] == "abort":
                 self._abort(self._streams.get(command[1], []))
             elif command[0] == "call":
-                self._send(("answer", command[1], *self._call(command[2])))
+                self._send(("answer", command[1], *self._call(*command[2:])))
             else:
                 self._abort(list(self._origin))
                 self._send(("step", self._route(self.engine.take_deltas()), snapshot(self.engine)))
@@ -181,15 +183,15 @@ class EngineCore:
                 return False
         return True
 
-    def _call(self, method: str) -> tuple[object, BaseException | None]:
-        """LLMEngine.<method>() (one of ENGINE_CALLS): its result and None, or None and its error (the caller's to
-        raise: a refused call never ends the loop)."""
+    def _call(self, method: str, args: tuple) -> tuple[object, BaseException | None]:
+        """LLMEngine.<method>(*args) (one of ENGINE_CALLS): its result and None, or None and its error (the caller's
+        to raise: a refused call never ends the loop)."""
         if method not in ENGINE_CALLS:
             return None, ValueError(f"the engine takes no call {method!r}; it takes {', '.join(ENGINE_CALLS)}")
         try:
-            return getattr(self.engine, method)(), None
+            return getattr(self.engine, method)(*args), None
         except Exception as exc:
-            return None, exc
+            return None, _portable(exc)
 
     def _add(self, stream_id: int, prompts: list, params: list[SamplingParams], priority: int = 0,
              report_prompts: bool = False):
