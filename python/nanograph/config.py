@@ -1,11 +1,11 @@
 """Engine configuration: one dataclass, validated on construction."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from os import PathLike
 
-from .profiler import ProfilerConfig
 from .reasoning import REASONING_PARSERS
 
 # Weight quantizations nanograph runs: Config.quantization's values, a checkpoint's quantization_config.quant_method.
@@ -13,6 +13,7 @@ SUPPORTED_QUANTIZATION = ("fp8",)
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 RUNNERS = ("auto", "generate", "pooling")  # Config.runner's values
+PROFILERS = ("torch", "cuda")  # ProfilerConfig.profiler's values
 POOLING_TASKS = ("embed", "classify")  # what a pooling model's requests get: an embedding, or class probabilities
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # PoolerConfig.pooling_type's values
 
@@ -76,8 +77,8 @@ class Config:
     pooling_task: str | None = None
     # vLLM's: overrides of the pooling the model folder gives (PoolerConfig below, or a dict of its fields).
     pooler_config: object | None = None
-    # vLLM's: the profiler that LLM.start_profile() / stop_profile() run (profiler.py: ProfilerConfig, or a dict of
-    # its fields, such as {"profiler": "torch", "torch_profiler_dir": "./traces"}); None: none.
+    # vLLM's: the profiler that LLM.start_profile() / stop_profile() run (ProfilerConfig below, or a dict of its
+    # fields, such as {"profiler": "torch", "torch_profiler_dir": "./traces"}; profiler.py); None: none.
     profiler_config: object | None = None
 
     def __post_init__(self):
@@ -192,15 +193,72 @@ class PoolerConfig:
     @classmethod
     def of(cls, given) -> PoolerConfig:
         """A PoolerConfig, a dict of its fields (as --pooler-config's JSON gives them), or None (no override)."""
-        if given is None:
-            return cls()
-        if isinstance(given, cls):
-            return cls(given.pooling_type, given.normalize)
-        if not isinstance(given, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig or a dict such as {{\"pooling_type\": \"MEAN\"}}, "
-                             f"got {given!r}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise ValueError(f"pooler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
-        return cls(**given)
+        return _options_of(cls, given, "pooler_config", '{"pooling_type": "MEAN"}')
+
+
+@dataclass
+class ProfilerConfig:
+    """vLLM's profiler_config. A torch_profiler_dir given without a profiler means profiler="torch"."""
+    profiler: str | None = None  # "torch", "cuda", or None (no profiler: start_profile() is an error)
+    torch_profiler_dir: str | None = None  # where profiler="torch" writes its traces (created if missing)
+    torch_profiler_with_stack: bool = True  # the Python stack of each op
+    torch_profiler_with_flops: bool = False  # estimated FLOPs of matrix products and convolutions
+    torch_profiler_use_gzip: bool = True  # traces gzip-compressed (.json.gz)
+    torch_profiler_dump_cuda_time_total: bool = True  # the table of ops by self time, beside the trace
+    torch_profiler_record_shapes: bool = False  # the input shapes of each op
+    torch_profiler_with_memory: bool = False  # tensor allocations and frees
+    delay_iterations: int = 0
+    max_iterations: int = 0
+    ignore_frontend: bool = False  # vLLM's; the API server is never profiled here, only the engine's process
+
+    def __post_init__(self):
+        if isinstance(self.torch_profiler_dir, os.PathLike):
+            self.torch_profiler_dir = os.fspath(self.torch_profiler_dir)
+        if self.torch_profiler_dir is not None:
+            if not isinstance(self.torch_profiler_dir, str) or not self.torch_profiler_dir:
+                raise ValueError(f"profiler_config.torch_profiler_dir must be a folder's path, got "
+                                 f"{self.torch_profiler_dir!r}")
+            # As vLLM: ~ expanded, and absolute (the engine process's working folder is not the caller's to guess).
+            self.torch_profiler_dir = os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
+        if self.profiler is None and self.torch_profiler_dir is not None:
+            self.profiler = "torch"
+        if self.profiler not in (None, *PROFILERS):
+            raise ValueError(f"profiler_config.profiler={self.profiler!r} is not one nanograph has; use "
+                             f"{' or '.join(map(repr, PROFILERS))}, or None (no profiler)")
+        if self.profiler == "cuda" and self.torch_profiler_dir is not None:
+            raise ValueError("profiler_config.torch_profiler_dir is for profiler='torch'; profiler='cuda' writes no "
+                             "trace (Nsight Systems does): leave the folder out, or use profiler='torch'")
+        if self.profiler == "torch" and self.torch_profiler_dir is None:
+            raise ValueError("profiler_config.profiler='torch' writes its traces into torch_profiler_dir; give one, "
+                             "e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}")
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if (field.name.startswith("torch_profiler_") and field.name != "torch_profiler_dir"
+                    or field.name == "ignore_frontend") and not isinstance(value, bool):
+                raise ValueError(f"profiler_config.{field.name} must be a bool, got {value!r}")
+        for name in ("delay_iterations", "max_iterations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"profiler_config.{name} must be a whole number of engine steps (0 or more), got "
+                                 f"{value!r}")
+
+    @classmethod
+    def of(cls, given) -> ProfilerConfig:
+        """A ProfilerConfig, a dict of its fields (as --profiler-config's JSON gives them), or None (no profiler)."""
+        return _options_of(cls, given, "profiler_config", '{"profiler": "torch", "torch_profiler_dir": "./traces"}')
+
+
+def _options_of(cls, given, option: str, example: str):
+    """A copy of a cls (an options dataclass), a dict of its fields (as --option's JSON gives them), or None (its
+    defaults); anything else, or an unknown field, is a ValueError naming `option` and its fields."""
+    if given is None:
+        return cls()
+    if isinstance(given, cls):
+        return replace(given)
+    if not isinstance(given, dict):
+        raise ValueError(f"{option} must be a {cls.__name__} or a dict such as {example}, got {given!r}")
+    names = {field.name for field in fields(cls)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"{option} takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
+    return cls(**given)

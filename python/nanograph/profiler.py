@@ -16,78 +16,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass, fields
 
 import torch
 
-PROFILERS = ("torch", "cuda")  # ProfilerConfig.profiler's values
+from .config import ProfilerConfig
+
 TRACE_WORKER_NAME = "rank0"
 CUDA_TIME_TABLE = "profiler_out_0.txt"
 
 logger = logging.getLogger("nanograph")
-
-
-@dataclass
-class ProfilerConfig:
-    """vLLM's profiler_config. A torch_profiler_dir given without a profiler means profiler="torch"."""
-    profiler: str | None = None  # "torch", "cuda", or None (no profiler: start_profile() is an error)
-    torch_profiler_dir: str | None = None  # where profiler="torch" writes its traces (created if missing)
-    torch_profiler_with_stack: bool = True  # the Python stack of each op
-    torch_profiler_with_flops: bool = False  # estimated FLOPs of matrix products and convolutions
-    torch_profiler_use_gzip: bool = True  # traces gzip-compressed (.json.gz)
-    torch_profiler_dump_cuda_time_total: bool = True  # the table of ops by self time, beside the trace
-    torch_profiler_record_shapes: bool = False  # the input shapes of each op
-    torch_profiler_with_memory: bool = False  # tensor allocations and frees
-    delay_iterations: int = 0
-    max_iterations: int = 0
-    ignore_frontend: bool = False  # vLLM's; the API server is never profiled here, only the engine's process
-
-    def __post_init__(self):
-        if isinstance(self.torch_profiler_dir, os.PathLike):
-            self.torch_profiler_dir = os.fspath(self.torch_profiler_dir)
-        if self.torch_profiler_dir is not None:
-            if not isinstance(self.torch_profiler_dir, str) or not self.torch_profiler_dir:
-                raise ValueError(f"profiler_config.torch_profiler_dir must be a folder's path, got "
-                                 f"{self.torch_profiler_dir!r}")
-            # As vLLM: ~ expanded, and absolute (the engine process's working folder is not the caller's to guess).
-            self.torch_profiler_dir = os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
-        if self.profiler is None and self.torch_profiler_dir is not None:
-            self.profiler = "torch"
-        if self.profiler not in (None, *PROFILERS):
-            raise ValueError(f"profiler_config.profiler={self.profiler!r} is not one nanograph has; use "
-                             f"{' or '.join(map(repr, PROFILERS))}, or None (no profiler)")
-        if self.profiler == "cuda" and self.torch_profiler_dir is not None:
-            raise ValueError("profiler_config.torch_profiler_dir is for profiler='torch'; profiler='cuda' writes no "
-                             "trace (Nsight Systems does): leave the folder out, or use profiler='torch'")
-        if self.profiler == "torch" and self.torch_profiler_dir is None:
-            raise ValueError("profiler_config.profiler='torch' writes its traces into torch_profiler_dir; give one, "
-                             "e.g. {\"profiler\": \"torch\", \"torch_profiler_dir\": \"./traces\"}")
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if (field.name.startswith("torch_profiler_") and field.name != "torch_profiler_dir"
-                    or field.name == "ignore_frontend") and not isinstance(value, bool):
-                raise ValueError(f"profiler_config.{field.name} must be a bool, got {value!r}")
-        for name in ("delay_iterations", "max_iterations"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"profiler_config.{name} must be a whole number of engine steps (0 or more), got "
-                                 f"{value!r}")
-
-    @classmethod
-    def of(cls, given) -> ProfilerConfig:
-        """A ProfilerConfig, a dict of its fields (as --profiler-config's JSON gives them), or None (no profiler)."""
-        if given is None:
-            return cls()
-        if isinstance(given, cls):
-            return cls(**{field.name: getattr(given, field.name) for field in fields(cls)})
-        if not isinstance(given, dict):
-            raise ValueError(f"profiler_config must be a ProfilerConfig or a dict such as {{\"profiler\": \"torch\", "
-                             f"\"torch_profiler_dir\": \"./traces\"}}, got {given!r}")
-        names = {field.name for field in fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise ValueError(f"profiler_config takes {', '.join(sorted(names))}; got unknown key(s) {unknown}")
-        return cls(**given)
 
 
 class EngineProfiler:
