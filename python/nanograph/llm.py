@@ -14,6 +14,7 @@ from .engine.intake import Prompt
 from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
 from .engine_args import engine_config
 from .inputs import TokensPrompt
+from .metrics import Metric
 from .outputs import CompletionDelta, RequestOutput
 from .pooling import (TASK_NOUNS, ClassificationRequestOutput, EmbeddingRequestOutput, PoolingParams,
                       PoolingRequestOutput, ScoringRequestOutput, classifier_scores, cosine_scores, pair_token_ids,
@@ -59,6 +60,12 @@ class LLM:
         (after a change of weights, or to time prefills from a cold cache). Returns False, changing nothing, while
         a request holds KV blocks (a stream still running)."""
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's metrics, as vLLM's metrics reader returns them (Counter, Gauge and
+        Histogram values; metrics.py), named as the server's /metrics names them ("nanograph:num_requests_running",
+        "nanograph:time_to_first_token_seconds", ...). Requests count once they have finished."""
+        return self.engine.get_metrics()
 
     def start_profile(self, profile_prefix: str | None = None):
         """vLLM's: start the profiler that profiler_config= configures (e.g. {"profiler": "torch",

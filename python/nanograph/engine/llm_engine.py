@@ -34,6 +34,7 @@ from ..engine_args import EngineArgs
 from ..default_model import default_model_path
 from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
+from ..metrics import EngineMetrics, Metric
 from ..model_config import BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX, ModelConfig
 from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
@@ -77,6 +78,7 @@ class LLMEngine:
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
         self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device, config.pooling_task) \
             if config.runner == "pooling" else None
+        self.metrics = EngineMetrics()  # what get_metrics() reports of the finished requests
         profiler_config = config.profiler_config
         self.profiler = EngineProfiler(profiler_config, runner.device) \
             if profiler_config is not None and profiler_config.profiler is not None else None
@@ -230,6 +232,11 @@ class LLMEngine:
         """vLLM's: forget the prefix cache; False, changing nothing, while a request holds KV blocks."""
         with self._lock:
             return self.scheduler.block_manager.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's metrics (metrics.py)."""
+        with self._lock:
+            return self.metrics.snapshot(self)
 
     def start_profile(self, profile_prefix: str | None = None):
         """vLLM's: start the profiler of Config.profiler_config (profiler.py); profile_prefix begins the trace's file
@@ -458,6 +465,7 @@ class LLMEngine:
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)
             request.metrics.first_token_time = request.metrics.finished_time = now
+            self.metrics.record_finished(request, self.config.max_model_len)
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
             finished.append((request.owner, request.output()))
@@ -601,6 +609,7 @@ class LLMEngine:
             self.scheduler.add_siblings(request.held_siblings())  # the prompt's blocks are cached now
             if request.finished:
                 request.metrics.finished_time = now
+                self.metrics.record_finished(request, self.config.max_model_len)
                 del self.requests[request.request_id]
                 finished.append((request.owner, request.output()))
         return finished
@@ -696,6 +705,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "abort", None
         request.error = error
         request.metrics.finished_time = time.time()
+        self.metrics.record_finished(request, self.config.max_model_len)
 
     def _end_open_streams(self):
         """A new call needs the engine: the requests of streams still open end."""

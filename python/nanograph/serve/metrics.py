@@ -15,20 +15,10 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ..metrics import (E2E_BUCKETS, FINISH_REASONS, ITERATION_BUCKETS, ITL_BUCKETS, N_BUCKETS, PREFIX, TOKEN_BUCKETS,
+                       TTFT_BUCKETS)
 from ..outputs import CompletionDelta
 from .engine_core import EngineInfo, EngineSnapshot
-
-PREFIX = "nanograph:"
-# Seconds, in a 1-2.5-5 series over the range each latency spans, from a fast GPU to a loaded CPU.
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
-ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")  # request_success's finished_reason values
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0)
-# Tokens per request (prompt, generated, max_tokens): a 1-2-5 series up to a million, past any model's context.
-TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
-N_BUCKETS = (1, 2, 5, 10, 20)  # request_params_n, as vLLM's
-# Tokens an engine step computed for the requests it gave tokens to: powers of two, as vLLM's without CUDA graphs.
-ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
