@@ -1,9 +1,10 @@
 """LLM.get_metrics(): the engine's metrics as vLLM's metrics reader returns them (Counter, Gauge and Histogram
 values), under the names of the server's /metrics ("nanograph:" for vLLM's "vllm:").
 
-The gauges and the scheduler's and prefix cache's counters are read when asked; the request counters and histograms
-count each request once, when it finishes (aborted ones too), from its RequestMetrics' times: queued from arrival to
-first scheduling, prefill to its first token, decode to its last, inference the two together. The server's
+The gauges, the scheduler's and prefix cache's counters and the generated tokens are read when asked; prompt tokens
+count at a request's first token; request_success (per completion) and the histograms count each request once, when
+it finishes (aborted ones too), from its RequestMetrics' times: queued from arrival to first scheduling, prefill to its
+first token, decode to its last, inference the two together. Each metric is labelled with model_name. The server's
 inter_token_latency_seconds and iteration_tokens_total are per step, and only the server has them. The bucket bounds
 are the server's (serve/metrics.py takes them from here)."""
 from __future__ import annotations
@@ -59,12 +60,18 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def metric(self, name: str) -> Histogram:
+    def metric(self, name: str, labels: dict[str, str]) -> Histogram:
         buckets, total = {}, 0
-        for bound, count in zip([*map(str, map(float, self.bounds)), "+Inf"], self.counts):
+        for bound, count in zip([*map(_bound_label, self.bounds), "+Inf"], self.counts):
             total += count
             buckets[bound] = total
-        return Histogram(PREFIX + name, {}, total, self.sum, buckets)
+        return Histogram(name, dict(labels), total, self.sum, buckets)
+
+
+def _bound_label(bound: float) -> str:
+    """A bucket's upper bound as Prometheus' text format writes its "le" label: 0.25, 1.0, 1e+06."""
+    bound = float(bound)
+    return "%g" % bound if bound >= 1e6 else repr(bound)
 
 
 # The per-request histograms: name -> bucket bounds.
@@ -79,64 +86,70 @@ _REQUEST_HISTOGRAMS = {
 
 
 class EngineMetrics:
-    """What LLMEngine counts of its finished requests (record_finished), and the snapshot get_metrics() returns."""
+    """What LLMEngine counts of its requests (record_first_token, record_finished), and the snapshot get_metrics()
+    returns. model_name: the model's label on every metric, as the server's."""
 
-    def __init__(self):
+    def __init__(self, model_name: str | None):
+        self.labels = {"model_name": str(model_name)}
         self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
         self.histograms = {name: _Histogram(bounds) for name, bounds in _REQUEST_HISTOGRAMS.items()}
 
+    def record_first_token(self, request):
+        """A request's first tokens: its prompt is prefilled (counted once, as the server counts it)."""
+        self.prompt_tokens += request.seqs[0].num_prompt_tokens
+
     def record_finished(self, request, max_model_len: int):
-        """A request that has just finished (engine.request.Request, its metrics' finished_time set). A request
-        aborted before it was scheduled counts its whole life as queue time; phases it never reached count 0."""
+        """A request that has just finished (engine.request.Request, its metrics' finished_time set), as the server
+        records one: phases it never reached count 0 (aborted while queued: its whole life is queue time), decode
+        and inference end at its last token, and a completion that a failure ended counts as "error"."""
         first, times = request.seqs[0], request.metrics
         generated = [len(seq.completion_token_ids) for seq in request.seqs]
-        self.prompt_tokens += first.num_prompt_tokens
-        self.generation_tokens += sum(generated)
         for seq in request.seqs:
-            reason = "error" if request.error is not None else seq.finish_reason
-            self.request_success[reason if reason in self.request_success else "stop"] += 1
+            failed = request.error is not None and seq.finish_reason == "abort"
+            self.request_success["error" if failed else seq.finish_reason] += 1
         end = times.finished_time
         scheduled = first.first_scheduled_time if first.first_scheduled_time is not None else end
-        first_token = times.first_token_time if times.first_token_time is not None else end
-        params = first.params
-        max_tokens = 0 if not isinstance(params, SamplingParams) else params.max_tokens  # a pooling request: 0
+        first_token, last_token = times.first_token_time, times.last_token_time
+        if first.pooling is not None or not isinstance(first.params, SamplingParams):
+            max_tokens = 0  # a pooling request generates nothing
+        else:
+            max_tokens = first.params.max_tokens if first.params.max_tokens is not None \
+                else max(max_model_len - first.num_prompt_tokens, 1)
         observed = {
-            "time_to_first_token_seconds": first_token - times.arrival_time,
-            "e2e_request_latency_seconds": end - times.arrival_time,
-            "request_queue_time_seconds": scheduled - times.arrival_time,
-            "request_prefill_time_seconds": max(first_token - scheduled, 0.0),
-            "request_decode_time_seconds": end - first_token,
-            "request_inference_time_seconds": max(end - scheduled, 0.0),
+            "e2e_request_latency_seconds": max(end - times.arrival_time, 0.0),
+            "request_queue_time_seconds": max(scheduled - times.arrival_time, 0.0),
+            "request_prefill_time_seconds": 0.0 if first_token is None else max(first_token - scheduled, 0.0),
+            "request_decode_time_seconds": 0.0 if first_token is None else last_token - first_token,
+            "request_inference_time_seconds": 0.0 if first_token is None else max(last_token - scheduled, 0.0),
             "request_prompt_tokens": first.num_prompt_tokens,
             "request_generation_tokens": sum(generated),
             "request_max_num_generation_tokens": max(generated),
             "request_params_n": len(request.seqs),
-            "request_params_max_tokens": max_tokens if max_tokens is not None
-            else max(max_model_len - first.num_prompt_tokens, 1),
+            "request_params_max_tokens": max_tokens,
         }
-        if times.first_token_time is None:  # it never got a token: no time to one
-            del observed["time_to_first_token_seconds"]
+        if first_token is not None:  # no time to a first token it never got
+            observed["time_to_first_token_seconds"] = max(first_token - times.arrival_time, 0.0)
         for name, value in observed.items():
             self.histograms[name].observe(value)
 
     def snapshot(self, engine) -> list[Metric]:
-        """The metrics now (engine: the LLMEngine, for its scheduler's and KV cache's state)."""
+        """The metrics now (engine: the LLMEngine, for its scheduler's and KV cache's state and its token count)."""
         scheduler = engine.scheduler
         blocks = scheduler.block_manager
         total = len(blocks.blocks)
+        labels = self.labels
         metrics = [
-            Gauge(PREFIX + "num_requests_running", {}, scheduler.num_running),
-            Gauge(PREFIX + "num_requests_waiting", {}, scheduler.num_waiting),
-            Gauge(PREFIX + "kv_cache_usage_perc", {}, (total - blocks.num_free_blocks) / total if total else 0.0),
-            Counter(PREFIX + "num_preemptions", {}, scheduler.num_preemptions),
-            Counter(PREFIX + "prefix_cache_queries", {}, blocks.num_prefix_queried_tokens),
-            Counter(PREFIX + "prefix_cache_hits", {}, blocks.num_prefix_hit_tokens),
-            Counter(PREFIX + "prompt_tokens", {}, self.prompt_tokens),
-            Counter(PREFIX + "generation_tokens", {}, self.generation_tokens),
+            Gauge(PREFIX + "num_requests_running", labels, scheduler.num_running),
+            Gauge(PREFIX + "num_requests_waiting", labels, scheduler.num_waiting),
+            Gauge(PREFIX + "kv_cache_usage_perc", labels, (total - blocks.num_free_blocks) / total if total else 0.0),
+            Counter(PREFIX + "num_preemptions", labels, scheduler.num_preemptions),
+            Counter(PREFIX + "prefix_cache_queries", labels, blocks.num_prefix_queried_tokens),
+            Counter(PREFIX + "prefix_cache_hits", labels, blocks.num_prefix_hit_tokens),
+            Counter(PREFIX + "prompt_tokens", labels, self.prompt_tokens),
+            Counter(PREFIX + "generation_tokens", labels, engine.stats.generated_tokens),
         ]
-        metrics += [Counter(PREFIX + "request_success", {"finished_reason": reason}, count)
+        metrics += [Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count)
                     for reason, count in self.request_success.items()]
-        metrics += [histogram.metric(name) for name, histogram in self.histograms.items()]
+        metrics += [histogram.metric(PREFIX + name, labels) for name, histogram in self.histograms.items()]
         return metrics

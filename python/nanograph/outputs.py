@@ -15,6 +15,7 @@ class Logprob:
 class RequestMetrics:
     arrival_time: float  # time.time() seconds
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when it last got tokens
     finished_time: float | None = None
     first_scheduled_time: float | None = None  # when the engine first scheduled one of its sequences
     time_in_queue: float | None = None  # first_scheduled_time - arrival_time

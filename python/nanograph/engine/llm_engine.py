@@ -78,7 +78,7 @@ class LLMEngine:
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
         self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device, config.pooling_task) \
             if config.runner == "pooling" else None
-        self.metrics = EngineMetrics()  # what get_metrics() reports of the finished requests
+        self.metrics = EngineMetrics(config.model)  # what get_metrics() reports of the requests
         profiler_config = config.profiler_config
         self.profiler = EngineProfiler(profiler_config, runner.device) \
             if profiler_config is not None and profiler_config.profiler is not None else None
@@ -464,7 +464,8 @@ class LLMEngine:
             seq.finish_reason = "stop"
             self.scheduler.finish(seq)
             request = self.requests.pop(seq.request_id)
-            request.metrics.first_token_time = request.metrics.finished_time = now
+            request.metrics.first_token_time = request.metrics.last_token_time = request.metrics.finished_time = now
+            self.metrics.record_first_token(request)
             self.metrics.record_finished(request, self.config.max_model_len)
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
@@ -605,12 +606,15 @@ class LLMEngine:
         for request in requests.values():
             if request.request_id in ended:
                 continue
-            request.metrics.first_token_time = request.metrics.first_token_time or now
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+                self.metrics.record_first_token(request)
+            request.metrics.last_token_time = now
             self.scheduler.add_siblings(request.held_siblings())  # the prompt's blocks are cached now
             if request.finished:
                 request.metrics.finished_time = now
-                self.metrics.record_finished(request, self.config.max_model_len)
                 del self.requests[request.request_id]
+                self.metrics.record_finished(request, self.config.max_model_len)
                 finished.append((request.owner, request.output()))
         return finished
 
