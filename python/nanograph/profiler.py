@@ -42,7 +42,7 @@ class EngineProfiler:
         self.running = False  # between start() and stop(), or the end max_iterations sets
         self._steps = 0  # engine steps since start()
         self._torch: torch.profiler.profile | None = None
-        self._recording = False
+        self.recording = False  # a profile is being recorded (running, and past delay_iterations)
         self._worker_name = TRACE_WORKER_NAME
 
     def start(self, profile_prefix: str | None = None):
@@ -85,23 +85,19 @@ class EngineProfiler:
         self._steps += 1
         config = self.config
         try:
-            if not self._recording and self._steps == config.delay_iterations:
+            if not self.recording and self._steps == config.delay_iterations:
                 self._begin()
-            elif self._recording and config.max_iterations and \
+            elif self.recording and config.max_iterations and \
                     self._steps == config.delay_iterations + config.max_iterations:
                 self.running = False
                 self._end()
         except Exception:  # the profile's, not the step's: the step's outputs stand
-            self.running, self._recording, self._torch = False, False, None
+            self.running, self.recording, self._torch = False, False, None
             logger.exception("the profiler failed between engine steps; its profile has ended")
-
-    @property
-    def recording(self) -> bool:
-        return self._recording
 
     def range(self, name: str):
         """A named range while recording (torch.profiler's; NVTX's for Nsight Systems); nothing otherwise."""
-        if not self._recording:
+        if not self.recording:
             return contextlib.nullcontext()
         if self.config.profiler == "cuda":
             return torch.cuda.nvtx.range(name)
@@ -111,7 +107,7 @@ class EngineProfiler:
         if self.config.profiler == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.start()
-            self._recording = True
+            self.recording = True
             return
         config = self.config
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -125,12 +121,12 @@ class EngineProfiler:
                                                                     worker_name=self._worker_name,
                                                                     use_gzip=config.torch_profiler_use_gzip))
         profile.start()
-        self._torch, self._recording = profile, True
+        self._torch, self.recording = profile, True
 
     def _end(self):
-        if not self._recording:
+        if not self.recording:
             return
-        self._recording = False
+        self.recording = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the steps' kernels belong to this profile
         if self.config.profiler == "cuda":

@@ -196,7 +196,7 @@ def test_a_prompt_being_tokenized_holds_up_no_other_request(shared):
     wait_until_idle(shared)
 
 
-def test_a_dead_loop_fails_open_streams_and_answers_503():
+def test_a_dead_loop_fails_open_streams_and_answers_503(monkeypatch):
     async_llm = started(engines.dying_loop)
     app = build_app(ServedModel(async_llm, "fake", FakeTokenizer()))
 
@@ -221,6 +221,16 @@ def test_a_dead_loop_fails_open_streams_and_answers_503():
     assert asyncio.run(health()).status_code == 503
     response = request(app, {"prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503 and "engine loop has died" in response.json()["error"]["message"]
+    # A route's own engine call (the development route's here) is a 503 too.
+    monkeypatch.setenv("NANOGRAPH_SERVER_DEV_MODE", "1")
+    dev_app = build_app(ServedModel(async_llm, "fake", FakeTokenizer()))
+
+    async def reset():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=dev_app), base_url="http://test") as client:
+            return await client.post("/reset_prefix_cache")
+
+    response = asyncio.run(reset())
+    assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
 
 
 def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():

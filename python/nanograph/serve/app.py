@@ -23,7 +23,7 @@ from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
 from .responses import create_response
-from .serving import ServedModel, profiler_call
+from .serving import ServedModel
 
 logger = logging.getLogger("nanograph.serve")
 
@@ -201,13 +201,13 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
         @app.post("/start_profile")
         async def start_profile():
             """vLLM's profiling route, served where --profiler-config configures a profiler."""
-            await profiler_call(async_llm.start_profile)
+            await async_llm.start_profile()
             return Response(status_code=200)
 
         @app.post("/stop_profile")
         async def stop_profile():
             """vLLM's: end the profile, its trace written (the answer waits for the file)."""
-            await profiler_call(async_llm.stop_profile)
+            await async_llm.stop_profile()
             return Response(status_code=200)
 
     @app.post("/pooling", dependencies=[Depends(check_api_key)])

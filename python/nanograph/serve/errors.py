@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from .async_llm import EngineUnavailable
 from .protocol import ErrorInfo, ErrorResponse, SamplingRequest
 
 logger = logging.getLogger("nanograph.serve")
@@ -98,6 +99,11 @@ def add_error_handlers(app: FastAPI):
     async def http_error(request: Request, exc: HTTPException):
         code = "not_found" if exc.status_code == 404 else None
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code).response()
+
+    @app.exception_handler(EngineUnavailable)
+    async def engine_gone(request: Request, exc: EngineUnavailable):
+        """A route's engine call found the engine dead or shutting down."""
+        return APIError(503, str(exc), code="engine_unavailable").response()
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect):

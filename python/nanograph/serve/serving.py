@@ -315,14 +315,6 @@ def engine_failure(error: str) -> APIError:
     return APIError(500, f"the request failed in the engine: {error}", code="engine_error")
 
 
-async def profiler_call(call):
-    """An engine call of the profiler routes; an engine that is gone is a 503."""
-    try:
-        await call()
-    except EngineUnavailable as exc:
-        raise unavailable(exc) from None
-
-
 def unavailable(exc: EngineUnavailable) -> APIError:
     return APIError(503, str(exc), code="engine_unavailable")
 
