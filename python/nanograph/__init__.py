@@ -2,7 +2,7 @@
 from ._core import CORE_ERROR, core_available, gpu_available
 from .async_engine import AsyncLLM, AsyncLLMEngine, EngineDeadError
 from .beam_search import BeamSearchOutput, BeamSearchSequence
-from .engine.llm_engine import LLMEngine
+from .engine.llm_engine import EngineSleeping, LLMEngine
 from .engine_args import AsyncEngineArgs, EngineArgs
 from .inputs import TextPrompt, TokensPrompt
 from .llm import LLM
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = ["CORE_ERROR", "core_available", "gpu_available", "__version__",
            "LLM", "LLMEngine", "AsyncLLMEngine", "AsyncLLM", "EngineArgs", "AsyncEngineArgs", "EngineDeadError",
-           "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
+           "EngineSleeping", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "BeamSearchParams",
            "RequestOutputKind", "RequestOutput", "CompletionOutput", "CompletionDelta", "Logprob", "RequestMetrics",
            "BeamSearchOutput", "BeamSearchSequence", "TextPrompt", "TokensPrompt", "PoolingParams", "PoolerConfig",
            "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput",

@@ -229,8 +229,16 @@ class AsyncLLMEngine:
         """The model's sampling defaults, as LLM.get_default_sampling_params() gives them."""
         return SamplingParams(**self.info.sampling_defaults)
 
+    async def sleep(self, level: int = 1):
+        """vLLM's: LLM.sleep(level) in the engine process (enable_sleep_mode=True; no request unfinished)."""
+        await self._async_llm.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None):
+        """vLLM's: LLM.wake_up(tags) in the engine process."""
+        await self._async_llm.wake_up(tags)
+
     async def is_sleeping(self) -> bool:
-        return False
+        return await self._async_llm.is_sleeping()
 
     async def reset_prefix_cache(self, device=None, reset_running_requests: bool = False) -> bool:
         """vLLM's: forget every cached prompt prefix; False, changing nothing, while a request holds KV blocks.

@@ -92,7 +92,7 @@ _FLAG = "flag"
 VLLM_OPTIONS = {"pipeline_parallel_size": int, "data_parallel_size": int, "distributed_executor_backend": str,
                 "cpu_offload_gb": float, "tokenizer_mode": str, "load_format": str, "task": str, "convert": str,
                 "enable_lora": _FLAG, "speculative_config": json_object, "hf_token": str,
-                "limit_mm_per_prompt": json_object, "enable_sleep_mode": _FLAG, "num_gpu_blocks_override": int,
+                "limit_mm_per_prompt": json_object, "num_gpu_blocks_override": int,
                 "calculate_kv_scales": _FLAG, "swap_space": float, "max_seq_len_to_capture": int,
                 "enable_chunked_prefill": argparse.BooleanOptionalAction, "disable_custom_all_reduce": _FLAG,
                 "disable_async_output_proc": _FLAG, "guided_decoding_backend": str, "async_scheduling": _FLAG,
@@ -115,6 +115,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
                         help="run decode without CUDA graphs")
     parser.add_argument("--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
                         help="let the tokenizer run code from its folder")
+    parser.add_argument("--enable-sleep-mode", action="store_true", default=argparse.SUPPRESS,
+                        help="let the engine sleep, freeing the device memory of its weights and KV cache (the "
+                             "server's POST /sleep and /wake_up, with NANOGRAPH_SERVER_DEV_MODE=1)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                         help=f"reuse the KV blocks of shared prompt prefixes (default: {Config.enable_prefix_caching})")
     vllm = parser.add_argument_group("vLLM's engine options", "taken as vLLM takes them where nanograph does the same, "
@@ -135,7 +138,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, model_positional: bool
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The Config fields given on the command line."""
     return {field: getattr(args, field) for field in (*ENGINE_OPTIONS, "enforce_eager", "enable_prefix_caching",
-                                                      "trust_remote_code", *VLLM_OPTIONS) if hasattr(args, field)}
+                                                      "trust_remote_code", "enable_sleep_mode", *VLLM_OPTIONS)
+            if hasattr(args, field)}
 
 
 # The command line's sampling where neither an option nor the model's generation_config.json says otherwise: greedy,

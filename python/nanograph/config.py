@@ -80,6 +80,9 @@ class Config:
     # vLLM's: the profiler that LLM.start_profile() / stop_profile() run (ProfilerConfig below, or a dict of its
     # fields, such as {"profiler": "torch", "torch_profiler_dir": "./traces"}; profiler.py); None: none.
     profiler_config: object | None = None
+    # vLLM's: LLMEngine.sleep() / wake_up() may free the device memory the weights and the KV cache hold, between
+    # bursts of work (runners that have it: the CUDA core and the torch backend on one process).
+    enable_sleep_mode: bool = False
 
     def __post_init__(self):
         if self.model is not None and (not isinstance(self.model, (str, PathLike)) or not str(self.model)):
@@ -116,7 +119,8 @@ class Config:
                 raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64) (it seeds a 64-bit generator), got {self.seed}.")
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code",
+                     "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)):

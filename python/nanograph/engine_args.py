@@ -36,7 +36,6 @@ VLLM_ARGS = {
     "speculative_config": EngineArg((None,), "speculative decoding is not implemented"),
     "hf_token": EngineArg((None,), "a Hub token comes from HF_TOKEN (or `hf auth login`)"),
     "limit_mm_per_prompt": EngineArg((None,), "nanograph's models take text only"),
-    "enable_sleep_mode": EngineArg((False,), "the engine keeps its weights and KV cache on the device"),
     "num_gpu_blocks_override": EngineArg(ANY, "the KV cache's size in blocks", field="num_kv_blocks"),
     "calculate_kv_scales": EngineArg((False,), "an FP8 KV cache's scales come from the checkpoint, else they are 1.0"),
     "guided_decoding_backend": EngineArg(("auto", "guidance"), "structured outputs run on llguidance (vLLM's "

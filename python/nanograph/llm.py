@@ -77,6 +77,19 @@ class LLM:
         """vLLM's: end the profile, writing its trace into torch_profiler_dir."""
         self.engine.stop_profile()
 
+    def sleep(self, level: int = 1):
+        """vLLM's (with enable_sleep_mode=True): free the device memory of the KV cache (its contents, the prefix
+        cache's too, are forgotten) and of the weights, which level 1 keeps in host memory and level 2 lets go (wake_up
+        reads the checkpoint again). Only while no request runs; until wake_up(), requests are refused."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None):
+        """vLLM's: restore what sleep() freed: "weights", "kv_cache" or both (None); the weights come first."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams that generate(), chat() and stream() use when given none: the model folder's
         generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as

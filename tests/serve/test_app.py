@@ -333,6 +333,9 @@ def test_malformed_json_wrong_content_type_and_unknown_routes(server, client):
     assert error_of(httpx.get(server.base_url + "/v2/nothing"), 404)["code"] == "not_found"
     # The profiler's routes are served only with --profiler-config (test_profile.py).
     assert error_of(httpx.post(server.base_url + "/start_profile"), 404)["code"] == "not_found"
+    # Sleep mode's routes are development routes (test_sleep.py serves them).
+    assert error_of(httpx.post(server.base_url + "/sleep"), 404)["code"] == "not_found"
+    assert error_of(httpx.get(server.base_url + "/is_sleeping"), 404)["code"] == "not_found"
     error_of(httpx.get(server.base_url + "/v1/completions", headers=AUTH), 405)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other", prompt="hi", max_tokens=1)

@@ -232,6 +232,14 @@ def test_a_dead_loop_fails_open_streams_and_answers_503(monkeypatch):
     response = asyncio.run(reset())
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unavailable"
 
+    async def sleep():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=dev_app), base_url="http://test") as client:
+            return await client.post("/sleep")
+
+    # An engine built without enable_sleep_mode: /sleep names the server's option.
+    response = asyncio.run(sleep())
+    assert response.status_code == 400 and "--enable-sleep-mode" in response.json()["error"]["message"]
+
 
 def test_an_engine_process_that_ends_unasked_makes_the_server_unavailable():
     async_llm = started(engines.failing_sampler)

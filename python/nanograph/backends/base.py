@@ -70,6 +70,19 @@ class Runner(ABC):
     def shutdown(self):
         """Release what the runner holds outside this process (a tensor-parallel runner's worker processes)."""
 
+    # Whether sleep() and wake_up() free and restore the device memory (Config.enable_sleep_mode).
+    supports_sleep = False
+
+    def sleep(self, level: int):
+        """Free the KV cache (its contents are forgotten), and the weights: level 1 keeps a copy in host memory,
+        level 2 none (wake_up reads them from the checkpoint again). Only between steps, with nothing in flight."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def wake_up(self, tags: set[str]):
+        """Restore what sleep() freed of tags ("weights", "kv_cache"; the weights before the KV cache): the weights
+        as they were, a KV cache of the same size (empty)."""
+        raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
     def pooled_hidden(self, token_rows: np.ndarray) -> torch.Tensor:
         """float32 [len(token_rows), hidden_size]: the final norm's output (the model's last hidden state, which
         pooling reads) at the last forward's tokens token_rows."""

@@ -9,6 +9,7 @@ sampler a zero-copy view of the logits, with torch's stream ordered after the co
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 
@@ -46,7 +47,7 @@ class _DeviceArray:
 
 class CudaRunner(Runner):
     def __init__(self, config, model_config):
-        core = require_core()
+        require_core()
         if config.dtype not in ("auto", "bfloat16", "bf16"):
             raise ValueError(f"the cuda backend runs bfloat16 models; got dtype={config.dtype!r}. "
                              "Use dtype='bfloat16' (or 'auto'), or device='cpu' for other dtypes")
@@ -59,30 +60,17 @@ class CudaRunner(Runner):
         self.device = torch.device("cuda", torch.cuda.current_device())
         if "fp8" in (config.quantization, mc.quantization):
             check_core_shapes(mc)
-        self.weights = load_weights(mc.path, mc, torch.bfloat16, self.device, quantization=config.quantization)
-        self.weights.update(block_scales(self.weights))  # the FP8 linears' scales for the core's FP8 GEMM
+        self.weights = self._load_weights()
+        self._host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy
         self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
-        core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
-                       "num_layers": mc.num_layers, "num_heads": mc.num_heads,
-                       "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
-                       "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
-                       "kv_cache_dtype": "auto" if self.kv_scales is None else "fp8"}
+        self._core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
+                             "num_layers": mc.num_layers, "num_heads": mc.num_heads,
+                             "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+                             "intermediate_size": mc.intermediate_size, "rms_norm_eps": mc.rms_norm_eps,
+                             "kv_cache_dtype": "auto" if self.kv_scales is None else "fp8"}
         if self.kv_scales is not None:
-            core_config["kv_scales"] = self.kv_scales
-        limits = {"max_num_tokens": config.max_num_batched_tokens,
-                  "max_num_seqs": config.max_num_seqs, "max_model_len": config.max_model_len,
-                  "block_size": config.block_size}
-        torch.cuda.synchronize()
-        self.model = core.Model(core_config, self.weights, limits, self.cos_sin)
-        self.stream = torch.cuda.ExternalStream(self.model.stream, device=self.device)
-        self.logits = torch.as_tensor(
-            _DeviceArray(self.model.logits_ptr, (config.max_num_seqs, mc.vocab_size), "<i2"),
-            device=self.device).view(torch.bfloat16)
-        self.sampled_tokens = torch.as_tensor(
-            _DeviceArray(self.model.sampled_tokens_ptr, (config.max_num_seqs,), "<i4"), device=self.device)
-        self.hidden, self.residual = (torch.as_tensor(
-            _DeviceArray(ptr, (config.max_num_batched_tokens, mc.hidden_size), "<i2"), device=self.device
-        ).view(torch.bfloat16) for ptr in (self.model.hidden_ptr, self.model.residual_ptr))
+            self._core_config["kv_scales"] = self.kv_scales
+        self._build_model()
         self.sampler = Sampler(self.device, model_config.eos_token_ids, config.seed)
         self.in_step_argmax = True
         self._greedy, self._num_seqs, self._slot = False, 0, -1  # the last forward's
@@ -93,6 +81,70 @@ class CudaRunner(Runner):
         self.use_graphs = not config.enforce_eager
         if self.use_graphs:
             self._capture_graphs()
+
+    def _load_weights(self) -> dict[str, torch.Tensor]:
+        weights = load_weights(self.model_config.path, self.model_config, torch.bfloat16, self.device,
+                               quantization=self.config.quantization)
+        weights.update(block_scales(weights))  # the FP8 linears' scales for the core's FP8 GEMM
+        return weights
+
+    def _build_model(self):
+        """The core's model over self.weights (its activations, workspaces and stream; no KV cache yet), and the
+        views of its buffers that this runner reads."""
+        cfg, mc = self.config, self.model_config
+        limits = {"max_num_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
+                  "max_model_len": cfg.max_model_len, "block_size": cfg.block_size}
+        torch.cuda.synchronize()
+        self.model = require_core().Model(self._core_config, self.weights, limits, self.cos_sin)
+        self.stream = torch.cuda.ExternalStream(self.model.stream, device=self.device)
+        self.logits = torch.as_tensor(
+            _DeviceArray(self.model.logits_ptr, (cfg.max_num_seqs, mc.vocab_size), "<i2"),
+            device=self.device).view(torch.bfloat16)
+        self.sampled_tokens = torch.as_tensor(
+            _DeviceArray(self.model.sampled_tokens_ptr, (cfg.max_num_seqs,), "<i4"), device=self.device)
+        self.hidden, self.residual = (torch.as_tensor(
+            _DeviceArray(ptr, (cfg.max_num_batched_tokens, mc.hidden_size), "<i2"), device=self.device
+        ).view(torch.bfloat16) for ptr in (self.model.hidden_ptr, self.model.residual_ptr))
+
+    supports_sleep = True
+
+    def sleep(self, level: int):
+        """The core's model goes (its KV cache, activations, workspaces and graphs), then the weights: copied to
+        pinned host memory at level 1; torch's cached blocks go back to the driver."""
+        if self.model is not None:
+            self.model.synchronize()
+            torch.cuda.synchronize(self.device)
+            self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
+        if self.weights is not None and level == 1:
+            self._host_weights = _copied(self.weights, torch.device("cpu"))
+        if level == 2:
+            self._host_weights = None
+        self.weights = None
+        gc.collect()  # whatever still refers to the core's model or a weight, in a cycle
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
+    def wake_up(self, tags: set[str]):
+        """The weights back (from host memory, or the checkpoint after level 2); then a model of the core over
+        them, with a KV cache of as many blocks as before, and its decode graphs captured again."""
+        if "weights" in tags and self.weights is None:
+            if self._host_weights is not None:
+                self.weights = _copied(self._host_weights, self.device)
+            else:
+                self.weights = self._load_weights()
+            self._host_weights = None
+        if "kv_cache" in tags and self.model is None:
+            try:
+                self._build_model()
+                self.model.allocate_kv_cache(self.num_kv_blocks)
+                if self.use_graphs:
+                    self._capture_graphs()
+            except Exception as exc:
+                self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
+                torch.cuda.empty_cache()
+                raise RuntimeError(f"wake_up: the KV cache ({self.num_kv_blocks} blocks) and the model's buffers "
+                                   f"did not fit the device's free memory ({type(exc).__name__}: {exc}); free "
+                                   f"device memory and call wake_up() again") from exc
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit in gpu_memory_utilization of the device after weights, activations and
@@ -186,6 +238,18 @@ class CudaRunner(Runner):
             self._torch_stream_used = False
         max_q_len = int(np.diff(batch.cu_seqlens_q).max())
         return self.model.step(batch.num_tokens, batch.num_seqs, max_q_len, use_graph, greedy)
+
+
+def _copied(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The weights copied to device (pinned host memory for the CPU), a tensor that several names share copied
+    once (a tied lm_head); returns once the copies are done."""
+    copies: dict[int, torch.Tensor] = {}
+    for tensor in weights.values():
+        if id(tensor) not in copies:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=device.type == "cpu")
+            copies[id(tensor)] = copy.copy_(tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    return {name: copies[id(tensor)] for name, tensor in weights.items()}
 
 
 def write_step_metadata(views: dict[str, np.ndarray], batch):

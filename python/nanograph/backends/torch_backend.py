@@ -45,8 +45,10 @@ class TorchRunner(Runner):
         self.num_heads = len(shard.q_heads(mc)) if shard else mc.num_heads  # this rank's
         self.num_kv_heads = len(shard.kv_heads(mc)) if shard else mc.num_kv_heads
         # FP8 linears (the checkpoint's, or quantization="fp8") run dequantized: their values, in dtype's matmuls.
-        self.weights = load_weights(mc.path, mc, dtype, self.device, shard, quantization=quantization,
-                                    dequantize=True)
+        self._load_weights = lambda: load_weights(mc.path, mc, dtype, self.device, shard, quantization=quantization,
+                                                  dequantize=True)
+        self.weights = self._load_weights()
+        self._host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy, on a GPU
         cos_sin = rope_cos_sin(mc, max_model_len, self.device)
         half = mc.head_dim // 2
         # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them
@@ -61,15 +63,44 @@ class TorchRunner(Runner):
         # is an error there).
         kv_tokens = max(min(max_num_seqs * max_model_len, KV_CACHE_BUDGET_BYTES // bytes_per_token), block_size)
         self.num_kv_blocks = num_kv_blocks or -(-kv_tokens // block_size)
-        # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
-        shape = (self.num_kv_blocks, block_size, self.num_kv_heads, mc.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                         for _ in range(mc.num_layers)]
-        self.v_caches = [torch.zeros_like(cache) for cache in self.k_caches]
+        self._allocate_kv_cache()
         self.sampler = Sampler(self.device, mc.eos_token_ids, seed)
         self._logits: torch.Tensor | None = None  # the last forward's
         self._hidden: torch.Tensor | None = None  # the last forward's final hidden states, every token
         self._sampled: torch.Tensor | None = None  # the last sampled tokens, where input_src points
+
+    def _allocate_kv_cache(self):
+        # k_caches[i], v_caches[i]: [num_kv_blocks, block_size, num_kv_heads, head_dim]
+        shape = (self.num_kv_blocks, self.block_size, self.num_kv_heads, self.model_config.head_dim)
+        self.k_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+                         for _ in range(self.model_config.num_layers)]
+        self.v_caches = [torch.zeros_like(cache) for cache in self.k_caches]
+
+    supports_sleep = True
+
+    def sleep(self, level: int):
+        """On the CPU the weights stay where they are at level 1 (host memory already); on a GPU they are copied
+        to host memory. Level 2 lets them go, and wake_up reads the checkpoint again."""
+        self._logits = self._hidden = self._sampled = None
+        self.k_caches = self.v_caches = None
+        if self.weights is not None and level == 1 and self.device.type != "cpu":
+            self._host_weights = {name: tensor.to("cpu") for name, tensor in self.weights.items()}
+        if level == 2 or self.device.type != "cpu":
+            self.weights = None
+        if level == 2:
+            self._host_weights = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: set[str]):
+        if "weights" in tags and self.weights is None:
+            if self._host_weights is not None:
+                self.weights = {name: tensor.to(self.device) for name, tensor in self._host_weights.items()}
+            else:
+                self.weights = self._load_weights()
+            self._host_weights = None
+        if "kv_cache" in tags and self.k_caches is None:
+            self._allocate_kv_cache()
 
     def forward(self, batch, seqs: list):
         self._logits = self.run(batch)

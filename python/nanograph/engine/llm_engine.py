@@ -59,6 +59,14 @@ class NoTokenLeftError(ValueError):
     """A request whose own constraints left no token to sample: the request's to change, not the engine's fault."""
 
 
+SLEEP_LEVELS = (1, 2)  # LLMEngine.sleep's: 1 keeps the weights in host memory, 2 lets them go
+SLEEP_TAGS = ("weights", "kv_cache")  # what sleep() frees and wake_up(tags) restores, in the order it restores them
+
+
+class EngineSleeping(RuntimeError):
+    """A request queued while the engine sleeps (LLMEngine.sleep): wake_up() first."""
+
+
 class _Stream:
     """The owner of one stream() call's requests."""
 
@@ -100,6 +108,11 @@ class LLMEngine:
         self._streamed: dict[str, Request] = {}  # add_request(stream=True)'s, until their last delta is taken
         self._touched: dict[str, None] = {}  # the streamed requests that got tokens or ended since the last take
         self._lock = threading.RLock()
+        if config.enable_sleep_mode and not runner.supports_sleep:
+            raise ValueError(f"enable_sleep_mode=True: the {type(runner).__name__} has no sleep mode (the CUDA core "
+                             f"and the torch backend on one process have it); leave enable_sleep_mode out")
+        self._asleep: set[str] = set()  # the SLEEP_TAGS that sleep() freed and wake_up() has not restored
+        self._sleep_level = 0
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -248,6 +261,51 @@ class LLMEngine:
         """vLLM's: end the profile start_profile() began, writing its trace (none running: a warning)."""
         with self._lock:
             self._configured_profiler().stop()
+
+    def sleep(self, level: int = 1):
+        """vLLM's (with enable_sleep_mode=True): free the device memory of the KV cache, whose contents (the prefix
+        cache's too) are forgotten, and of the weights: level 1 keeps them in host memory, level 2 lets them go
+        (wake_up() reads the checkpoint again). Only with no request unfinished: wait for them, or abort them. Asleep,
+        the engine refuses requests (EngineSleeping) until wake_up(). Sleeping again at level 2 lets the copy go."""
+        with self._lock:
+            if not self.config.enable_sleep_mode:
+                raise RuntimeError("sleep mode is not enabled: build the engine with enable_sleep_mode=True "
+                                   "(nanograph serve: --enable-sleep-mode)")
+            if isinstance(level, bool) or level not in SLEEP_LEVELS:
+                raise ValueError(f"level must be 1 (weights kept in host memory) or 2 (weights let go, read from "
+                                 f"the checkpoint on wake_up), got {level!r}")
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"sleep: {self.scheduler.num_running + self.scheduler.num_waiting} sequences are "
+                                   f"unfinished; let their requests finish, or abort them, first")
+            # What a step left in flight belongs to requests that have ended (aborted): dropped, as the next step
+            # would drop it; the runner waits for the device before it frees anything.
+            self._in_flight = self._prompt_logprobs_in_flight = None
+            self.scheduler.block_manager.reset_prefix_cache()
+            self.runner.sleep(level)
+            self._asleep = set(SLEEP_TAGS)
+            self._sleep_level = max(level, self._sleep_level)
+
+    def wake_up(self, tags: list[str] | None = None):
+        """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first (a
+        KV cache asked for alone while the weights sleep is refused). Parts awake already are left as they are."""
+        with self._lock:
+            wanted = set(SLEEP_TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
+            if not wanted <= set(SLEEP_TAGS):
+                raise ValueError(f"wake_up tags must be among {', '.join(map(repr, SLEEP_TAGS))}, got {tags!r}")
+            if "kv_cache" in wanted & self._asleep and "weights" in self._asleep - wanted:
+                raise ValueError("wake_up(tags=['kv_cache']): the weights are asleep, and the KV cache comes back "
+                                 "over them; wake the weights first (tags=['weights']), or both (tags=None)")
+            for tag in SLEEP_TAGS:  # the weights first
+                if tag in wanted & self._asleep:
+                    self.runner.wake_up({tag})
+                    self._asleep.discard(tag)
+            if not self._asleep:
+                self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        """vLLM's: whether any part sleep() freed is still asleep (requests are refused until none is)."""
+        with self._lock:
+            return bool(self._asleep)
 
     def _configured_profiler(self) -> EngineProfiler:
         if self.profiler is None:
@@ -676,6 +734,11 @@ class LLMEngine:
 
     def _queue(self, valid, owner: object | None, request_id: str | None = None, priority: int = 0,
                arrival_time: float | None = None) -> str:
+        if self._asleep:
+            freed = " and ".join(name for tag, name in (("weights", "weights"), ("kv_cache", "KV cache"))
+                                 if tag in self._asleep)
+            raise EngineSleeping(f"the engine is asleep (sleep(level={self._sleep_level})): its {freed} are freed; "
+                                 f"call wake_up() before queueing requests")
         if request_id is None:
             request_id = str(next(self._request_ids))
             while self._id_in_use(request_id):

@@ -19,6 +19,7 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
+from .async_llm import EngineUnavailable
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -72,7 +73,7 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
     /redoc and /openapi.json. load_tracking: /load counts the generating requests in flight (vLLM's
     --enable-server-load-tracking). With NANOGRAPH_SERVER_DEV_MODE (or VLLM_SERVER_DEV_MODE) set, vLLM's development
-    route POST /reset_prefix_cache is served too. With the engine's profiler_config (--profiler-config), vLLM's
+    routes POST /reset_prefix_cache, /sleep and /wake_up and GET /is_sleeping are served too. With the engine's profiler_config (--profiler-config), vLLM's
     POST /start_profile and /stop_profile are served."""
     if isinstance(api_keys, str):
         raise TypeError("build_app takes api_keys as a list of keys")
@@ -193,6 +194,39 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
                 raise APIError(409, "the prefix cache was not reset: requests are running (their KV blocks are in "
                                     "use); retry once they have finished", code="requests_running")
             return Response(status_code=200)
+
+    if dev_mode():
+        @app.post("/sleep")
+        async def sleep(request: Request):
+            """vLLM's development route (a server started with --enable-sleep-mode): LLM.sleep(level), ?level=1
+            (weights kept in host memory, the default) or 2; refused (409) while requests are unfinished."""
+            if not async_llm.info.sleep_mode:
+                raise APIError(400, "sleep mode is not enabled: start the server with --enable-sleep-mode",
+                               code="sleep_mode_disabled")
+            level = request.query_params.get("level", "1")
+            if level not in ("1", "2"):
+                raise APIError(400, f"level must be 1 (weights kept in host memory) or 2 (weights let go), got "
+                                    f"{level!r}", "level", "invalid_value")
+            try:
+                await async_llm.sleep(int(level))
+            except EngineUnavailable:
+                raise
+            except RuntimeError as exc:
+                raise APIError(409, str(exc), code="requests_running") from None
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(request: Request):
+            """vLLM's: LLM.wake_up(tags), ?tags=weights and/or ?tags=kv_cache (none: both)."""
+            try:
+                await async_llm.wake_up(request.query_params.getlist("tags") or None)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "tags", "invalid_value") from None
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": await async_llm.is_sleeping()}
 
     if async_llm.info.profiler is not None:
         logger.warning("profiler enabled (--profiler-config): POST /start_profile and /stop_profile are served, "

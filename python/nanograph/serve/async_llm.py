@@ -192,6 +192,17 @@ class AsyncLLM:
         """The engine's LLMEngine.stop_profile(), answered once the trace is written."""
         await self._call("stop_profile")
 
+    async def sleep(self, level: int = 1):
+        """The engine's LLMEngine.sleep(level): its RuntimeError while requests are unfinished."""
+        await self._call("sleep", level)
+
+    async def wake_up(self, tags: list[str] | None = None):
+        """The engine's LLMEngine.wake_up(tags)."""
+        await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
+
     async def _call(self, method: str, *args):
         """LLMEngine.<method>(*args) in the engine process, between its steps: its answer, or its error raised
         here."""

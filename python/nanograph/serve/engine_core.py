@@ -31,7 +31,7 @@ from ..sampling_params import SamplingParams
 
 
 # The LLMEngine methods the frontend may call between steps (AsyncLLM._call).
-ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile")
+ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile", "sleep", "wake_up", "is_sleeping")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class EngineInfo:
     labels: tuple[str, ...] = ()  # a classifier's class names
     score_activation: str | None = None  # a classifier's (Pooler.score_activation): a cross-encoder's score of its logit
     profiler: str | None = None  # Config.profiler_config's profiler, if any: the server then serves /start_profile
+    sleep_mode: bool = False  # Config.enable_sleep_mode: the engine may sleep (the server's /sleep, in dev mode)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
                       {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
                       config.runner, pooler and pooler.task, pooler.labels if pooler else (),
-                      pooler and pooler.score_activation, engine.profiler and engine.profiler.config.profiler)
+                      pooler and pooler.score_activation, engine.profiler and engine.profiler.config.profiler,
+                      config.enable_sleep_mode)
 
 
 def snapshot(engine: LLMEngine) -> EngineSnapshot:

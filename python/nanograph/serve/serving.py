@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from ..chat_template import ChatOptionError, ChatTemplateError, chat_prompt_token_ids
 from ..engine.intake import check_prompt_token_ids, truncated
-from ..engine.llm_engine import NoTokenLeftError
+from ..engine.llm_engine import EngineSleeping, NoTokenLeftError
 from ..outputs import CompletionDelta, Logprob
 from ..reasoning import end_token_id, start_token_id
 from ..sampling.grammar import StructuredOutputError
@@ -237,6 +237,8 @@ class ServedModel:
             raise invalid_value(exc, request, renames) from None
         except EngineUnavailable as exc:
             raise unavailable(exc) from None
+        except EngineSleeping as exc:  # POST /sleep, until POST /wake_up
+            raise APIError(503, str(exc), code="engine_sleeping") from None
         except Exception as exc:  # the engine failed to take this request (and goes on with the others)
             raise engine_failure(f"{type(exc).__name__}: {exc}") from None
 

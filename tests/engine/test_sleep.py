@@ -1,0 +1,126 @@
+"""Sleep mode (vLLM's enable_sleep_mode, LLM.sleep / wake_up / is_sleeping) on the torch backend (the default model,
+CPU): what sleep frees, the same tokens after wake_up at either level, the prefix cache forgotten, wake_up by tags,
+and what is refused (requests while asleep, a sleep with requests unfinished, bad levels and tags)."""
+import pytest
+
+from nanograph import LLM, EngineArgs, EngineSleeping, SamplingParams
+
+# Longer than a KV block (16 tokens), so that the prefix cache keeps them.
+PROMPTS = ["Answer in one word, as a geography teacher would to a class of ten year olds: the capital of France is",
+           "List three colours that a painter would mix to make the colour of the sea on a grey winter morning:"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", enable_sleep_mode=True, max_model_len=256, max_num_seqs=4)
+
+
+def outputs(llm) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for params in (GREEDY, SAMPLED)
+            for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_tokens_after_wake_up_are_the_tokens_before_sleep(llm, level):
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    llm.sleep(level)
+    assert llm.is_sleeping()
+    assert runner.k_caches is None and runner.v_caches is None
+    # On the CPU the weights stay in host memory at level 1 (where they already are) and go at level 2.
+    assert (runner.weights is None) == (level == 2)
+    llm.wake_up()
+    assert not llm.is_sleeping()
+    assert outputs(llm) == expected
+    assert llm.engine.scheduler.block_manager.num_free_blocks == runner.num_kv_blocks
+
+
+def test_sleep_forgets_the_prefix_cache(llm):
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    [cached] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert cached.num_cached_tokens > 0
+    llm.sleep(1)
+    llm.wake_up()
+    [cold] = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == cached.outputs[0].token_ids
+
+
+def test_requests_are_refused_while_asleep_and_queue_nothing(llm):
+    llm.sleep(1)
+    try:
+        with pytest.raises(EngineSleeping, match=r"asleep \(sleep\(level=1\)\).*wake_up\(\)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        with pytest.raises(EngineSleeping):
+            llm.engine.add_request(PROMPTS[0], GREEDY)
+        assert llm.engine.get_num_unfinished_requests() == 0
+        # A second sleep at level 2 lets the weights go too; the level is the deepest asked.
+        llm.sleep(2)
+        assert llm.engine.runner.weights is None
+        with pytest.raises(EngineSleeping, match=r"sleep\(level=2\)"):
+            llm.engine.add_request(PROMPTS[0], GREEDY)
+    finally:
+        llm.wake_up()
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].text
+
+
+def test_wake_up_by_tags_weights_first(llm):
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    llm.sleep(2)
+    with pytest.raises(ValueError, match=r"wake the weights first"):
+        llm.wake_up(["kv_cache"])
+    assert runner.k_caches is None and runner.weights is None  # the refused call changed nothing
+    with pytest.raises(ValueError, match=r"'weights', 'kv_cache'"):
+        llm.wake_up(["weights", "cache"])
+    llm.wake_up(["weights"])
+    assert runner.weights is not None and runner.k_caches is None
+    assert llm.is_sleeping()
+    with pytest.raises(EngineSleeping, match="KV cache are freed"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.wake_up("kv_cache")
+    assert not llm.is_sleeping()
+    llm.wake_up()  # awake already: nothing to do
+    assert outputs(llm) == expected
+
+
+def test_sleep_with_unfinished_requests_is_refused_and_changes_nothing(llm):
+    request_id = llm.engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match=r"1 sequences are unfinished; .*abort them"):
+        llm.sleep(1)
+    assert not llm.is_sleeping() and llm.engine.runner.k_caches is not None
+    finished = []
+    while llm.engine.has_unfinished():
+        finished += llm.engine.step()
+    assert [output.request_id for output in finished] == [request_id]
+    assert finished[0].outputs[0].token_ids == llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("level", [0, 3, True, "1", None])
+def test_levels_other_than_1_and_2_are_refused(llm, level):
+    with pytest.raises(ValueError, match=r"level must be 1 .* or 2"):
+        llm.sleep(level)
+    assert not llm.is_sleeping()
+
+
+def test_sleep_needs_enable_sleep_mode():
+    llm = LLM(device="cpu", max_model_len=128, max_num_seqs=1)
+    with pytest.raises(RuntimeError, match=r"enable_sleep_mode=True .*--enable-sleep-mode"):
+        llm.sleep()
+    assert not llm.is_sleeping()
+    assert EngineArgs(enable_sleep_mode=True).create_engine_config().enable_sleep_mode is True
+    with pytest.raises(ValueError, match="enable_sleep_mode must be a bool"):
+        EngineArgs(enable_sleep_mode="yes").create_engine_config()
+
+
+def test_a_step_in_flight_for_aborted_requests_does_not_keep_the_engine_awake(llm):
+    request_id = llm.engine.add_request(PROMPTS[0], GREEDY)
+    llm.engine.step()  # the prompt's step: its first token is on its way
+    llm.engine.abort_request(request_id)
+    assert not llm.engine.has_unfinished()
+    llm.sleep(1)
+    llm.wake_up()
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.runner.num_kv_blocks

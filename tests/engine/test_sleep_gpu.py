@@ -1,0 +1,72 @@
+"""Sleep mode on the CUDA core (GPU): sleep gives the device memory of the weights and the KV cache back to the driver
+(at level 1 the weights wait in pinned host memory), wake_up takes as much again, and the decode graphs captured anew
+give the tokens of before, greedy (the argmax inside the step) and sampled, at both levels."""
+import gc
+
+import pytest
+import torch
+
+from nanograph import LLM, SamplingParams
+
+from ..hf_models import make_random_model
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [{"prompt_token_ids": list(range(100, 140))}, {"prompt_token_ids": list(range(500, 520))}]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = make_random_model(str(tmp_path_factory.mktemp("qwen3-0.6b")), "qwen3-0.6b", num_hidden_layers=4)
+    llm = LLM(folder, device="cuda", enable_sleep_mode=True, max_model_len=512, max_num_seqs=4,
+              gpu_memory_utilization=0.3)
+    yield llm
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def outputs(llm) -> list[list[int]]:
+    return [list(out.outputs[0].token_ids) for params in (GREEDY, SAMPLED)
+            for out in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def free_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_weights_and_the_kv_cache_and_wake_up_gives_the_same_tokens(llm, level):
+    runner = llm.engine.runner
+    assert runner.use_graphs
+    expected = outputs(llm)
+    weight_bytes = sum({id(t): t.numel() * t.element_size() for t in runner.weights.values()}.values())
+    kv_bytes = runner.num_kv_blocks * runner.model.kv_bytes_per_block
+    before = free_bytes()
+    llm.sleep(level)
+    asleep = free_bytes()
+    assert asleep - before >= 0.95 * (weight_bytes + kv_bytes), (asleep - before, weight_bytes, kv_bytes)
+    assert (runner._host_weights is not None) == (level == 1)
+    if level == 1:
+        assert all(t.is_pinned() for t in runner._host_weights.values())
+    llm.wake_up()
+    # As much taken again as was given back (within the allocators' rounding).
+    assert abs(free_bytes() - before) < 256 << 20, (free_bytes(), before)
+    assert runner._host_weights is None
+    assert outputs(llm) == expected
+
+
+def test_wake_up_of_the_weights_alone_leaves_the_kv_cache_freed(llm):
+    runner = llm.engine.runner
+    expected = outputs(llm)
+    kv_bytes = runner.num_kv_blocks * runner.model.kv_bytes_per_block
+    llm.sleep(1)
+    asleep = free_bytes()
+    llm.wake_up(["weights"])
+    assert runner.model is None and runner.weights is not None
+    assert asleep - free_bytes() < kv_bytes / 2  # the weights came back, not the KV cache
+    llm.wake_up(["kv_cache"])
+    assert outputs(llm) == expected

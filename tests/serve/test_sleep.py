@@ -1,0 +1,69 @@
+"""vLLM's development routes for sleep mode on `nanograph serve --enable-sleep-mode` with NANOGRAPH_SERVER_DEV_MODE=1
+(the default model on the CPU): POST /sleep, /wake_up and GET /is_sleeping through a sleep at each level, requests
+refused with a 503 while asleep, the same completions after, and the routes' errors."""
+import httpx
+import openai
+import pytest
+
+from .server_process import ServerProcess, server_env
+
+PROMPT = "Answer in one word, as a geography teacher would to a class of ten year olds: the capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = ServerProcess(tmp_path_factory.mktemp("serve") / "server.log", "--enable-sleep-mode",
+                           env=server_env(NANOGRAPH_SERVER_DEV_MODE="1"))
+    yield server
+    assert server.stop() == 0, server.log()[-4000:]
+
+
+def is_sleeping(server) -> bool:
+    response = httpx.get(server.base_url + "/is_sleeping", timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["is_sleeping"]
+
+
+def complete(client, model) -> str:
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleep_and_a_wake_up_between_completions(server, client, model, level):
+    expected = complete(client, model)
+    assert not is_sleeping(server)
+    assert httpx.post(server.base_url + "/sleep", params={"level": level}, timeout=60).status_code == 200
+    assert is_sleeping(server)
+    with pytest.raises(openai.APIStatusError) as refused:
+        complete(client, model)
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "engine_sleeping" and "wake_up" in refused.value.body["message"]
+    # The weights first, then the KV cache over them: asleep until both are back.
+    assert httpx.post(server.base_url + "/wake_up", params={"tags": "weights"}, timeout=120).status_code == 200
+    assert is_sleeping(server)
+    assert httpx.post(server.base_url + "/wake_up", params={"tags": "kv_cache"}, timeout=120).status_code == 200
+    assert not is_sleeping(server)
+    assert complete(client, model) == expected
+
+
+def test_the_routes_errors(server, client, model):
+    for level in ("0", "3", "one"):
+        response = httpx.post(server.base_url + "/sleep", params={"level": level}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "level", response.text
+    response = httpx.post(server.base_url + "/sleep", params={"level": 2}, timeout=60)
+    assert response.status_code == 200
+    response = httpx.post(server.base_url + "/wake_up", params={"tags": ["kv_cache", "cache"]}, timeout=60)
+    assert response.status_code == 400 and "'weights', 'kv_cache'" in response.json()["error"]["message"]
+    response = httpx.post(server.base_url + "/wake_up", params={"tags": "kv_cache"}, timeout=60)
+    assert response.status_code == 400 and "wake the weights first" in response.json()["error"]["message"]
+    assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200
+    assert not is_sleeping(server)
+    # A sleep while a request runs is refused (409), and the request goes on.
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    response = httpx.post(server.base_url + "/sleep", timeout=60)
+    assert response.status_code == 409 and "unfinished" in response.json()["error"]["message"], response.text
+    assert not is_sleeping(server)
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
