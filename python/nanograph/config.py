@@ -153,6 +153,10 @@ class Config:
             self.pooler_config = PoolerConfig.of(self.pooler_config)
         if self.profiler_config is not None:
             self.profiler_config = ProfilerConfig.of(self.profiler_config)
+        if self.enable_sleep_mode and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_sleep_mode=True is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} yet: use tensor_parallel_size=1, or leave "
+                             f"enable_sleep_mode out")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: nanograph's KV cache "
                              f"holds the model's dtype or FP8 e4m3; use kv_cache_dtype='auto' (the model's dtype), "

@@ -4,9 +4,11 @@ values), under the names of the server's /metrics ("nanograph:" for vLLM's "vllm
 The gauges, the scheduler's and prefix cache's counters and the generated tokens are read when asked; prompt tokens
 count at a request's first token; request_success (per completion) and the histograms count each request once, when
 it finishes (aborted ones too), from its RequestMetrics' times: queued from arrival to first scheduling, prefill to its
-first token, decode to its last, inference the two together. Each metric is labelled with model_name. The server's
-inter_token_latency_seconds and iteration_tokens_total are per step, and only the server has them. The bucket bounds
-are the server's (serve/metrics.py takes them from here)."""
+first token, decode to its last, inference the two together. inter_token_latency_seconds counts each step that gives
+a request tokens after its first (one observation for its n completions, as the server's), iteration_tokens_total
+each step that gives tokens (the prompts it finished and the tokens it generated). Each metric is labelled with
+model_name; cache_config_info (1) with the KV cache's configuration too. The bucket bounds are the server's
+(serve/metrics.py takes them from here)."""
 from __future__ import annotations
 
 import bisect
@@ -74,6 +76,15 @@ def _bound_label(bound: float) -> str:
     return "%g" % bound if bound >= 1e6 else repr(bound)
 
 
+def cache_config_labels(config, runner) -> dict[str, str]:
+    """vLLM's cache_config_info labels that apply here (config: the engine's Config, runner: its Runner)."""
+    labels = {"block_size": runner.block_size, "cache_dtype": config.kv_cache_dtype,
+              "enable_prefix_caching": config.enable_prefix_caching,
+              "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": runner.num_kv_blocks,
+              "num_gpu_blocks_override": config.num_kv_blocks}
+    return {name: str(value) for name, value in labels.items()}
+
+
 # The per-request histograms: name -> bucket bounds.
 _REQUEST_HISTOGRAMS = {
     "time_to_first_token_seconds": TTFT_BUCKETS, "e2e_request_latency_seconds": E2E_BUCKETS,
@@ -83,17 +94,31 @@ _REQUEST_HISTOGRAMS = {
     "request_max_num_generation_tokens": TOKEN_BUCKETS, "request_params_n": N_BUCKETS,
     "request_params_max_tokens": TOKEN_BUCKETS,
 }
+# The per-step ones.
+_STEP_HISTOGRAMS = {"inter_token_latency_seconds": ITL_BUCKETS, "iteration_tokens_total": ITERATION_BUCKETS}
 
 
 class EngineMetrics:
     """What LLMEngine counts of its requests (record_first_token, record_finished), and the snapshot get_metrics()
     returns. model_name: the model's label on every metric, as the server's."""
 
-    def __init__(self, model_name: str | None):
+    def __init__(self, model_name: str | None, cache_config: dict[str, str] | None = None):
         self.labels = {"model_name": str(model_name)}
+        self.cache_config = cache_config or {}
         self.prompt_tokens = 0
         self.request_success = dict.fromkeys(FINISH_REASONS, 0)
-        self.histograms = {name: _Histogram(bounds) for name, bounds in _REQUEST_HISTOGRAMS.items()}
+        self.histograms = {name: _Histogram(bounds)
+                           for name, bounds in {**_REQUEST_HISTOGRAMS, **_STEP_HISTOGRAMS}.items()}
+
+    def record_next_tokens(self, seconds: float):
+        """A request's tokens after its first, seconds after its last ones (one observation per step)."""
+        self.histograms["inter_token_latency_seconds"].observe(seconds)
+
+    def record_step(self, tokens: int):
+        """A step that gave tokens: the prompt tokens of the requests whose first token it gave, and the tokens it
+        generated."""
+        if tokens:
+            self.histograms["iteration_tokens_total"].observe(tokens)
 
     def record_first_token(self, request):
         """A request's first tokens: its prompt is prefilled (counted once, as the server counts it)."""
@@ -152,4 +177,5 @@ class EngineMetrics:
         metrics += [Counter(PREFIX + "request_success", {**labels, "finished_reason": reason}, count)
                     for reason, count in self.request_success.items()]
         metrics += [histogram.metric(PREFIX + name, labels) for name, histogram in self.histograms.items()]
+        metrics.append(Gauge(PREFIX + "cache_config_info", {**labels, **self.cache_config}, 1.0))
         return metrics

@@ -128,3 +128,20 @@ def test_a_pooling_request_is_counted_with_no_tokens_to_generate(tmp_path):
     assert metrics["nanograph:request_generation_tokens"].sum == 0
     assert metrics["nanograph:prompt_tokens"].value == 5
     assert metrics["nanograph:request_success{finished_reason=stop}"].value == 2
+
+
+def test_the_per_step_histograms_and_the_cache_config():
+    """inter_token_latency_seconds: each step that gives a request tokens after its first; iteration_tokens_total: each
+    step that gives tokens, its finished prompts' tokens and its generated ones (as the server counts them)."""
+    engine = fake_engine(max_model_len=64, num_kv_blocks=32, block_size=4)
+    engine.generate([[3, 4, 5]], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)], use_tqdm=False)
+    metrics = by_name(engine.get_metrics())
+    assert metrics["nanograph:inter_token_latency_seconds"].count == 5
+    check_histogram(metrics["nanograph:inter_token_latency_seconds"])
+    steps = metrics["nanograph:iteration_tokens_total"]
+    assert (steps.count, steps.sum) == (6, 3 + 6)  # the prefill's step (3 + 1 tokens), then 5 of one token
+    assert steps.buckets["1.0"] == 5 and steps.buckets["8.0"] == 6
+    [info] = [m for m in metrics.values() if m.name == "nanograph:cache_config_info"]
+    assert info.value == 1
+    assert {k: info.labels[k] for k in ("block_size", "num_gpu_blocks", "enable_prefix_caching", "cache_dtype")} == \
+        {"block_size": "4", "num_gpu_blocks": "32", "enable_prefix_caching": "True", "cache_dtype": "auto"}

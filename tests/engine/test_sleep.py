@@ -4,6 +4,7 @@ and what is refused (requests while asleep, a sleep with requests unfinished, ba
 import pytest
 
 from nanograph import LLM, EngineArgs, EngineSleeping, SamplingParams
+from nanograph.config import Config
 
 # Longer than a KV block (16 tokens), so that the prefix cache keeps them.
 PROMPTS = ["Answer in one word, as a geography teacher would to a class of ten year olds: the capital of France is",
@@ -78,7 +79,7 @@ def test_wake_up_by_tags_weights_first(llm):
     llm.wake_up(["weights"])
     assert runner.weights is not None and runner.k_caches is None
     assert llm.is_sleeping()
-    with pytest.raises(EngineSleeping, match="KV cache are freed"):
+    with pytest.raises(EngineSleeping, match="its KV cache freed"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     llm.wake_up("kv_cache")
     assert not llm.is_sleeping()
@@ -124,3 +125,27 @@ def test_a_step_in_flight_for_aborted_requests_does_not_keep_the_engine_awake(ll
     llm.wake_up()
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+
+
+def test_a_sleep_that_fails_partway_is_asleep_and_wake_up_restores_it(llm, monkeypatch):
+    expected = outputs(llm)
+    runner = llm.engine.runner
+
+    def failing_sleep(level):  # the KV cache freed, then a failure before the weights
+        runner.k_caches = runner.v_caches = None
+        raise MemoryError("no host memory for the weights' copy")
+
+    monkeypatch.setattr(runner, "sleep", failing_sleep)
+    with pytest.raises(MemoryError):
+        llm.sleep(1)
+    monkeypatch.undo()
+    assert llm.is_sleeping()
+    with pytest.raises(EngineSleeping):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert outputs(llm) == expected
+
+
+def test_tensor_parallel_engines_refuse_sleep_mode():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 yet: use tensor_parallel_size=1"):
+        Config(enable_sleep_mode=True, tensor_parallel_size=2)

@@ -70,3 +70,19 @@ def test_wake_up_of_the_weights_alone_leaves_the_kv_cache_freed(llm):
     assert asleep - free_bytes() < kv_bytes / 2  # the weights came back, not the KV cache
     llm.wake_up(["kv_cache"])
     assert outputs(llm) == expected
+
+
+def test_an_argmax_in_flight_for_an_aborted_request_keeps_nothing_awake(llm):
+    """A greedy step's tokens on their way (read from the core's model) when their request is aborted: sleep drops
+    them, and the core's model with its KV cache is freed all the same."""
+    runner = llm.engine.runner
+    kv_bytes = runner.num_kv_blocks * runner.model.kv_bytes_per_block
+    request_id = llm.engine.add_request(PROMPTS[0], GREEDY)
+    llm.engine.step()
+    llm.engine.step()  # a decode step's argmax in flight
+    llm.engine.abort_request(request_id)
+    before = free_bytes()
+    llm.sleep(1)
+    assert free_bytes() - before >= 0.95 * kv_bytes
+    llm.wake_up()
+    assert outputs(llm)[0] == llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -35,6 +35,20 @@ class PendingTokens:
         return self._pending.result()
 
 
+def copy_weights(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The weights copied to device (pinned host memory for the CPU, where a GPU is there to copy from), a tensor
+    that several names share copied once (a tied lm_head); returns once the copies are done."""
+    pinned = device.type == "cpu" and torch.cuda.is_available()
+    copies: dict[int, torch.Tensor] = {}
+    for tensor in weights.values():
+        if id(tensor) not in copies:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=pinned)
+            copies[id(tensor)] = copy.copy_(tensor, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {name: copies[id(tensor)] for name, tensor in weights.items()}
+
+
 class Runner(ABC):
     device: torch.device
     block_size: int

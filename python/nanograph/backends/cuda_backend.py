@@ -23,7 +23,7 @@ from ..models.kv_cache import kv_cache_torch_dtype, load_kv_scales
 from ..models.rope import rope_cos_sin
 from ..models.weights import block_scales, load_weights
 from ..sampling import Sampler, SamplerOutput
-from .base import PendingTokens, Runner
+from .base import PendingTokens, Runner, copy_weights
 
 
 def warm_up_lengths(max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> np.ndarray:
@@ -78,6 +78,7 @@ class CudaRunner(Runner):
         self._torch_stream_used = True  # since the last step: whether torch's stream may have written its inputs
         self.use_graphs = False  # until they are captured
         self.num_kv_blocks = self._size_kv_cache()
+        self._kv_bytes_per_block = self.model.kv_bytes_per_block
         self.use_graphs = not config.enforce_eager
         if self.use_graphs:
             self._capture_graphs()
@@ -109,42 +110,50 @@ class CudaRunner(Runner):
     supports_sleep = True
 
     def sleep(self, level: int):
-        """The core's model goes (its KV cache, activations, workspaces and graphs), then the weights: copied to
-        pinned host memory at level 1; torch's cached blocks go back to the driver."""
-        if self.model is not None:
-            self.model.synchronize()
-            torch.cuda.synchronize(self.device)
-            self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
-        if self.weights is not None and level == 1:
-            self._host_weights = _copied(self.weights, torch.device("cpu"))
-        if level == 2:
-            self._host_weights = None
-        self.weights = None
-        gc.collect()  # whatever still refers to the core's model or a weight, in a cycle
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        """At level 1 the weights are copied to pinned host memory first; then the core's model goes (its KV
+        cache, activations, workspaces and graphs) and the weights, and torch's cached blocks go back to the driver.
+        A sleep that fails partway leaves each part whole or freed, for wake_up to restore."""
+        with torch.cuda.device(self.device):
+            if self.model is not None:
+                self.model.synchronize()
+            if self.weights is not None and level == 1 and self._host_weights is None:
+                self._host_weights = copy_weights(self.weights, torch.device("cpu"))
+            if level == 2:
+                self._host_weights = None
+            self._drop_model()
+            self.weights = None
+            gc.collect()  # whatever still refers to the core's model or a weight, in a cycle
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def wake_up(self, tags: set[str]):
         """The weights back (from host memory, or the checkpoint after level 2); then a model of the core over
-        them, with a KV cache of as many blocks as before, and its decode graphs captured again."""
-        if "weights" in tags and self.weights is None:
-            if self._host_weights is not None:
-                self.weights = _copied(self._host_weights, self.device)
-            else:
-                self.weights = self._load_weights()
-            self._host_weights = None
-        if "kv_cache" in tags and self.model is None:
-            try:
-                self._build_model()
-                self.model.allocate_kv_cache(self.num_kv_blocks)
-                if self.use_graphs:
-                    self._capture_graphs()
-            except Exception as exc:
-                self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
-                torch.cuda.empty_cache()
-                raise RuntimeError(f"wake_up: the KV cache ({self.num_kv_blocks} blocks) and the model's buffers "
-                                   f"did not fit the device's free memory ({type(exc).__name__}: {exc}); free "
-                                   f"device memory and call wake_up() again") from exc
+        them, with a KV cache of as many blocks as before, warmed up and its decode graphs captured again."""
+        with torch.cuda.device(self.device):
+            if "weights" in tags and self.weights is None:
+                self.weights = copy_weights(self._host_weights, self.device) if self._host_weights is not None \
+                    else self._load_weights()
+                self._host_weights = None
+            if "kv_cache" in tags and self.model is None:
+                try:
+                    self._build_model()
+                    self.model.allocate_kv_cache(self.num_kv_blocks)
+                    self._warm_up()
+                    if self.use_graphs:
+                        self._capture_graphs()
+                except Exception as exc:
+                    self._drop_model()
+                    torch.cuda.empty_cache()
+                    needed = self.num_kv_blocks * self._kv_bytes_per_block
+                    free = torch.cuda.mem_get_info()[0]
+                    raise RuntimeError(
+                        f"wake_up: the KV cache ({self.num_kv_blocks} blocks, {needed / 2**30:.2f} GiB) and the "
+                        f"model's buffers did not fit the device's free memory ({free / 2**30:.2f} GiB): "
+                        f"{type(exc).__name__}: {exc}. The weights are awake, the KV cache still asleep: free "
+                        f"device memory and call wake_up() again") from exc
+
+    def _drop_model(self):
+        self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
 
     def _size_kv_cache(self) -> int:
         """Blocks that fit in gpu_memory_utilization of the device after weights, activations and
@@ -238,18 +247,6 @@ class CudaRunner(Runner):
             self._torch_stream_used = False
         max_q_len = int(np.diff(batch.cu_seqlens_q).max())
         return self.model.step(batch.num_tokens, batch.num_seqs, max_q_len, use_graph, greedy)
-
-
-def _copied(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """The weights copied to device (pinned host memory for the CPU), a tensor that several names share copied
-    once (a tied lm_head); returns once the copies are done."""
-    copies: dict[int, torch.Tensor] = {}
-    for tensor in weights.values():
-        if id(tensor) not in copies:
-            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device=device, pin_memory=device.type == "cpu")
-            copies[id(tensor)] = copy.copy_(tensor, non_blocking=True)
-    torch.cuda.synchronize()
-    return {name: copies[id(tensor)] for name, tensor in weights.items()}
 
 
 def write_step_metadata(views: dict[str, np.ndarray], batch):

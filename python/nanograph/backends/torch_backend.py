@@ -23,7 +23,7 @@ from ..models import head_logits, load_weights, rms_norm, rope_cos_sin
 from ..models.kv_cache import dequantize_kv, kv_bytes_per_token, kv_cache_torch_dtype, load_kv_scales, quantize_kv
 from ..models.sharding import Shard
 from ..sampling import Sampler
-from .base import PendingTokens, Runner
+from .base import PendingTokens, Runner, copy_weights
 
 KV_CACHE_BUDGET_BYTES = 1 << 30
 
@@ -81,10 +81,10 @@ class TorchRunner(Runner):
     def sleep(self, level: int):
         """On the CPU the weights stay where they are at level 1 (host memory already); on a GPU they are copied
         to host memory. Level 2 lets them go, and wake_up reads the checkpoint again."""
+        if self.weights is not None and level == 1 and self.device.type != "cpu" and self._host_weights is None:
+            self._host_weights = copy_weights(self.weights, torch.device("cpu"))
         self._logits = self._hidden = self._sampled = None
         self.k_caches = self.v_caches = None
-        if self.weights is not None and level == 1 and self.device.type != "cpu":
-            self._host_weights = {name: tensor.to("cpu") for name, tensor in self.weights.items()}
         if level == 2 or self.device.type != "cpu":
             self.weights = None
         if level == 2:
@@ -94,10 +94,8 @@ class TorchRunner(Runner):
 
     def wake_up(self, tags: set[str]):
         if "weights" in tags and self.weights is None:
-            if self._host_weights is not None:
-                self.weights = {name: tensor.to(self.device) for name, tensor in self._host_weights.items()}
-            else:
-                self.weights = self._load_weights()
+            self.weights = copy_weights(self._host_weights, self.device) if self._host_weights is not None \
+                else self._load_weights()
             self._host_weights = None
         if "kv_cache" in tags and self.k_caches is None:
             self._allocate_kv_cache()

@@ -34,7 +34,7 @@ from ..engine_args import EngineArgs
 from ..default_model import default_model_path
 from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
-from ..metrics import EngineMetrics, Metric
+from ..metrics import EngineMetrics, Metric, cache_config_labels
 from ..model_config import BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX, ModelConfig
 from ..models.weights import has_lm_head
 from ..outputs import CompletionDelta, Logprob, RequestOutput
@@ -67,6 +67,10 @@ class EngineSleeping(RuntimeError):
     """A request queued while the engine sleeps (LLMEngine.sleep): wake_up() first."""
 
 
+class RequestsUnfinished(RuntimeError):
+    """LLMEngine.sleep while requests are unfinished: they must finish, or be aborted, first."""
+
+
 class _Stream:
     """The owner of one stream() call's requests."""
 
@@ -86,7 +90,7 @@ class LLMEngine:
         # runner="pooling": the model is an embedding model; its requests pool their prompts and sample nothing.
         self.pooler = Pooler.for_model(model_config, config.pooler_config, runner.device, config.pooling_task) \
             if config.runner == "pooling" else None
-        self.metrics = EngineMetrics(config.model)  # what get_metrics() reports of the requests
+        self.metrics = EngineMetrics(config.model, cache_config_labels(config, runner))  # get_metrics()'s
         profiler_config = config.profiler_config
         self.profiler = EngineProfiler(profiler_config, runner.device) \
             if profiler_config is not None and profiler_config.profiler is not None else None
@@ -110,7 +114,8 @@ class LLMEngine:
         self._lock = threading.RLock()
         if config.enable_sleep_mode and not runner.supports_sleep:
             raise ValueError(f"enable_sleep_mode=True: the {type(runner).__name__} has no sleep mode (the CUDA core "
-                             f"and the torch backend on one process have it); leave enable_sleep_mode out")
+                             f"and the torch backend with tensor_parallel_size=1 have it); leave enable_sleep_mode "
+                             f"out")
         self._asleep: set[str] = set()  # the SLEEP_TAGS that sleep() freed and wake_up() has not restored
         self._sleep_level = 0
 
@@ -275,15 +280,17 @@ class LLMEngine:
                 raise ValueError(f"level must be 1 (weights kept in host memory) or 2 (weights let go, read from "
                                  f"the checkpoint on wake_up), got {level!r}")
             if self.scheduler.has_unfinished():
-                raise RuntimeError(f"sleep: {self.scheduler.num_running + self.scheduler.num_waiting} sequences are "
-                                   f"unfinished; let their requests finish, or abort them, first")
+                raise RequestsUnfinished(f"sleep: {self.scheduler.num_running + self.scheduler.num_waiting} "
+                                         f"sequences are unfinished; let their requests finish, or abort them, first")
             # What a step left in flight belongs to requests that have ended (aborted): dropped, as the next step
             # would drop it; the runner waits for the device before it frees anything.
             self._in_flight = self._prompt_logprobs_in_flight = None
-            self.scheduler.block_manager.reset_prefix_cache()
-            self.runner.sleep(level)
+            if not self.scheduler.block_manager.reset_prefix_cache():
+                raise RuntimeError("sleep: KV blocks are still held with no request unfinished; nothing was freed")
+            # Asleep from here: a runner that fails partway has freed some of its parts, which wake_up() restores.
             self._asleep = set(SLEEP_TAGS)
             self._sleep_level = max(level, self._sleep_level)
+            self.runner.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first (a
@@ -528,6 +535,7 @@ class LLMEngine:
             if seq.request_id in self._streamed:
                 self._touched[seq.request_id] = None
             finished.append((request.owner, request.output()))
+        self.metrics.record_step(sum(seq.num_prompt_tokens for seq in done))
         return finished
 
     def _apply_prompt_logprobs(self) -> list[tuple[object, RequestOutput]]:
@@ -614,6 +622,7 @@ class LLMEngine:
         sampled = pending.result()
         self.stats.device_wait_seconds += time.perf_counter() - start
         now = time.time()
+        generated_before = self.stats.generated_tokens
         requests, masked, invalid, ungrammatical, broken = {}, set(), set(), set(), {}
         for seq, token_id, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             if seq.is_finished:  # aborted while its token was on its way: the token is dropped
@@ -661,12 +670,16 @@ class LLMEngine:
         for request_id, exc in broken.items():
             finished += self._fail({request_id} - invalid - ungrammatical, exc)
         ended = invalid | ungrammatical | broken.keys()
+        step_tokens = self.stats.generated_tokens - generated_before
         for request in requests.values():
             if request.request_id in ended:
                 continue
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
                 self.metrics.record_first_token(request)
+                step_tokens += request.seqs[0].num_prompt_tokens
+            else:
+                self.metrics.record_next_tokens(now - request.metrics.last_token_time)
             request.metrics.last_token_time = now
             self.scheduler.add_siblings(request.held_siblings())  # the prompt's blocks are cached now
             if request.finished:
@@ -674,6 +687,7 @@ class LLMEngine:
                 del self.requests[request.request_id]
                 self.metrics.record_finished(request, self.config.max_model_len)
                 finished.append((request.owner, request.output()))
+        self.metrics.record_step(step_tokens)
         return finished
 
     def _record_logprobs(self, seq: Sequence, logprobs: TokenLogprobs):
@@ -737,8 +751,8 @@ class LLMEngine:
         if self._asleep:
             freed = " and ".join(name for tag, name in (("weights", "weights"), ("kv_cache", "KV cache"))
                                  if tag in self._asleep)
-            raise EngineSleeping(f"the engine is asleep (sleep(level={self._sleep_level})): its {freed} are freed; "
-                                 f"call wake_up() before queueing requests")
+            raise EngineSleeping(f"the engine is asleep (sleep(level={self._sleep_level})), its {freed} freed; call "
+                                 f"wake_up() (the server: POST /wake_up) before queueing requests")
         if request_id is None:
             request_id = str(next(self._request_ids))
             while self._id_in_use(request_id):

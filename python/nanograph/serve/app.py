@@ -19,7 +19,7 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
-from .async_llm import EngineUnavailable
+from ..engine.llm_engine import RequestsUnfinished
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -209,9 +209,7 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
                                     f"{level!r}", "level", "invalid_value")
             try:
                 await async_llm.sleep(int(level))
-            except EngineUnavailable:
-                raise
-            except RuntimeError as exc:
+            except RequestsUnfinished as exc:
                 raise APIError(409, str(exc), code="requests_running") from None
             return Response(status_code=200)
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..engine.llm_engine import LLMEngine
+from ..metrics import cache_config_labels
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
 
@@ -69,13 +70,9 @@ class EngineSnapshot:
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
     config, runner, pooler = engine.config, engine.runner, engine.pooler
-    cache_config = {"block_size": runner.block_size, "cache_dtype": config.kv_cache_dtype,
-                    "enable_prefix_caching": config.enable_prefix_caching,
-                    "gpu_memory_utilization": config.gpu_memory_utilization, "num_gpu_blocks": runner.num_kv_blocks,
-                    "num_gpu_blocks_override": config.num_kv_blocks}
     return EngineInfo(config.model, config.tokenizer, config.max_model_len, dict(engine.sampling_defaults),
                       config.max_num_seqs, engine.vocab_size, str(runner.device), runner.kv_cache_summary(),
-                      {name: str(value) for name, value in cache_config.items()}, config.reasoning_parser,
+                      cache_config_labels(config, runner), config.reasoning_parser,
                       config.runner, pooler and pooler.task, pooler.labels if pooler else (),
                       pooler and pooler.score_activation, engine.profiler and engine.profiler.config.profiler,
                       config.enable_sleep_mode)
