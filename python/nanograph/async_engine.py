@@ -240,6 +240,14 @@ class AsyncLLMEngine:
     async def is_sleeping(self) -> bool:
         return await self._async_llm.is_sleeping()
 
+    async def collective_rpc(self, method, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict | None = None) -> list:
+        """vLLM's: LLM.collective_rpc in the engine process ("reload_weights"); arguments go by position only."""
+        if kwargs:
+            raise ValueError(f"collective_rpc passes its arguments to the engine process by position; got kwargs "
+                             f"{sorted(kwargs)}: pass them in args")
+        return [await self._async_llm.call(method, *args)]
+
     async def reset_prefix_cache(self, device=None, reset_running_requests: bool = False) -> bool:
         """vLLM's: forget every cached prompt prefix; False, changing nothing, while a request holds KV blocks.
         device: vLLM's older argument, taken and ignored; reset_running_requests: False only."""

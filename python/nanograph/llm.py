@@ -11,7 +11,7 @@ from .beam_search import BeamSearchOutput, beam_search
 from .chat_template import render_chat
 from .config import POOLING_TASKS
 from .engine.intake import Prompt
-from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs
+from .engine.llm_engine import LLMEngine, check_no_lora, check_no_tokenization_kwargs, check_rpc_method
 from .engine_args import engine_config
 from .inputs import TokensPrompt
 from .metrics import Metric
@@ -89,6 +89,13 @@ class LLM:
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()
+
+    def collective_rpc(self, method, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+                       ) -> list:
+        """vLLM's call of a method on every worker, with its results in a list (one worker here): the engine's
+        methods of RPC_METHODS by name ("reload_weights"); functions and worker extensions are not run."""
+        check_rpc_method(method)
+        return [getattr(self.engine, method)(*args, **(kwargs or {}))]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams that generate(), chat() and stream() use when given none: the model folder's

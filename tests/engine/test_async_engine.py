@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from nanograph import (LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs, EngineDeadError, LLMEngine,
-                       RequestOutputKind, SamplingParams, TokensPrompt)
+from nanograph import (LLM, AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs, EngineDeadError, EngineSleeping,
+                       LLMEngine, RequestOutputKind, SamplingParams, TokensPrompt)
 from nanograph.config import Config
 
 ENGINE_ARGS = dict(device="cpu", max_model_len=1024, max_num_seqs=8)
@@ -368,3 +368,27 @@ def test_encode_on_a_generating_engine_raises(engine):
     with pytest.raises(ValueError, match="runner='pooling'"):
         run(main())
     wait_until_idle(engine)
+
+
+def test_sleep_wake_up_and_reload_weights_in_the_engine_process(engine, tiny_chat_folder):
+    params = SamplingParams(temperature=0, max_tokens=6, output_kind=RequestOutputKind.FINAL_ONLY)
+    with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+        run(engine.sleep())
+    assert run(engine.is_sleeping()) is False
+    sleepy = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=str(tiny_chat_folder), enable_sleep_mode=True,
+                                                             **ENGINE_ARGS))
+    try:
+        expected = run(outputs_of(sleepy, PROMPTS[0], params, "before"))[-1].outputs[0].token_ids
+        run(sleepy.sleep(1))
+        assert run(sleepy.is_sleeping()) is True
+        with pytest.raises(EngineSleeping, match="wake_up"):
+            run(outputs_of(sleepy, PROMPTS[0], params, "asleep"))
+        run(sleepy.wake_up(["weights"]))
+        assert run(sleepy.collective_rpc("reload_weights")) == [None]
+        run(sleepy.wake_up())
+        assert run(sleepy.is_sleeping()) is False
+        assert run(outputs_of(sleepy, PROMPTS[0], params, "after"))[-1].outputs[0].token_ids == expected
+        with pytest.raises(ValueError, match="collective_rpc runs 'reload_weights'"):
+            run(sleepy.collective_rpc("update_weights"))
+    finally:
+        sleepy.shutdown()

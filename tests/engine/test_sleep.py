@@ -6,6 +6,8 @@ import pytest
 from nanograph import LLM, EngineArgs, EngineSleeping, SamplingParams
 from nanograph.config import Config
 
+from .tiny_models import make_tiny_model
+
 # Longer than a KV block (16 tokens), so that the prefix cache keeps them.
 PROMPTS = ["Answer in one word, as a geography teacher would to a class of ten year olds: the capital of France is",
            "List three colours that a painter would mix to make the colour of the sea on a grey winter morning:"]
@@ -149,3 +151,37 @@ def test_a_sleep_that_fails_partway_is_asleep_and_wake_up_restores_it(llm, monke
 def test_tensor_parallel_engines_refuse_sleep_mode():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 yet: use tensor_parallel_size=1"):
         Config(enable_sleep_mode=True, tensor_parallel_size=2)
+
+
+def test_reload_weights_reads_the_checkpoint_again_in_place(tmp_path):
+    """LLM.collective_rpc("reload_weights") (vLLM's): new weights written over the checkpoint reach the engine without
+    a new one; in vLLM's level-2 order (weights awake, reloaded, then the KV cache) too."""
+    folder = tmp_path / "model"
+    make_tiny_model(folder, "qwen3-tied", seed=0)
+    prompt = [{"prompt_token_ids": [5, 6, 7, 8, 9]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(llm):
+        return list(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    llm = LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True, enable_sleep_mode=True,
+              enable_prefix_caching=False)
+    old = tokens(llm)
+    held = {name: tensor for name, tensor in llm.engine.runner.weights.items()}
+    make_tiny_model(folder, "qwen3-tied", seed=1)  # a trainer's new weights, saved where the model was
+    new = tokens(LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True))
+    assert new != old
+    assert llm.collective_rpc("reload_weights") == [None]
+    assert tokens(llm) == new
+    assert all(llm.engine.runner.weights[name] is tensor for name, tensor in held.items())  # in place
+    make_tiny_model(folder, "qwen3-tied", seed=0)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(["kv_cache"])
+    assert tokens(llm) == old
+    with pytest.raises(ValueError, match=r"collective_rpc runs 'reload_weights'; got 'update_weights'"):
+        llm.collective_rpc("update_weights")
+    llm.sleep(2)
+    with pytest.raises(RuntimeError, match=r"the weights are asleep; wake them first"):
+        llm.collective_rpc("reload_weights")

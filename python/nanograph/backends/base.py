@@ -97,6 +97,24 @@ class Runner(ABC):
         as they were, a KV cache of the same size (empty)."""
         raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
+    def reload_weights(self):
+        """Read the checkpoint's weights again into the tensors that hold them (in place: what refers to them, the
+        CUDA core's captured graphs too, reads the new values), once the device is done with the old ones."""
+        raise NotImplementedError(f"{type(self).__name__} does not reload its weights")
+
+    def _reload_into(self, weights: dict[str, torch.Tensor]):
+        """reload_weights for a runner whose packed weights _load_weights() makes again."""
+        if weights is None:
+            raise RuntimeError("reload_weights: the weights are asleep; wake them first (wake_up(tags=['weights']))")
+        fresh = self._load_weights()
+        done = set()
+        for name, tensor in weights.items():
+            if id(tensor) not in done:
+                done.add(id(tensor))
+                tensor.copy_(fresh[name])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def pooled_hidden(self, token_rows: np.ndarray) -> torch.Tensor:
         """float32 [len(token_rows), hidden_size]: the final norm's output (the model's last hidden state, which
         pooling reads) at the last forward's tokens token_rows."""

@@ -152,6 +152,13 @@ class CudaRunner(Runner):
                         f"{type(exc).__name__}: {exc}. The weights are awake, the KV cache still asleep: free "
                         f"device memory and call wake_up() again") from exc
 
+    def reload_weights(self):
+        with torch.cuda.device(self.device):
+            if self.model is not None:
+                self.model.synchronize()  # the steps queued so far read the old values
+            torch.cuda.synchronize()
+            self._reload_into(self.weights)
+
     def _drop_model(self):
         self.model = self.stream = self.logits = self.sampled_tokens = self.hidden = self.residual = None
 

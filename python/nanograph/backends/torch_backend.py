@@ -100,6 +100,9 @@ class TorchRunner(Runner):
         if "kv_cache" in tags and self.k_caches is None:
             self._allocate_kv_cache()
 
+    def reload_weights(self):
+        self._reload_into(self.weights)
+
     def forward(self, batch, seqs: list):
         self._logits = self.run(batch)
 

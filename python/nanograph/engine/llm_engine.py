@@ -309,6 +309,14 @@ class LLMEngine:
             if not self._asleep:
                 self._sleep_level = 0
 
+    def reload_weights(self):
+        """vLLM's worker call (LLM.collective_rpc("reload_weights")): read the model's checkpoint again into the
+        weights in place, e.g. after a trainer wrote new weights there, or into the weights that wake_up(tags=
+        ["weights"]) brought back after sleep(level=2). Steps from here read the new values; the prefix cache's
+        blocks, computed with the old ones, stay until reset_prefix_cache(), as in vLLM."""
+        with self._lock:
+            self.runner.reload_weights()
+
     def is_sleeping(self) -> bool:
         """vLLM's: whether any part sleep() freed is still asleep (requests are refused until none is)."""
         with self._lock:
@@ -795,6 +803,15 @@ class LLMEngine:
         for request in [request for request in self.requests.values() if request.owner in self._open_streams]:
             self._end(request)
         self._open_streams.clear()
+
+
+RPC_METHODS = ("reload_weights",)  # the engine's methods that collective_rpc runs by name, as vLLM's workers have them
+
+
+def check_rpc_method(method):
+    if not isinstance(method, str) or method not in RPC_METHODS:
+        raise ValueError(f"collective_rpc runs {', '.join(map(repr, RPC_METHODS))}; got {method!r} (nanograph runs no "
+                         f"worker extensions or functions)")
 
 
 def check_no_lora(lora_request):

@@ -18,7 +18,7 @@ from itertools import count
 from typing import TYPE_CHECKING
 
 from ..engine.intake import Prompt
-from ..engine.llm_engine import LLMEngine
+from ..engine.llm_engine import LLMEngine, check_rpc_method
 from ..outputs import CompletionDelta
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
@@ -202,6 +202,11 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call("is_sleeping")
+
+    async def call(self, method: str, *args):
+        """One of the engine's methods that collective_rpc runs (llm_engine.RPC_METHODS), in the engine process."""
+        check_rpc_method(method)
+        return await self._call(method, *args)
 
     async def _call(self, method: str, *args):
         """LLMEngine.<method>(*args) in the engine process, between its steps: its answer, or its error raised

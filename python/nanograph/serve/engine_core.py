@@ -32,7 +32,8 @@ from ..sampling_params import SamplingParams
 
 
 # The LLMEngine methods the frontend may call between steps (AsyncLLM._call).
-ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile", "sleep", "wake_up", "is_sleeping")
+ENGINE_CALLS = ("reset_prefix_cache", "start_profile", "stop_profile", "sleep", "wake_up", "is_sleeping",
+                "reload_weights")
 
 
 @dataclass(frozen=True)
