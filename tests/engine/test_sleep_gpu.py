@@ -89,3 +89,28 @@ def test_an_argmax_in_flight_for_an_aborted_request_keeps_nothing_awake(llm):
     assert free_bytes() - before >= 0.95 * kv_bytes
     llm.wake_up()
     assert outputs(llm)[0] == llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_reload_weights_reads_new_weights_into_the_graphs(tmp_path):
+    """collective_rpc("reload_weights"): weights saved over the model's folder reach the captured decode graphs (in
+    place), giving the tokens of an engine built on them."""
+    import shutil
+
+    first = make_random_model(str(tmp_path / "first"), "qwen3-0.6b", seed=0, num_hidden_layers=2)
+    second = make_random_model(str(tmp_path / "second"), "qwen3-0.6b", seed=1, num_hidden_layers=2)
+    folder = shutil.copytree(first, tmp_path / "served")
+    kwargs = dict(device="cuda", max_model_len=256, max_num_seqs=2, num_kv_blocks=64)
+    expected = {}
+    for name in (first, second):
+        other = LLM(name, **kwargs)
+        expected[name] = other.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        del other
+        gc.collect()
+    assert expected[first] != expected[second]
+    llm = LLM(str(folder), enable_sleep_mode=True, **kwargs)
+    assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[first]
+    for file in ("model.safetensors", "config.json"):
+        shutil.copy(tmp_path / "second" / file, folder / file)
+    llm.collective_rpc("reload_weights")
+    assert llm.reset_prefix_cache()  # the prompt's cached KV came from the old weights
+    assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[second]
