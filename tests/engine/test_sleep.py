@@ -185,3 +185,16 @@ def test_reload_weights_reads_the_checkpoint_again_in_place(tmp_path):
     llm.sleep(2)
     with pytest.raises(RuntimeError, match=r"the weights are asleep; wake them first"):
         llm.collective_rpc("reload_weights")
+
+
+def test_a_pooling_engine_sleeps_and_embeds_the_same_after(tmp_path):
+    make_tiny_model(tmp_path / "model", "qwen3-tied")
+    llm = LLM(str(tmp_path / "model"), device="cpu", max_model_len=64, skip_tokenizer_init=True, runner="pooling",
+              enable_sleep_mode=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10]}]
+    expected = [output.outputs.embedding for output in llm.embed(prompts, use_tqdm=False)]
+    llm.sleep(2)
+    with pytest.raises(EngineSleeping):
+        llm.embed(prompts, use_tqdm=False)
+    llm.wake_up()
+    assert [output.outputs.embedding for output in llm.embed(prompts, use_tqdm=False)] == expected
