@@ -229,9 +229,9 @@ class AsyncLLMEngine:
         """The model's sampling defaults, as LLM.get_default_sampling_params() gives them."""
         return SamplingParams(**self.info.sampling_defaults)
 
-    async def sleep(self, level: int = 1):
-        """vLLM's: LLM.sleep(level) in the engine process (enable_sleep_mode=True; no request unfinished)."""
-        await self._async_llm.sleep(level)
+    async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
+        """vLLM's: LLM.sleep(level, tags=tags, mode=mode) in the engine process (enable_sleep_mode=True)."""
+        await self._async_llm.sleep(level, tags, mode)
 
     async def wake_up(self, tags: list[str] | None = None):
         """vLLM's: LLM.wake_up(tags) in the engine process."""

@@ -77,11 +77,12 @@ class LLM:
         """vLLM's: end the profile, writing its trace into torch_profiler_dir."""
         self.engine.stop_profile()
 
-    def sleep(self, level: int = 1):
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
         """vLLM's (with enable_sleep_mode=True): free the device memory of the KV cache (its contents, the prefix
         cache's too, are forgotten) and of the weights, which level 1 keeps in host memory and level 2 lets go (wake_up
-        reads the checkpoint again). Only while no request runs; until wake_up(), requests are refused."""
-        self.engine.sleep(level)
+        reads the checkpoint again); tags ("weights", "kv_cache") sleep those alone. mode: unfinished requests are
+        aborted ("abort") or run to their end first ("wait"). Until wake_up(), requests are refused."""
+        self.engine.sleep(level, tags=tags, mode=mode)
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: restore what sleep() freed: "weights", "kv_cache" or both (None); the weights come first."""

@@ -54,7 +54,7 @@ def test_sleep_forgets_the_prefix_cache(llm):
 def test_requests_are_refused_while_asleep_and_queue_nothing(llm):
     llm.sleep(1)
     try:
-        with pytest.raises(EngineSleeping, match=r"asleep \(sleep\(level=1\)\).*wake_up\(\)"):
+        with pytest.raises(EngineSleeping, match=r"asleep, its weights and KV cache freed.*wake_up\(\)"):
             llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         with pytest.raises(EngineSleeping):
             llm.engine.add_request(PROMPTS[0], GREEDY)
@@ -62,7 +62,7 @@ def test_requests_are_refused_while_asleep_and_queue_nothing(llm):
         # A second sleep at level 2 lets the weights go too; the level is the deepest asked.
         llm.sleep(2)
         assert llm.engine.runner.weights is None
-        with pytest.raises(EngineSleeping, match=r"sleep\(level=2\)"):
+        with pytest.raises(EngineSleeping):
             llm.engine.add_request(PROMPTS[0], GREEDY)
     finally:
         llm.wake_up()
@@ -89,16 +89,47 @@ def test_wake_up_by_tags_weights_first(llm):
     assert outputs(llm) == expected
 
 
-def test_sleep_with_unfinished_requests_is_refused_and_changes_nothing(llm):
-    request_id = llm.engine.add_request(PROMPTS[0], GREEDY)
-    with pytest.raises(RuntimeError, match=r"1 sequences are unfinished; .*abort them"):
-        llm.sleep(1)
-    assert not llm.is_sleeping() and llm.engine.runner.k_caches is not None
-    finished = []
-    while llm.engine.has_unfinished():
-        finished += llm.engine.step()
-    assert [output.request_id for output in finished] == [request_id]
-    assert finished[0].outputs[0].token_ids == llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+def test_unfinished_requests_are_aborted_or_run_to_their_end(llm):
+    """mode="abort" (vLLM's default) ends them with reason "abort"; mode="wait" finishes them first."""
+    expected = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    streamed = llm.engine.add_request(PROMPTS[0], GREEDY, stream=True)
+    llm.engine.step()
+    llm.sleep(1)
+    # Ended as abort_request ends a request: a stream's last delta says so.
+    assert llm.engine.get_num_unfinished_requests() == 0
+    [delta] = [d for d in llm.engine.take_deltas() if d.finished]
+    assert (delta.request_id, delta.finish_reason) == (streamed, "abort")
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.runner.num_kv_blocks
+    llm.wake_up()
+    waited = llm.engine.add_request(PROMPTS[0], GREEDY)
+    llm.engine.step()
+    llm.sleep(1, mode="wait")
+    assert llm.is_sleeping()
+    [output] = llm.engine.step()  # finished before the sleep, returned now
+    assert (output.request_id, output.outputs[0].token_ids) == (waited, expected)
+    assert output.outputs[0].finish_reason != "abort"
+    llm.wake_up()
+    with pytest.raises(ValueError, match=r"mode must be 'abort' .* or 'wait' .*got 'keep'"):
+        llm.sleep(mode="keep")
+    assert not llm.is_sleeping()
+
+
+def test_sleep_by_tags_frees_those_alone(llm):
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    weights = runner.weights
+    llm.sleep(tags=["kv_cache"])
+    assert runner.k_caches is None and runner.weights is weights
+    with pytest.raises(EngineSleeping, match="its KV cache freed"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    llm.wake_up(["kv_cache"])
+    assert outputs(llm) == expected
+    llm.sleep(tags="weights")  # weights slept by tag keep no copy: read from the checkpoint on wake_up
+    assert runner.weights is None and runner.k_caches is not None
+    llm.wake_up()
+    assert outputs(llm) == expected
+    with pytest.raises(ValueError, match=r"sleep tags must be among 'weights', 'kv_cache', got \[\]"):
+        llm.sleep(tags=[])
 
 
 @pytest.mark.parametrize("level", [0, 3, True, "1", None])
@@ -133,7 +164,7 @@ def test_a_sleep_that_fails_partway_is_asleep_and_wake_up_restores_it(llm, monke
     expected = outputs(llm)
     runner = llm.engine.runner
 
-    def failing_sleep(level):  # the KV cache freed, then a failure before the weights
+    def failing_sleep(tags, keep_weights):  # the KV cache freed, then a failure before the weights
         runner.k_caches = runner.v_caches = None
         raise MemoryError("no host memory for the weights' copy")
 

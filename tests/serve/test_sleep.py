@@ -58,12 +58,20 @@ def test_the_routes_errors(server, client, model):
     assert response.status_code == 400 and "wake the weights first" in response.json()["error"]["message"]
     assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200
     assert not is_sleeping(server)
-    # A sleep while a request runs is refused (409), and the request goes on.
-    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+    for query, param in (({"mode": "keep"}, "mode"), ({"tags": "cache"}, "tags")):
+        response = httpx.post(server.base_url + "/sleep", params=query, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert not is_sleeping(server)
+
+
+@pytest.mark.parametrize("mode, finish_reason", [("abort", "abort"), ("wait", "length")])
+def test_a_sleep_while_a_request_runs(server, client, model, mode, finish_reason):
+    """?mode=abort (the default) ends it with "abort"; ?mode=wait lets it finish before the engine sleeps."""
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    response = httpx.post(server.base_url + "/sleep", timeout=60)
-    assert response.status_code == 409 and "unfinished" in response.json()["error"]["message"], response.text
-    assert not is_sleeping(server)
-    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert httpx.post(server.base_url + "/sleep", params={"mode": mode}, timeout=120).status_code == 200
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == finish_reason
+    assert is_sleeping(server)
+    assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200

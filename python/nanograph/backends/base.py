@@ -87,9 +87,14 @@ class Runner(ABC):
     # Whether sleep() and wake_up() free and restore the device memory (Config.enable_sleep_mode).
     supports_sleep = False
 
-    def sleep(self, level: int):
-        """Free the KV cache (its contents are forgotten), and the weights: level 1 keeps a copy in host memory,
-        level 2 none (wake_up reads them from the checkpoint again). Only between steps, with nothing in flight."""
+    def tags_freed(self, tags: set[str]) -> set[str]:
+        """What sleep(tags) frees: tags, and what this runner cannot keep without them."""
+        return set(tags)
+
+    def sleep(self, tags: set[str], keep_weights: bool):
+        """Free what tags name (tags_freed's): the KV cache (its contents are forgotten), the weights (with
+        keep_weights a copy waits in host memory; else wake_up reads them from the checkpoint again). Only between
+        steps, with nothing in flight."""
         raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
 
     def wake_up(self, tags: set[str]):

@@ -109,19 +109,25 @@ class CudaRunner(Runner):
 
     supports_sleep = True
 
-    def sleep(self, level: int):
-        """At level 1 the weights are copied to pinned host memory first; then the core's model goes (its KV
-        cache, activations, workspaces and graphs) and the weights, and torch's cached blocks go back to the driver.
+    def tags_freed(self, tags: set[str]) -> set[str]:
+        """The core's model (the KV cache with it) is built over the weights: it goes with them."""
+        return tags | {"kv_cache"} if "weights" in tags else set(tags)
+
+    def sleep(self, tags: set[str], keep_weights: bool):
+        """Kept weights are copied to pinned host memory first; then the core's model goes (its KV cache,
+        activations, workspaces and graphs), and the weights, and torch's cached blocks go back to the driver.
         A sleep that fails partway leaves each part whole or freed, for wake_up to restore."""
         with torch.cuda.device(self.device):
             if self.model is not None:
                 self.model.synchronize()
-            if self.weights is not None and level == 1 and self._host_weights is None:
-                self._host_weights = copy_weights(self.weights, torch.device("cpu"))
-            if level == 2:
-                self._host_weights = None
+            if "weights" in tags:
+                if keep_weights and self.weights is not None and self._host_weights is None:
+                    self._host_weights = copy_weights(self.weights, torch.device("cpu"))
+                if not keep_weights:
+                    self._host_weights = None
             self._drop_model()
-            self.weights = None
+            if "weights" in tags:
+                self.weights = None
             gc.collect()  # whatever still refers to the core's model or a weight, in a cycle
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -78,16 +78,19 @@ class TorchRunner(Runner):
 
     supports_sleep = True
 
-    def sleep(self, level: int):
-        """On the CPU the weights stay where they are at level 1 (host memory already); on a GPU they are copied
-        to host memory. Level 2 lets them go, and wake_up reads the checkpoint again."""
-        if self.weights is not None and level == 1 and self.device.type != "cpu" and self._host_weights is None:
+    def sleep(self, tags: set[str], keep_weights: bool):
+        """Weights kept on the CPU stay where they are (host memory already); on a GPU they are copied to host
+        memory first."""
+        weights = "weights" in tags
+        if weights and keep_weights and self.weights is not None and self.device.type != "cpu" and \
+                self._host_weights is None:
             self._host_weights = copy_weights(self.weights, torch.device("cpu"))
         self._logits = self._hidden = self._sampled = None
-        self.k_caches = self.v_caches = None
-        if level == 2 or self.device.type != "cpu":
+        if "kv_cache" in tags:
+            self.k_caches = self.v_caches = None
+        if weights and not (keep_weights and self.device.type == "cpu"):
             self.weights = None
-        if level == 2:
+        if weights and not keep_weights:
             self._host_weights = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

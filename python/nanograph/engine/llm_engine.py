@@ -61,14 +61,21 @@ class NoTokenLeftError(ValueError):
 
 SLEEP_LEVELS = (1, 2)  # LLMEngine.sleep's: 1 keeps the weights in host memory, 2 lets them go
 SLEEP_TAGS = ("weights", "kv_cache")  # what sleep() frees and wake_up(tags) restores, in the order it restores them
+SLEEP_MODES = ("abort", "wait")  # what sleep() does with unfinished requests (vLLM's "keep" is not implemented)
+
+
+def _sleep_tags(tags, call: str) -> set[str]:
+    """sleep's or wake_up's tags (one tag, or a list of them) as a set, checked."""
+    wanted = {tags} if isinstance(tags, str) else set(tags)
+    if not wanted or not wanted <= set(SLEEP_TAGS):
+        raise ValueError(f"{call} tags must be among {', '.join(map(repr, SLEEP_TAGS))}, got {tags!r}")
+    return wanted
 
 
 class EngineSleeping(RuntimeError):
     """A request queued while the engine sleeps (LLMEngine.sleep): wake_up() first."""
 
 
-class RequestsUnfinished(RuntimeError):
-    """LLMEngine.sleep while requests are unfinished: they must finish, or be aborted, first."""
 
 
 class _Stream:
@@ -117,7 +124,6 @@ class LLMEngine:
                              f"and the torch backend with tensor_parallel_size=1 have it); leave enable_sleep_mode "
                              f"out")
         self._asleep: set[str] = set()  # the SLEEP_TAGS that sleep() freed and wake_up() has not restored
-        self._sleep_level = 0
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -267,38 +273,48 @@ class LLMEngine:
         with self._lock:
             self._configured_profiler().stop()
 
-    def sleep(self, level: int = 1):
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
         """vLLM's (with enable_sleep_mode=True): free the device memory of the KV cache, whose contents (the prefix
-        cache's too) are forgotten, and of the weights: level 1 keeps them in host memory, level 2 lets them go
-        (wake_up() reads the checkpoint again). Only with no request unfinished: wait for them, or abort them. Asleep,
-        the engine refuses requests (EngineSleeping) until wake_up(). Sleeping again at level 2 lets the copy go."""
+        cache's too) are forgotten, and of the weights: level 1 keeps a copy in host memory, level 2 none (wake_up()
+        reads the checkpoint again). tags ("weights", "kv_cache") sleep those alone, over the level, as vLLM's
+        (weights slept by tag keep no copy; on the CUDA core the KV cache sleeps with the weights it is built over).
+        mode, what becomes of unfinished requests: "abort" (vLLM's default) ends them with reason "abort", "wait" runs
+        the engine's steps until they have finished. Asleep, the engine refuses requests (EngineSleeping) until
+        wake_up(). A part asleep already stays so (its host copy is let go at level 2)."""
         with self._lock:
             if not self.config.enable_sleep_mode:
                 raise RuntimeError("sleep mode is not enabled: build the engine with enable_sleep_mode=True "
                                    "(nanograph serve: --enable-sleep-mode)")
-            if isinstance(level, bool) or level not in SLEEP_LEVELS:
-                raise ValueError(f"level must be 1 (weights kept in host memory) or 2 (weights let go, read from "
-                                 f"the checkpoint on wake_up), got {level!r}")
-            if self.scheduler.has_unfinished():
-                raise RequestsUnfinished(f"sleep: {self.scheduler.num_running + self.scheduler.num_waiting} "
-                                         f"sequences are unfinished; let their requests finish, or abort them, first")
-            # What a step left in flight belongs to requests that have ended (aborted): dropped, as the next step
-            # would drop it; the runner waits for the device before it frees anything.
+            if mode not in SLEEP_MODES:
+                raise ValueError(f"mode must be 'abort' (unfinished requests end with reason 'abort') or 'wait' "
+                                 f"(they run to their end first), got {mode!r}")
+            if tags is None:
+                if isinstance(level, bool) or level not in SLEEP_LEVELS:
+                    raise ValueError(f"level must be 1 (weights kept in host memory) or 2 (weights let go, read "
+                                     f"from the checkpoint on wake_up), got {level!r}")
+                wanted, keep_weights = set(SLEEP_TAGS), level == 1
+            else:
+                wanted, keep_weights = _sleep_tags(tags, "sleep"), False
+            if mode == "abort":
+                for request in list(self.requests.values()):
+                    self._end(request)
+            while self.scheduler.has_unfinished():
+                self._unclaimed += [output for owner, output in self._step()[0] if owner is None]
+            # What a step left in flight belongs to requests that have ended: dropped, as the next step would drop
+            # it; the runner waits for the device before it frees anything.
             self._in_flight = self._prompt_logprobs_in_flight = None
             if not self.scheduler.block_manager.reset_prefix_cache():
                 raise RuntimeError("sleep: KV blocks are still held with no request unfinished; nothing was freed")
             # Asleep from here: a runner that fails partway has freed some of its parts, which wake_up() restores.
-            self._asleep = set(SLEEP_TAGS)
-            self._sleep_level = max(level, self._sleep_level)
-            self.runner.sleep(level)
+            wanted = self.runner.tags_freed(wanted)
+            self._asleep |= wanted
+            self.runner.sleep(wanted, keep_weights)
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first (a
         KV cache asked for alone while the weights sleep is refused). Parts awake already are left as they are."""
         with self._lock:
-            wanted = set(SLEEP_TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
-            if not wanted <= set(SLEEP_TAGS):
-                raise ValueError(f"wake_up tags must be among {', '.join(map(repr, SLEEP_TAGS))}, got {tags!r}")
+            wanted = set(SLEEP_TAGS) if tags is None else _sleep_tags(tags, "wake_up")
             if "kv_cache" in wanted & self._asleep and "weights" in self._asleep - wanted:
                 raise ValueError("wake_up(tags=['kv_cache']): the weights are asleep, and the KV cache comes back "
                                  "over them; wake the weights first (tags=['weights']), or both (tags=None)")
@@ -306,8 +322,6 @@ class LLMEngine:
                 if tag in wanted & self._asleep:
                     self.runner.wake_up({tag})
                     self._asleep.discard(tag)
-            if not self._asleep:
-                self._sleep_level = 0
 
     def reload_weights(self):
         """vLLM's worker call (LLM.collective_rpc("reload_weights")): read the model's checkpoint again into the
@@ -759,8 +773,8 @@ class LLMEngine:
         if self._asleep:
             freed = " and ".join(name for tag, name in (("weights", "weights"), ("kv_cache", "KV cache"))
                                  if tag in self._asleep)
-            raise EngineSleeping(f"the engine is asleep (sleep(level={self._sleep_level})), its {freed} freed; call "
-                                 f"wake_up() (the server: POST /wake_up) before queueing requests")
+            raise EngineSleeping(f"the engine is asleep, its {freed} freed (sleep()); call wake_up() (the server: "
+                                 f"POST /wake_up) before queueing requests")
         if request_id is None:
             request_id = str(next(self._request_ids))
             while self._id_in_use(request_id):

@@ -19,7 +19,6 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
-from ..engine.llm_engine import RequestsUnfinished
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -198,19 +197,22 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     if dev_mode():
         @app.post("/sleep")
         async def sleep(request: Request):
-            """vLLM's development route (a server started with --enable-sleep-mode): LLM.sleep(level), ?level=1
-            (weights kept in host memory, the default) or 2; refused (409) while requests are unfinished."""
+            """vLLM's development route (a server started with --enable-sleep-mode): LLM.sleep(level, tags, mode),
+            ?level=1 (weights kept in host memory, the default) or 2, ?tags=weights / kv_cache (over the level),
+            ?mode=abort (the default: unfinished requests end with "abort") or wait."""
             if not async_llm.info.sleep_mode:
                 raise APIError(400, "sleep mode is not enabled: start the server with --enable-sleep-mode",
                                code="sleep_mode_disabled")
-            level = request.query_params.get("level", "1")
+            query = request.query_params
+            level = query.get("level", "1")
             if level not in ("1", "2"):
                 raise APIError(400, f"level must be 1 (weights kept in host memory) or 2 (weights let go), got "
                                     f"{level!r}", "level", "invalid_value")
             try:
-                await async_llm.sleep(int(level))
-            except RequestsUnfinished as exc:
-                raise APIError(409, str(exc), code="requests_running") from None
+                await async_llm.sleep(int(level), query.getlist("tags") or None, query.get("mode", "abort"))
+            except ValueError as exc:
+                raise APIError(400, str(exc), "mode" if str(exc).startswith("mode") else "tags",
+                               "invalid_value") from None
             return Response(status_code=200)
 
         @app.post("/wake_up")

@@ -192,9 +192,9 @@ class AsyncLLM:
         """The engine's LLMEngine.stop_profile(), answered once the trace is written."""
         await self._call("stop_profile")
 
-    async def sleep(self, level: int = 1):
-        """The engine's LLMEngine.sleep(level): its RuntimeError while requests are unfinished."""
-        await self._call("sleep", level)
+    async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
+        """The engine's LLMEngine.sleep(level, tags=tags, mode=mode)."""
+        await self._call("sleep", level, tags, mode)
 
     async def wake_up(self, tags: list[str] | None = None):
         """The engine's LLMEngine.wake_up(tags)."""
