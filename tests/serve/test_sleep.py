@@ -28,6 +28,20 @@ def complete(client, model) -> str:
     return client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
 
 
+def test_vllms_level_2_order_with_collective_rpc(server, client, model):
+    expected = complete(client, model)
+    assert httpx.post(server.base_url + "/sleep", params={"level": 2}, timeout=60).status_code == 200
+    assert httpx.post(server.base_url + "/wake_up", params={"tags": "weights"}, timeout=120).status_code == 200
+    response = httpx.post(server.base_url + "/collective_rpc", json={"method": "reload_weights"}, timeout=120)
+    assert response.status_code == 200 and response.json() == {"results": [None]}, response.text
+    assert httpx.post(server.base_url + "/wake_up", params={"tags": "kv_cache"}, timeout=120).status_code == 200
+    assert complete(client, model) == expected
+    response = httpx.post(server.base_url + "/collective_rpc", json={"method": "update_weights"}, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "method", response.text
+    response = httpx.post(server.base_url + "/collective_rpc", content=b"[1, 2", timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_a_sleep_and_a_wake_up_between_completions(server, client, model, level):
     expected = complete(client, model)

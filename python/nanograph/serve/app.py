@@ -72,7 +72,7 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
     request_id_headers: every response carries X-Request-Id (the request's, else a new one). docs: FastAPI's /docs,
     /redoc and /openapi.json. load_tracking: /load counts the generating requests in flight (vLLM's
     --enable-server-load-tracking). With NANOGRAPH_SERVER_DEV_MODE (or VLLM_SERVER_DEV_MODE) set, vLLM's development
-    routes POST /reset_prefix_cache, /sleep and /wake_up and GET /is_sleeping are served too. With the engine's profiler_config (--profiler-config), vLLM's
+    routes POST /reset_prefix_cache, /sleep, /wake_up and /collective_rpc and GET /is_sleeping are served too. With the engine's profiler_config (--profiler-config), vLLM's
     POST /start_profile and /stop_profile are served."""
     if isinstance(api_keys, str):
         raise TypeError("build_app takes api_keys as a list of keys")
@@ -227,6 +227,26 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
         @app.get("/is_sleeping")
         async def is_sleeping():
             return {"is_sleeping": await async_llm.is_sleeping()}
+
+        @app.post("/collective_rpc")
+        async def collective_rpc(request: Request):
+            """vLLM's: {"method": "reload_weights", "args": [...]} runs LLM.collective_rpc in the engine process;
+            the answer is {"results": [...]}, one per worker (one here)."""
+            try:
+                body = json.loads(await request.body() or b"{}")
+            except ValueError:
+                body = None
+            if not isinstance(body, dict):
+                raise APIError(400, 'the body must be a JSON object such as {"method": "reload_weights"}', None,
+                               "invalid_json")
+            method, args = body.get("method"), body.get("args") or []
+            if not isinstance(args, list):
+                raise APIError(400, f"args must be a list, got {args!r}", "args", "invalid_value")
+            try:
+                result = await async_llm.call(method, *args)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "method", "invalid_value") from None
+            return {"results": [result]}
 
     if async_llm.info.profiler is not None:
         logger.warning("profiler enabled (--profiler-config): POST /start_profile and /stop_profile are served, "
