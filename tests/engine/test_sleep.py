@@ -6,7 +6,7 @@ import pytest
 from nanograph import LLM, EngineArgs, EngineSleeping, SamplingParams
 from nanograph.config import Config
 
-from .tiny_models import make_tiny_model
+from .tiny_models import make_tiny_classifier, make_tiny_model
 
 # Longer than a KV block (16 tokens), so that the prefix cache keeps them.
 PROMPTS = ["Answer in one word, as a geography teacher would to a class of ten year olds: the capital of France is",
@@ -59,9 +59,9 @@ def test_requests_are_refused_while_asleep_and_queue_nothing(llm):
         with pytest.raises(EngineSleeping):
             llm.engine.add_request(PROMPTS[0], GREEDY)
         assert llm.engine.get_num_unfinished_requests() == 0
-        # A second sleep at level 2 lets the weights go too; the level is the deepest asked.
+        # As in vLLM, sleeping what sleeps already changes nothing (the CPU's level-1 weights stay).
         llm.sleep(2)
-        assert llm.engine.runner.weights is None
+        assert llm.engine.runner.weights is not None
         with pytest.raises(EngineSleeping):
             llm.engine.add_request(PROMPTS[0], GREEDY)
     finally:
@@ -69,23 +69,41 @@ def test_requests_are_refused_while_asleep_and_queue_nothing(llm):
     assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].text
 
 
-def test_wake_up_by_tags_weights_first(llm):
+def test_wake_up_by_tags(llm):
     expected = outputs(llm)
     runner = llm.engine.runner
     llm.sleep(2)
-    with pytest.raises(ValueError, match=r"wake the weights first"):
-        llm.wake_up(["kv_cache"])
-    assert runner.k_caches is None and runner.weights is None  # the refused call changed nothing
     with pytest.raises(ValueError, match=r"'weights', 'kv_cache'"):
         llm.wake_up(["weights", "cache"])
-    llm.wake_up(["weights"])
-    assert runner.weights is not None and runner.k_caches is None
+    assert runner.k_caches is None and runner.weights is None  # the refused call changed nothing
+    llm.wake_up(["kv_cache"])  # the torch backend's cache does not depend on the weights
+    assert runner.weights is None and runner.k_caches is not None
     assert llm.is_sleeping()
-    with pytest.raises(EngineSleeping, match="its KV cache freed"):
+    with pytest.raises(EngineSleeping, match="its weights freed"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    llm.wake_up("kv_cache")
+    llm.wake_up("weights")
     assert not llm.is_sleeping()
     llm.wake_up()  # awake already: nothing to do
+    assert outputs(llm) == expected
+
+
+def test_a_kv_cache_built_over_the_weights_sleeps_and_wakes_with_them(llm, monkeypatch):
+    """A runner whose KV cache goes with its weights (the CUDA core's model is built over them, tags_freed): a sleep
+    of the weights frees both and their wake_up restores both, as vLLM's tag round trip asks; the KV cache alone
+    cannot come back before the weights."""
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "tags_freed", lambda tags: tags | {"kv_cache"} if "weights" in tags else set(tags))
+    llm.sleep(tags=["weights"])
+    assert runner.weights is None and runner.k_caches is None
+    llm.wake_up(["weights"])
+    assert not llm.is_sleeping()
+    assert outputs(llm) == expected
+    llm.sleep(2)
+    with pytest.raises(ValueError, match=r"wake the weights first"):
+        llm.wake_up(["kv_cache"])
+    assert runner.k_caches is None
+    llm.wake_up()
     assert outputs(llm) == expected
 
 
@@ -229,3 +247,21 @@ def test_a_pooling_engine_sleeps_and_embeds_the_same_after(tmp_path):
         llm.embed(prompts, use_tqdm=False)
     llm.wake_up()
     assert [output.outputs.embedding for output in llm.embed(prompts, use_tqdm=False)] == expected
+
+
+def test_reload_weights_reloads_a_classifiers_head(tmp_path):
+    folder = tmp_path / "classifier"
+    make_tiny_classifier(folder, "qwen3-tied", num_labels=3, seed=0)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
+
+    def probs(llm):
+        return llm.classify(prompts, use_tqdm=False)[0].outputs.probs
+
+    llm = LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True, runner="pooling",
+              enable_prefix_caching=False)
+    old = probs(llm)
+    make_tiny_classifier(folder, "qwen3-tied", num_labels=3, seed=1)
+    new = probs(LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True, runner="pooling"))
+    assert new != old
+    llm.collective_rpc("reload_weights")
+    assert probs(llm) == new

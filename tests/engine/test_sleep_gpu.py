@@ -116,3 +116,15 @@ def test_reload_weights_reads_new_weights_into_the_graphs(tmp_path):
     llm.collective_rpc("reload_weights")
     assert llm.reset_prefix_cache()  # the prompt's cached KV came from the old weights
     assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected[second]
+
+
+def test_the_weights_slept_by_tag_take_the_kv_cache_with_them_and_back(llm):
+    """On the CUDA core the KV cache (the core's model) is built over the weights: sleep(tags=["weights"]) frees both,
+    and wake_up(tags=["weights"]) restores both (vLLM's tag round trip)."""
+    runner = llm.engine.runner
+    expected = outputs(llm)
+    llm.sleep(tags=["weights"])
+    assert runner.model is None and runner.weights is None and runner._host_weights is None
+    llm.wake_up(["weights"])
+    assert not llm.is_sleeping() and runner.model is not None
+    assert outputs(llm) == expected

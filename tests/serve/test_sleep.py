@@ -1,6 +1,9 @@
 """vLLM's development routes for sleep mode on `nanograph serve --enable-sleep-mode` with NANOGRAPH_SERVER_DEV_MODE=1
 (the default model on the CPU): POST /sleep, /wake_up and GET /is_sleeping through a sleep at each level, requests
 refused with a 503 while asleep, the same completions after, and the routes' errors."""
+import concurrent.futures
+import time
+
 import httpx
 import openai
 import pytest
@@ -40,6 +43,13 @@ def test_vllms_level_2_order_with_collective_rpc(server, client, model):
     assert response.status_code == 400 and response.json()["error"]["param"] == "method", response.text
     response = httpx.post(server.base_url + "/collective_rpc", content=b"[1, 2", timeout=60)
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", response.text
+    response = httpx.post(server.base_url + "/collective_rpc", json={"method": "reload_weights", "kwargs": {"a": 1}},
+                          timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "kwargs", response.text
+    assert httpx.post(server.base_url + "/sleep", params={"level": 2}, timeout=60).status_code == 200
+    response = httpx.post(server.base_url + "/collective_rpc", json={"method": "reload_weights"}, timeout=60)
+    assert response.status_code == 409 and "wake them first" in response.json()["error"]["message"], response.text
+    assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200
 
 
 @pytest.mark.parametrize("level", [1, 2])
@@ -68,8 +78,6 @@ def test_the_routes_errors(server, client, model):
     assert response.status_code == 200
     response = httpx.post(server.base_url + "/wake_up", params={"tags": ["kv_cache", "cache"]}, timeout=60)
     assert response.status_code == 400 and "'weights', 'kv_cache'" in response.json()["error"]["message"]
-    response = httpx.post(server.base_url + "/wake_up", params={"tags": "kv_cache"}, timeout=60)
-    assert response.status_code == 400 and "wake the weights first" in response.json()["error"]["message"]
     assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200
     assert not is_sleeping(server)
     for query, param in (({"mode": "keep"}, "mode"), ({"tags": "cache"}, "tags")):
@@ -78,14 +86,31 @@ def test_the_routes_errors(server, client, model):
     assert not is_sleeping(server)
 
 
-@pytest.mark.parametrize("mode, finish_reason", [("abort", "abort"), ("wait", "length")])
-def test_a_sleep_while_a_request_runs(server, client, model, mode, finish_reason):
-    """?mode=abort (the default) ends it with "abort"; ?mode=wait lets it finish before the engine sleeps."""
+def test_a_sleep_while_a_request_runs_aborts_it_by_default(server, client, model):
     stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     chunks = iter(stream)
     next(chunks)
-    assert httpx.post(server.base_url + "/sleep", params={"mode": mode}, timeout=120).status_code == 200
-    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == finish_reason
+    assert httpx.post(server.base_url + "/sleep", timeout=120).status_code == 200
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "abort"
+    assert is_sleeping(server)
+    assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200
+
+
+def test_a_sleep_that_waits_lets_running_requests_stream_to_their_end(server, client, model):
+    """?mode=wait: the engine steps on, its streams flowing, while it refuses new requests; /sleep answers once the
+    running ones have finished."""
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=100, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(httpx.post, server.base_url + "/sleep", params={"mode": "wait"}, timeout=120)
+        time.sleep(0.5)
+        with pytest.raises(openai.APIStatusError, match="going to sleep") as refused:
+            complete(client, model)
+        assert refused.value.status_code == 503
+        assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+        assert sleeping.result().status_code == 200
     assert is_sleeping(server)
     assert httpx.post(server.base_url + "/wake_up", timeout=120).status_code == 200

@@ -108,10 +108,11 @@ class Runner(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not reload its weights")
 
     def _reload_into(self, weights: dict[str, torch.Tensor]):
-        """reload_weights for a runner whose packed weights _load_weights() makes again."""
+        """reload_weights for a runner whose packed weights _load_weights(device) makes again: read into host
+        memory, then copied tensor by tensor (the device never holds two copies)."""
         if weights is None:
             raise RuntimeError("reload_weights: the weights are asleep; wake them first (wake_up(tags=['weights']))")
-        fresh = self._load_weights()
+        fresh = self._load_weights(torch.device("cpu"))
         done = set()
         for name, tensor in weights.items():
             if id(tensor) not in done:

@@ -83,8 +83,8 @@ class CudaRunner(Runner):
         if self.use_graphs:
             self._capture_graphs()
 
-    def _load_weights(self) -> dict[str, torch.Tensor]:
-        weights = load_weights(self.model_config.path, self.model_config, torch.bfloat16, self.device,
+    def _load_weights(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        weights = load_weights(self.model_config.path, self.model_config, torch.bfloat16, device or self.device,
                                quantization=self.config.quantization)
         weights.update(block_scales(weights))  # the FP8 linears' scales for the core's FP8 GEMM
         return weights

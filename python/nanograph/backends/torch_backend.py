@@ -45,8 +45,8 @@ class TorchRunner(Runner):
         self.num_heads = len(shard.q_heads(mc)) if shard else mc.num_heads  # this rank's
         self.num_kv_heads = len(shard.kv_heads(mc)) if shard else mc.num_kv_heads
         # FP8 linears (the checkpoint's, or quantization="fp8") run dequantized: their values, in dtype's matmuls.
-        self._load_weights = lambda: load_weights(mc.path, mc, dtype, self.device, shard, quantization=quantization,
-                                                  dequantize=True)
+        self._load_weights = lambda device=None: load_weights(mc.path, mc, dtype, device or self.device, shard,
+                                                              quantization=quantization, dequantize=True)
         self.weights = self._load_weights()
         self._host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy, on a GPU
         cos_sin = rope_cos_sin(mc, max_model_len, self.device)

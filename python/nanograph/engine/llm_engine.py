@@ -36,7 +36,7 @@ from ..generation_defaults import sampling_defaults
 from ..hub import model_folder, tokenizer_folder
 from ..metrics import EngineMetrics, Metric, cache_config_labels
 from ..model_config import BASE_MODEL_SUFFIX, CLASSIFIER_SUFFIX, ModelConfig
-from ..models.weights import has_lm_head
+from ..models.weights import has_lm_head, load_classifier
 from ..outputs import CompletionDelta, Logprob, RequestOutput
 from ..pooling import Pooler, PoolingParams, PoolingRequestOutput, is_classifier
 from ..profiler import EngineProfiler
@@ -90,6 +90,7 @@ class LLMEngine:
                              f"{_more_kv_cache(config, runner)} or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
+        self._model_path = model_config.path
         self.runner = runner
         # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's,
         # and override_generation_config's over them.
@@ -124,6 +125,7 @@ class LLMEngine:
                              f"and the torch backend with tensor_parallel_size=1 have it); leave enable_sleep_mode "
                              f"out")
         self._asleep: set[str] = set()  # the SLEEP_TAGS that sleep() freed and wake_up() has not restored
+        self._implied: set[str] = set()  # those of them freed only because the runner frees them with the weights
 
     @classmethod
     def from_config(cls, config: Config) -> LLMEngine:
@@ -280,7 +282,7 @@ class LLMEngine:
         (weights slept by tag keep no copy; on the CUDA core the KV cache sleeps with the weights it is built over).
         mode, what becomes of unfinished requests: "abort" (vLLM's default) ends them with reason "abort", "wait" runs
         the engine's steps until they have finished. Asleep, the engine refuses requests (EngineSleeping) until
-        wake_up(). A part asleep already stays so (its host copy is let go at level 2)."""
+        wake_up(). A part asleep already stays as it sleeps, as in vLLM."""
         with self._lock:
             if not self.config.enable_sleep_mode:
                 raise RuntimeError("sleep mode is not enabled: build the engine with enable_sleep_mode=True "
@@ -295,6 +297,9 @@ class LLMEngine:
                 wanted, keep_weights = set(SLEEP_TAGS), level == 1
             else:
                 wanted, keep_weights = _sleep_tags(tags, "sleep"), False
+            wanted -= self._asleep  # as in vLLM, a part asleep already stays as it sleeps
+            if not wanted:
+                return
             if mode == "abort":
                 for request in list(self.requests.values()):
                     self._end(request)
@@ -306,22 +311,28 @@ class LLMEngine:
             if not self.scheduler.block_manager.reset_prefix_cache():
                 raise RuntimeError("sleep: KV blocks are still held with no request unfinished; nothing was freed")
             # Asleep from here: a runner that fails partway has freed some of its parts, which wake_up() restores.
-            wanted = self.runner.tags_freed(wanted)
-            self._asleep |= wanted
-            self.runner.sleep(wanted, keep_weights)
+            freed = self.runner.tags_freed(wanted) - self._asleep
+            self._implied |= freed - wanted  # freed along with another part, woken with it
+            self._asleep |= freed
+            self.runner.sleep(freed, keep_weights)
 
     def wake_up(self, tags: list[str] | None = None):
-        """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first (a
-        KV cache asked for alone while the weights sleep is refused). Parts awake already are left as they are."""
+        """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first, and
+        with them what slept only because they did (the CUDA core's KV cache, built over them; on that runner the
+        KV cache alone is refused while the weights sleep). Parts awake already are left as they are."""
         with self._lock:
             wanted = set(SLEEP_TAGS) if tags is None else _sleep_tags(tags, "wake_up")
-            if "kv_cache" in wanted & self._asleep and "weights" in self._asleep - wanted:
+            if "weights" in wanted:
+                wanted |= self._implied  # what slept with the weights wakes with them
+            tied = "kv_cache" in self.runner.tags_freed({"weights"})  # the KV cache is built over the weights
+            if tied and "kv_cache" in wanted & self._asleep and "weights" in self._asleep - wanted:
                 raise ValueError("wake_up(tags=['kv_cache']): the weights are asleep, and the KV cache comes back "
                                  "over them; wake the weights first (tags=['weights']), or both (tags=None)")
             for tag in SLEEP_TAGS:  # the weights first
                 if tag in wanted & self._asleep:
                     self.runner.wake_up({tag})
                     self._asleep.discard(tag)
+                    self._implied.discard(tag)
 
     def reload_weights(self):
         """vLLM's worker call (LLM.collective_rpc("reload_weights")): read the model's checkpoint again into the
@@ -330,6 +341,8 @@ class LLMEngine:
         blocks, computed with the old ones, stay until reset_prefix_cache(), as in vLLM."""
         with self._lock:
             self.runner.reload_weights()
+            if self.pooler is not None and self.pooler.classifier is not None:  # a classifier's head is the pooler's
+                self.pooler.classifier.copy_(load_classifier(self._model_path, self.runner.model_config))
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether any part sleep() freed is still asleep (requests are refused until none is)."""

@@ -19,6 +19,8 @@ from .. import __version__
 from .chat import create_chat_completion
 from .completions import create_completion
 from .embeddings import create_classification, create_embedding, create_pooling, create_rerank, create_score
+from ..engine.llm_engine import check_rpc_method
+from .async_llm import EngineUnavailable
 from .errors import APIError, add_error_handlers, parse_body
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                        TokenizeResponse)
@@ -242,10 +244,21 @@ def build_app(served: ServedModel, api_keys: list[str] | None = None, cors: dict
             method, args = body.get("method"), body.get("args") or []
             if not isinstance(args, list):
                 raise APIError(400, f"args must be a list, got {args!r}", "args", "invalid_value")
+            if body.get("kwargs"):
+                raise APIError(400, f"kwargs are not passed to the engine process; give {sorted(body['kwargs'])} in "
+                                    f"args, by position", "kwargs", "invalid_value")
             try:
-                result = await async_llm.call(method, *args)
+                check_rpc_method(method)
             except ValueError as exc:
                 raise APIError(400, str(exc), "method", "invalid_value") from None
+            try:
+                result = await async_llm.call(method, *args)
+            except EngineUnavailable:
+                raise
+            except (TypeError, ValueError) as exc:
+                raise APIError(400, f"{method}: {exc}", None, "invalid_value") from None
+            except RuntimeError as exc:  # the weights asleep
+                raise APIError(409, f"{method}: {exc}", None, "engine_asleep") from None
             return {"results": [result]}
 
     if async_llm.info.profiler is not None:

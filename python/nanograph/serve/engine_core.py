@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from ..engine.llm_engine import LLMEngine
+from ..engine.llm_engine import EngineSleeping, LLMEngine
 from ..metrics import cache_config_labels
 from ..pooling import PoolingParams
 from ..sampling_params import SamplingParams
@@ -115,6 +115,9 @@ class EngineCore:
         self._reader = threading.Thread(target=self._read, args=(commands,), name="nanograph-engine-input",
                                         daemon=True)
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        # sleep(mode="wait") calls, answered once the requests running at the call have finished: until then the
+        # loop steps on (deltas and aborts flow) and refuses new requests.
+        self._sleeps_waiting: list[tuple[int, tuple]] = []
         self._writer = threading.Thread(target=self._write, name="nanograph-engine-output")
 
     def run(self):
@@ -146,6 +149,11 @@ class EngineCore:
                 if deltas or state != last:
                     self._send(("step", self._route(deltas), state))
                     last = state
+                if self._sleeps_waiting and not self.engine.has_unfinished():
+                    for call_id, args in self._sleeps_waiting:
+                        self._send(("answer", call_id, *self._call("sleep", args)))
+                    self._sleeps_waiting = []
+                    continue  # the sleep may have ended streams (their deltas go out first)
                 if not busy:
                     with self._wake:
                         self._wake.wait_for(lambda: self._commands)
@@ -175,7 +183,11 @@ class EngineCore:
             elif command[0] == "abort":
                 self._abort(self._streams.get(command[1], []))
             elif command[0] == "call":
-                self._send(("answer", command[1], *self._call(*command[2:])))
+                call_id, method, args = command[1:]
+                if method == "sleep" and args[2:3] == ("wait",) and self.engine.has_unfinished():
+                    self._sleeps_waiting.append((call_id, args))
+                else:
+                    self._send(("answer", call_id, *self._call(method, args)))
             else:
                 self._abort(list(self._origin))
                 self._send(("step", self._route(self.engine.take_deltas()), snapshot(self.engine)))
@@ -198,6 +210,10 @@ class EngineCore:
         """All of an API request's prompts, or none: an invalid one aborts those queued before it (their last
         deltas go to a stream the frontend has dropped). Any error in an add is that request's, never the loop's.
         report_prompts: the answer carries each prompt's text and token ids as queued."""
+        if self._sleeps_waiting:
+            self._send(("added", stream_id, EngineSleeping("the engine is going to sleep (POST /sleep?mode=wait): it "
+                                                           "takes no new request until POST /wake_up")))
+            return
         request_ids = self._streams[stream_id] = []
         for prompt_index, (prompt, request_params) in enumerate(zip(prompts, params)):
             try:
