@@ -90,7 +90,7 @@ class LLMEngine:
                              f"{_more_kv_cache(config, runner)} or lower max_model_len")
         self.config = config
         self.vocab_size = model_config.vocab_size
-        self._model_path = model_config.path
+        self.model_config = model_config
         self.runner = runner
         # SamplingParams fields from the model's generation_config.json (generation_config="auto"), or a folder's,
         # and override_generation_config's over them.
@@ -342,7 +342,7 @@ class LLMEngine:
         with self._lock:
             self.runner.reload_weights()
             if self.pooler is not None and self.pooler.classifier is not None:  # a classifier's head is the pooler's
-                self.pooler.classifier.copy_(load_classifier(self._model_path, self.runner.model_config))
+                self.pooler.classifier.copy_(load_classifier(self.model_config.path, self.model_config))
 
     def is_sleeping(self) -> bool:
         """vLLM's: whether any part sleep() freed is still asleep (requests are refused until none is)."""
