@@ -160,9 +160,7 @@ class CudaRunner(Runner):
 
     def reload_weights(self):
         with torch.cuda.device(self.device):
-            if self.model is not None:
-                self.model.synchronize()  # the steps queued so far read the old values
-            torch.cuda.synchronize()
+            torch.cuda.synchronize()  # the steps queued so far, on the core's stream too, read the old values
             self._reload_into(self.weights)
 
     def _drop_model(self):

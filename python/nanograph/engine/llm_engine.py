@@ -76,8 +76,6 @@ class EngineSleeping(RuntimeError):
     """A request queued while the engine sleeps (LLMEngine.sleep): wake_up() first."""
 
 
-
-
 class _Stream:
     """The owner of one stream() call's requests."""
 
