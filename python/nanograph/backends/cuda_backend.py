@@ -137,8 +137,11 @@ class CudaRunner(Runner):
         them, with a KV cache of as many blocks as before, warmed up and its decode graphs captured again."""
         with torch.cuda.device(self.device):
             if "weights" in tags and self.weights is None:
-                self.weights = copy_weights(self._host_weights, self.device) if self._host_weights is not None \
-                    else self._load_weights()
+                # After level 2 the checkpoint is read into host memory first: the device takes the weights
+                # alone, packed as level 1's copy, and none of the load's passing tensors.
+                source = self._host_weights if self._host_weights is not None else \
+                    self._load_weights(torch.device("cpu"))
+                self.weights = copy_weights(source, self.device)
                 self._host_weights = None
             if "kv_cache" in tags and self.model is None:
                 try:
