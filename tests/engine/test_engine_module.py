@@ -21,7 +21,7 @@ def test_the_engine_names_no_backend_and_probes_no_runner_attribute():
                     and isinstance(node.value, ast.Attribute) and node.value.attr == "runner"}
     assert runner_calls <= {"forward", "sample", "prompt_logprobs", "pooled_hidden", "shutdown", "num_kv_blocks",
                            "block_size", "kv_cache_summary", "tags_freed", "sleep", "wake_up",
-                           "reload_weights"}, runner_calls
+                           "reload_weights", "weights_unread"}, runner_calls
     # Each of them is the base Runner's (sleep mode's included), not one backend's.
     assert all(hasattr(Runner, name) for name in runner_calls - {"num_kv_blocks", "block_size"}), runner_calls
 

@@ -107,6 +107,45 @@ def test_a_kv_cache_built_over_the_weights_sleeps_and_wakes_with_them(llm, monke
     assert outputs(llm) == expected
 
 
+def count_reads(monkeypatch, runner) -> list:
+    """The checkpoint reads of runner (its _load_weights calls), as a list that grows."""
+    reads = []
+    load = runner._load_weights
+
+    def counted(*args, **kwargs):
+        reads.append(args)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "_load_weights", counted)
+    return reads
+
+
+def test_level_2_reads_the_checkpoint_once_in_vllms_order_and_in_a_plain_wake_up(llm, monkeypatch):
+    """After level 2 the weights come back as memory alone: vLLM's order (weights, reload_weights, KV cache) reads the
+    checkpoint once, in reload_weights; a plain wake_up() reads it once, when nothing sleeps any more."""
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    reads = count_reads(monkeypatch, runner)
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert runner.weights is not None and runner.weights_unread and reads == []
+    assert runner.weights["lm_head"] is runner.weights["embed_tokens"]  # tied, as loaded
+    llm.collective_rpc("reload_weights")
+    assert not runner.weights_unread and len(reads) == 1
+    llm.wake_up(["kv_cache"])
+    assert len(reads) == 1
+    assert outputs(llm) == expected
+    llm.sleep(2)
+    llm.wake_up()
+    assert not runner.weights_unread and len(reads) == 2
+    assert outputs(llm) == expected
+    # Weights slept by tag, the KV cache awake: read as soon as they wake.
+    llm.sleep(tags=["weights"])
+    llm.wake_up(["weights"])
+    assert not runner.weights_unread and len(reads) == 3
+    assert outputs(llm) == expected
+
+
 def test_unfinished_requests_are_aborted_or_run_to_their_end(llm):
     """mode="abort" (vLLM's default) ends them with reason "abort"; mode="wait" finishes them first."""
     expected = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -49,6 +49,24 @@ def copy_weights(weights: dict[str, torch.Tensor], device: torch.device) -> dict
     return {name: copies[id(tensor)] for name, tensor in weights.items()}
 
 
+def weight_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights' shapes and dtypes as meta tensors (no memory), names that share a tensor sharing one."""
+    metas: dict[int, torch.Tensor] = {}
+    for tensor in weights.values():
+        if id(tensor) not in metas:
+            metas[id(tensor)] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return {name: metas[id(tensor)] for name, tensor in weights.items()}
+
+
+def allocate_weights(layout: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors of weight_layout's shapes and dtypes on device (a tied lm_head once)."""
+    made: dict[int, torch.Tensor] = {}
+    for meta in layout.values():
+        if id(meta) not in made:
+            made[id(meta)] = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+    return {name: made[id(meta)] for name, meta in layout.items()}
+
+
 class Runner(ABC):
     device: torch.device
     block_size: int
@@ -86,6 +104,11 @@ class Runner(ABC):
 
     # Whether sleep() and wake_up() free and restore the device memory (Config.enable_sleep_mode).
     supports_sleep = False
+    # Whether the weights hold memory but no values yet: woken without a copy (after sleep(level=2)), until
+    # reload_weights() reads them.
+    weights_unread = False
+    _host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy in host memory
+    _weight_layout: dict[str, torch.Tensor] | None = None  # the freed weights' shapes, for wake_up
 
     def tags_freed(self, tags: set[str]) -> set[str]:
         """What sleep(tags) frees: tags, and what this runner cannot keep without them."""
@@ -99,8 +122,25 @@ class Runner(ABC):
 
     def wake_up(self, tags: set[str]):
         """Restore what sleep() freed of tags ("weights", "kv_cache"; the weights before the KV cache): the weights
-        as they were, a KV cache of the same size (empty)."""
+        as they were (or, slept without a copy, their memory alone: weights_unread), a KV cache of the same size
+        (empty)."""
         raise NotImplementedError(f"{type(self).__name__} has no sleep mode")
+
+    def _free_weights(self):
+        """sleep's part for the weights (a copy, if kept, is made before): their layout is kept for wake_up."""
+        if self.weights is not None:
+            self._weight_layout = weight_layout(self.weights)
+        self.weights = None
+
+    def _restore_weights(self):
+        """wake_up's part for the weights: the host copy back on the device, or without one the weights' memory
+        alone, their values left for reload_weights() (the engine reads them once, when nothing sleeps any more,
+        unless reload_weights() has come first, as in vLLM's level-2 order)."""
+        if self._host_weights is not None:
+            self.weights = copy_weights(self._host_weights, self.device)
+        else:
+            self.weights, self.weights_unread = allocate_weights(self._weight_layout, self.device), True
+        self._host_weights = None
 
     def reload_weights(self):
         """Read the checkpoint's weights again into the tensors that hold them (in place: what refers to them, the
@@ -120,6 +160,7 @@ class Runner(ABC):
                 tensor.copy_(fresh[name])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.weights_unread = False
 
     def pooled_hidden(self, token_rows: np.ndarray) -> torch.Tensor:
         """float32 [len(token_rows), hidden_size]: the final norm's output (the model's last hidden state, which

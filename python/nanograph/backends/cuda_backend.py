@@ -61,7 +61,6 @@ class CudaRunner(Runner):
         if "fp8" in (config.quantization, mc.quantization):
             check_core_shapes(mc)
         self.weights = self._load_weights()
-        self._host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy
         self.cos_sin = rope_cos_sin(mc, config.max_model_len, self.device).contiguous()
         self._core_config = {"vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
                              "num_layers": mc.num_layers, "num_heads": mc.num_heads,
@@ -127,22 +126,18 @@ class CudaRunner(Runner):
                     self._host_weights = None
             self._drop_model()
             if "weights" in tags:
-                self.weights = None
+                self._free_weights()
             gc.collect()  # whatever still refers to the core's model or a weight, in a cycle
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: set[str]):
-        """The weights back (from host memory, or the checkpoint after level 2); then a model of the core over
-        them, with a KV cache of as many blocks as before, warmed up and its decode graphs captured again."""
+        """The weights back (from host memory; after level 2 their memory alone, which reload_weights fills in
+        place); then a model of the core over them, with a KV cache of as many blocks as before, warmed up and its
+        decode graphs captured again."""
         with torch.cuda.device(self.device):
             if "weights" in tags and self.weights is None:
-                # After level 2 the checkpoint is read into host memory first: the device takes the weights
-                # alone, packed as level 1's copy, and none of the load's passing tensors.
-                source = self._host_weights if self._host_weights is not None else \
-                    self._load_weights(torch.device("cpu"))
-                self.weights = copy_weights(source, self.device)
-                self._host_weights = None
+                self._restore_weights()
             if "kv_cache" in tags and self.model is None:
                 try:
                     self._build_model()

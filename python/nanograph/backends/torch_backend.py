@@ -48,7 +48,6 @@ class TorchRunner(Runner):
         self._load_weights = lambda device=None: load_weights(mc.path, mc, dtype, device or self.device, shard,
                                                               quantization=quantization, dequantize=True)
         self.weights = self._load_weights()
-        self._host_weights: dict[str, torch.Tensor] | None = None  # sleep(level=1)'s copy, on a GPU
         cos_sin = rope_cos_sin(mc, max_model_len, self.device)
         half = mc.head_dim // 2
         # [max_model_len, head_dim] in the model dtype, each half repeated, as HF's rotary embedding returns them
@@ -89,7 +88,7 @@ class TorchRunner(Runner):
         if "kv_cache" in tags:
             self.k_caches = self.v_caches = None
         if weights and not (keep_weights and self.device.type == "cpu"):
-            self.weights = None
+            self._free_weights()
         if weights and not keep_weights:
             self._host_weights = None
         if self.device.type == "cuda":
@@ -97,9 +96,7 @@ class TorchRunner(Runner):
 
     def wake_up(self, tags: set[str]):
         if "weights" in tags and self.weights is None:
-            self.weights = copy_weights(self._host_weights, self.device) if self._host_weights is not None \
-                else self._load_weights()
-            self._host_weights = None
+            self._restore_weights()
         if "kv_cache" in tags and self.k_caches is None:
             self._allocate_kv_cache()
 

@@ -317,7 +317,10 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first, and
         with them what slept only because they did (the CUDA core's KV cache, built over them; on that runner the
-        KV cache alone is refused while the weights sleep). Parts awake already are left as they are."""
+        KV cache alone is refused while the weights sleep). Parts awake already are left as they are. Weights slept
+        without a copy (level 2) come back as memory alone; their values are read from the checkpoint once nothing
+        sleeps any more, unless reload_weights() has read them first: vLLM's level-2 order (wake_up(["weights"]),
+        reload_weights(), wake_up(["kv_cache"])) reads the checkpoint once."""
         with self._lock:
             wanted = set(SLEEP_TAGS) if tags is None else _sleep_tags(tags, "wake_up")
             if "weights" in wanted:
@@ -331,6 +334,8 @@ class LLMEngine:
                     self.runner.wake_up({tag})
                     self._asleep.discard(tag)
                     self._implied.discard(tag)
+            if not self._asleep and self.runner.weights_unread:
+                self.runner.reload_weights()  # weights slept without a copy, and not reloaded since they woke
 
     def reload_weights(self):
         """vLLM's worker call (LLM.collective_rpc("reload_weights")): read the model's checkpoint again into the
