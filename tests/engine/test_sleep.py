@@ -146,6 +146,27 @@ def test_level_2_reads_the_checkpoint_once_in_vllms_order_and_in_a_plain_wake_up
     assert outputs(llm) == expected
 
 
+def test_weights_whose_read_fails_on_wake_up_stay_asleep_until_a_wake_up_reads_them(llm, monkeypatch):
+    expected = outputs(llm)
+    runner = llm.engine.runner
+    load = runner._load_weights
+
+    def unreadable(*args, **kwargs):
+        raise OSError("the checkpoint is being rewritten")
+
+    llm.sleep(2)
+    monkeypatch.setattr(runner, "_load_weights", unreadable)
+    with pytest.raises(OSError, match="being rewritten"):
+        llm.wake_up()
+    assert llm.is_sleeping() and runner.weights_unread
+    with pytest.raises(EngineSleeping):  # no tokens from weights without values
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    monkeypatch.setattr(runner, "_load_weights", load)
+    llm.wake_up(["weights"])
+    assert not llm.is_sleeping() and not runner.weights_unread
+    assert outputs(llm) == expected
+
+
 def test_unfinished_requests_are_aborted_or_run_to_their_end(llm):
     """mode="abort" (vLLM's default) ends them with reason "abort"; mode="wait" finishes them first."""
     expected = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

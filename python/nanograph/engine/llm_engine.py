@@ -334,8 +334,12 @@ class LLMEngine:
                     self.runner.wake_up({tag})
                     self._asleep.discard(tag)
                     self._implied.discard(tag)
-            if not self._asleep and self.runner.weights_unread:
-                self.runner.reload_weights()  # weights slept without a copy, and not reloaded since they woke
+            if not self._asleep and self.runner.weights_unread:  # slept without a copy, not reloaded since
+                try:
+                    self.runner.reload_weights()
+                except BaseException:
+                    self._asleep.add("weights")  # their memory is back, not their values: a wake_up tries again
+                    raise
 
     def reload_weights(self):
         """vLLM's worker call (LLM.collective_rpc("reload_weights")): read the model's checkpoint again into the
