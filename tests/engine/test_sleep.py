@@ -158,9 +158,11 @@ def test_weights_whose_read_fails_on_wake_up_stay_asleep_until_a_wake_up_reads_t
     monkeypatch.setattr(runner, "_load_weights", unreadable)
     with pytest.raises(OSError, match="being rewritten"):
         llm.wake_up()
-    assert llm.is_sleeping() and runner.weights_unread
+    assert llm.is_sleeping() and runner.weights is None  # their memory given back again
     with pytest.raises(EngineSleeping):  # no tokens from weights without values
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.collective_rpc("reload_weights")
     monkeypatch.setattr(runner, "_load_weights", load)
     llm.wake_up(["weights"])
     assert not llm.is_sleeping() and not runner.weights_unread

@@ -129,18 +129,20 @@ def test_two_row_tiles_with_cached_prefixes_and_decode_rows(head_dim):
                   max_q_len=TWO_TILES, seed=head_dim)
 
 
-def test_decode_rows_and_padding():
-    # One-token rows over long contexts (decode through the prefill path), a padding row with
-    # context 0 (must write zeros), and a chunk ending mid-block.
+@pytest.mark.parametrize("grid_bound", [None, TWO_TILES], ids=["one-row-tile", "two-row-tiles"])
+def test_decode_rows_and_padding(grid_bound):
+    # One-token rows over long contexts (decode through the prefill path, as in a step that mixes them with a long
+    # prompt's chunk), a padding row with context 0 (must write zeros), and a chunk ending mid-block.
     run_and_check([1, 1, 70, 1], [1500, 33, 600, 0], num_q_heads=8, num_kv_heads=8,
-                  head_dim=128, block_size=16)
+                  head_dim=128, block_size=16, max_q_len=grid_bound)
 
 
-def test_grid_bound_above_lengths_and_strided_q():
+@pytest.mark.parametrize("grid_bound", [700, 1000], ids=["one-row-tile", "two-row-tiles"])
+def test_grid_bound_above_lengths_and_strided_q(grid_bound):
     # max_q_len is only an upper bound; q is the leading part of a fused qkv row.
     num_q_heads, num_kv_heads, head_dim = 8, 2, 64
     run_and_check([65, 3, 130], [65, 40, 200], num_q_heads, num_kv_heads, head_dim,
-                  block_size=32, max_q_len=1000,
+                  block_size=32, max_q_len=grid_bound,
                   q_stride=(num_q_heads + 2 * num_kv_heads) * head_dim)
 
 

@@ -338,7 +338,12 @@ class LLMEngine:
                 try:
                     self.runner.reload_weights()
                 except BaseException:
-                    self._asleep.add("weights")  # their memory is back, not their values: a wake_up tries again
+                    # Their memory is back, not their values: asleep again as after level 2 (their memory, and what
+                    # the runner frees with them, given back), for a wake_up to read them.
+                    freed = self.runner.tags_freed({"weights"})
+                    self._asleep |= freed
+                    self._implied |= freed - {"weights"}
+                    self.runner.sleep(freed, keep_weights=False)
                     raise
 
     def reload_weights(self):
