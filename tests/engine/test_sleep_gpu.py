@@ -128,3 +128,23 @@ def test_the_weights_slept_by_tag_take_the_kv_cache_with_them_and_back(llm):
     llm.wake_up(["weights"])
     assert not llm.is_sleeping() and runner.model is not None
     assert outputs(llm) == expected
+
+
+def test_vllms_level_2_order_reads_the_checkpoint_once_into_the_graphs(llm, monkeypatch):
+    """After sleep(level=2), vLLM's order (wake_up(["weights"]), collective_rpc("reload_weights"),
+    wake_up(["kv_cache"])): the weights come back as memory alone, reload_weights fills that memory in place (the
+    addresses the core's model and its graphs keep), and the checkpoint is read once."""
+    runner = llm.engine.runner
+    expected = outputs(llm)
+    reads = []
+    load = runner._load_weights
+    monkeypatch.setattr(runner, "_load_weights", lambda *args, **kwargs: reads.append(args) or load(*args, **kwargs))
+    llm.sleep(2)
+    llm.wake_up(["weights"])
+    assert runner.weights_unread and reads == []
+    addresses = {name: tensor.data_ptr() for name, tensor in runner.weights.items()}
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(["kv_cache"])
+    assert len(reads) == 1 and not llm.is_sleeping()
+    assert {name: tensor.data_ptr() for name, tensor in runner.weights.items()} == addresses
+    assert outputs(llm) == expected
