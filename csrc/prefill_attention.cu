@@ -11,12 +11,9 @@
 //   out:      [total_q, num_q_heads * head_dim] bf16
 // GQA: q head h reads kv head h / (num_q_heads / num_kv_heads).
 //
-// Launch: one CTA of 4 warps per (sequence, q head, query tile); each warp owns one or two tiles of
-// 16 query rows (64- or 128-query CTAs). Two row tiles read each K and V fragment once for both,
-// halving the shared-memory reads per MMA; their Q fragments are read again for every key tile, to
-// keep head_dim 128 within 255 registers. Prefills with a long sequence take them (the longer
-// sequences gain most; a short one wastes more rows of its last tile and at the diagonal). Two CTAs
-// share an SM (80 or 96 KB of shared memory each), so one's softmax overlaps the other's MMAs.
+// Launch: one CTA of 4 warps per (sequence, q head, 64-query tile); each warp owns 16 query rows.
+// Small CTAs keep head_dim 128 under 255 registers and 80 KB of shared memory, so two CTAs share
+// an SM and one's softmax overlaps the other's MMAs.
 // grid.x = num_seqs * num_q_heads (heads of one sequence adjacent, so heads sharing a kv head hit
 // L2 together), grid.y = query tiles of max_q_len, issued last tile first: the last tiles attend
 // the most keys and should not be left for the tail of the grid.
@@ -40,14 +37,10 @@
 namespace nanograph {
 namespace {
 
+constexpr int kBlockM = 64;  // query rows per CTA, 16 per warp
 constexpr int kBlockN = 64;  // keys per tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-// Query rows per CTA: each warp owns kMTiles tiles of 16 rows (1 or 2, see paged_prefill_attention).
-template <int kMTiles>
-__host__ __device__ constexpr int block_m() { return kWarps * 16 * kMTiles; }
-// Prefills whose longest sequence has at least this many new tokens take two row tiles per warp.
-constexpr int kTwoTilesMinQLen = 768;
 constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -76,22 +69,21 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
 
 // Dynamic shared memory: the Q tile, then the K and V tiles (two buffers each of bf16, or one
 // each and two e4m3 staging buffers each for an FP8 cache).
-template <int HEAD_DIM, bool kFp8, int kMTiles>
+template <int HEAD_DIM, bool kFp8>
 constexpr size_t prefill_smem_bytes() {
   constexpr size_t tile = size_t(kBlockN) * HEAD_DIM;
-  return size_t(block_m<kMTiles>()) * HEAD_DIM * sizeof(bf16) +
+  return size_t(kBlockM) * HEAD_DIM * sizeof(bf16) +
          (kFp8 ? 2 * tile * sizeof(bf16) + 4 * tile : 4 * tile * sizeof(bf16));
 }
 
-template <int HEAD_DIM, bool kFp8, int kMTiles>
+template <int HEAD_DIM, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2)
     prefill_attention_kernel(const PrefillAttentionArgs args, const float scale_log2) {
-  constexpr int kBlockM = block_m<kMTiles>();
-  constexpr int kWarpRows = 16 * kMTiles;
   constexpr int kChunks = HEAD_DIM / 8;            // 16-byte chunks per bf16 row
   constexpr int kRowStep = kThreads / kChunks;     // rows the CTA copies per pass
-  constexpr int kQRowsPerThread = kBlockM / kRowStep;
+  constexpr int kRowsPerThread = kBlockN / kRowStep;
   constexpr int kTileElems = kBlockN * HEAD_DIM;
+  static_assert(kBlockM == kBlockN, "Q and K/V tiles share one copy pattern");
   static_assert(kRowStep % 8 == 0, "a thread's rows must share one swizzle phase");
   // The cache's rows: 16-byte chunks of CacheElem elements, copied by the same rule.
   using CacheElem = std::conditional_t<kFp8, uint8_t, bf16>;
@@ -194,26 +186,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   // columns 2t and 2t + 1 of each 8-wide n-tile.
   const int g = lane / 4;
   const int t = lane % 4;
-  // Tile mt of the warp holds rows warp * kWarpRows + mt * 16 ...
-  float o[kMTiles][HEAD_DIM / 8][4];
-  float row_max[kMTiles][2];
-  float row_sum[kMTiles][2];
+  float o[HEAD_DIM / 8][4];
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d) o[mt][d][0] = o[mt][d][1] = o[mt][d][2] = o[mt][d][3] = 0.f;
-    row_max[mt][0] = row_max[mt][1] = -INFINITY;
-    row_sum[mt][0] = row_sum[mt][1] = 0.f;
-  }
-  // One tile's A fragments of Q stay in registers; with two, they are read from shared memory
-  // again for every key tile (registers go to the second tile's accumulators).
-  uint32_t q_frag[kMTiles == 1 ? HEAD_DIM / 16 : 1][4];
+  for (int d = 0; d < HEAD_DIM / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  uint32_t q_frag[HEAD_DIM / 16][4];
 
   if (num_kv_tiles > 0) {
     const bf16* q_rows = args.q + int64_t(q_start + m0) * args.q_stride + head * HEAD_DIM +
                          copy_chunk * 8;
 #pragma unroll
-    for (int i = 0; i < kQRowsPerThread; ++i) {
+    for (int i = 0; i < kRowsPerThread; ++i) {
       const int row = copy_row + i * kRowStep;
       const bool valid = m0 + row < q_len;
       cp_async_16(s_q_addr + copy_smem + i * kCopyStepBytes,
@@ -225,13 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // ldmatrix lane addressing: lane supplies row (lane % 8) of matrix lane / 8.
   const int lane_row = lane & 7;
-  const int warp_first_pos = first_pos + m0 + warp * kWarpRows;
-  // A fragments of Q rows row0 .. row0 + 15, 16-column slice kk: matrices (rows 0-7 | 8-15) x
-  // (cols 0-7 | 8-15).
-  auto load_q = [&](uint32_t (&frag)[4], int row0, int kk) {
-    const int row = row0 + lane_row + ((lane >> 3) & 1) * 8;
-    ldmatrix_x4(frag, s_q_addr + swizzle<HEAD_DIM>(row, kk * 2 + (lane >> 4)) * sizeof(bf16));
-  };
+  const int warp_first_pos = first_pos + m0 + warp * 16;
 
   for (int n = 0; n < num_kv_tiles; ++n) {
     const int buffer = n & 1;
@@ -241,10 +219,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();                      // ... for all threads; buffers of n-1 are free
     if constexpr (kFp8) widen_tile(stage_k_addr + buffer * kStageBytes, s_k_addr);
 
-    if constexpr (kMTiles == 1) {
-      if (n == 0) {
+    if (n == 0) {
+      // A fragments of Q: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) of each 16-col slice.
+      const int row = warp * 16 + lane_row + ((lane >> 3) & 1) * 8;
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) load_q(q_frag[kk], warp * 16, kk);
+      for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        ldmatrix_x4(q_frag[kk],
+                    s_q_addr + swizzle<HEAD_DIM>(row, kk * 2 + (lane >> 4)) * sizeof(bf16));
       }
     }
     if (has_next) {
@@ -255,104 +236,75 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if constexpr (kFp8) __syncthreads();  // the widened K tile
 
-    const int key0 = n * kBlockN;
-    // A row tile whose last query precedes the tile's first key attends none of it.
-    bool live[kMTiles];
+    // S = Q K^T for the warp's 16 rows x 64 keys: s[j] is keys j*8 .. j*8+7.
+    float s[kBlockN / 8][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) live[mt] = key0 <= warp_first_pos + mt * 16 + 15;
-
-    // S = Q K^T for each row tile's 16 rows x 64 keys: s[mt][j] is keys j*8 .. j*8+7.
-    float s[kMTiles][kBlockN / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.f;
-    }
+    for (int j = 0; j < kBlockN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
     const uint32_t k_tile = s_k_addr + (kFp8 ? 0 : buffer) * kTileElems * sizeof(bf16);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      uint32_t qa[kMTiles > 1 ? kMTiles : 1][4];
-      if constexpr (kMTiles > 1) {
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          if (live[mt]) load_q(qa[mt], warp * kWarpRows + mt * 16, kk);
-        }
-      }
 #pragma unroll
       for (int jp = 0; jp < kBlockN / 16; ++jp) {
         // B fragments of keys jp*16 .. +15: matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15).
         uint32_t b[4];
         const int key = jp * 16 + lane_row + (lane >> 4) * 8;
         ldmatrix_x4(b, k_tile + swizzle<HEAD_DIM>(key, kk * 2 + ((lane >> 3) & 1)) * sizeof(bf16));
+        mma_bf16_16816(s[2 * jp], q_frag[kk], b[0], b[1]);
+        mma_bf16_16816(s[2 * jp + 1], q_frag[kk], b[2], b[3]);
+      }
+    }
+
+    const int key0 = n * kBlockN;
+    if (key0 + kBlockN - 1 > warp_first_pos) {  // tile crosses this warp's diagonal
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          if (!live[mt]) continue;
-          if constexpr (kMTiles == 1) {
-            mma_bf16_16816(s[mt][2 * jp], q_frag[kk], b[0], b[1]);
-            mma_bf16_16816(s[mt][2 * jp + 1], q_frag[kk], b[2], b[3]);
-          } else {
-            mma_bf16_16816(s[mt][2 * jp], qa[mt], b[0], b[1]);
-            mma_bf16_16816(s[mt][2 * jp + 1], qa[mt], b[2], b[3]);
-          }
+      for (int j = 0; j < kBlockN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + j * 8 + 2 * t + (e & 1);
+          const int pos = warp_first_pos + g + (e >> 1) * 8;
+          if (key > pos) s[j][e] = -INFINITY;
         }
       }
     }
 
-    uint32_t p_frag[kMTiles][kBlockN / 16][4];
+    // Online softmax; each row's 64 scores are spread over the 4 threads of a quad.
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      if (!live[mt]) continue;
-      const int tile_first_pos = warp_first_pos + mt * 16;
-      if (key0 + kBlockN - 1 > tile_first_pos) {  // the key tile crosses this row tile's diagonal
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = key0 + j * 8 + 2 * t + (e & 1);
-            const int pos = tile_first_pos + g + (e >> 1) * 8;
-            if (key > pos) s[mt][j][e] = -INFINITY;
-          }
-        }
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        tile_max = fmaxf(tile_max, fmaxf(s[j][2 * r], s[j][2 * r + 1]));
       }
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float new_max = fmaxf(row_max[r], tile_max);
+      // A row with every key so far masked keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+      const float base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
+      const float alpha = fast_exp2(row_max[r] * scale_log2 - base);
+      row_max[r] = new_max;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        s[j][2 * r] = fast_exp2(fmaf(s[j][2 * r], scale_log2, -base));
+        s[j][2 * r + 1] = fast_exp2(fmaf(s[j][2 * r + 1], scale_log2, -base));
+        sum += s[j][2 * r] + s[j][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;  // per-thread partial; the quad sums at the end
+#pragma unroll
+      for (int d = 0; d < HEAD_DIM / 8; ++d) {
+        o[d][2 * r] *= alpha;
+        o[d][2 * r + 1] *= alpha;
+      }
+    }
 
-      // Online softmax; each row's 64 scores are spread over the 4 threads of a quad.
+    // P as bf16 A fragments: the C layout of n-tiles 2kk, 2kk+1 is the A layout of k-slice kk.
+    uint32_t p_frag[kBlockN / 16][4];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(s[mt][j][2 * r], s[mt][j][2 * r + 1]));
-        }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float new_max = fmaxf(row_max[mt][r], tile_max);
-        // A row with every key so far masked keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-        const float base = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-        const float alpha = fast_exp2(row_max[mt][r] * scale_log2 - base);
-        row_max[mt][r] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kBlockN / 8; ++j) {
-          s[mt][j][2 * r] = fast_exp2(fmaf(s[mt][j][2 * r], scale_log2, -base));
-          s[mt][j][2 * r + 1] = fast_exp2(fmaf(s[mt][j][2 * r + 1], scale_log2, -base));
-          sum += s[mt][j][2 * r] + s[mt][j][2 * r + 1];
-        }
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;  // per-thread partial; the quad sums at the end
-#pragma unroll
-        for (int d = 0; d < HEAD_DIM / 8; ++d) {
-          o[mt][d][2 * r] *= alpha;
-          o[mt][d][2 * r + 1] *= alpha;
-        }
-      }
-
-      // P as bf16 A fragments: the C layout of n-tiles 2kk, 2kk+1 is the A layout of k-slice kk.
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        p_frag[mt][kk][0] = pack_bf16x2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        p_frag[mt][kk][1] = pack_bf16x2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        p_frag[mt][kk][2] = pack_bf16x2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        p_frag[mt][kk][3] = pack_bf16x2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      p_frag[kk][0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+      p_frag[kk][1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+      p_frag[kk][2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      p_frag[kk][3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
 
     cp_async_wait<2>();  // V_n landed (K_{n+1}, V_{n+1} may be pending)
@@ -371,46 +323,38 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
         uint32_t b[4];
         ldmatrix_x4_trans(b, v_tile + swizzle<HEAD_DIM>(key, dp * 2 + (lane >> 4)) * sizeof(bf16));
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          if (live[mt]) {
-            mma_bf16_16816(o[mt][2 * dp], p_frag[mt][kk], b[0], b[1]);
-            mma_bf16_16816(o[mt][2 * dp + 1], p_frag[mt][kk], b[2], b[3]);
-          }
-        }
+        mma_bf16_16816(o[2 * dp], p_frag[kk], b[0], b[1]);
+        mma_bf16_16816(o[2 * dp + 1], p_frag[kk], b[2], b[3]);
       }
     }
   }
 
-  // Normalise and stage the warp's rows in its own rows of the Q tile (no other warp reads them),
-  // then write whole 16-byte chunks.
+  // Normalise and stage the warp's 16 rows in its own rows of the Q tile (no other warp reads
+  // them), then write whole 16-byte chunks.
+  float inv_sum[2];
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    float inv_sum[2];
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
+    if constexpr (kFp8) inv_sum[r] *= args.kv.v_scale;
+  }
+#pragma unroll
+  for (int d = 0; d < HEAD_DIM / 8; ++d) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
-      if constexpr (kFp8) inv_sum[r] *= args.kv.v_scale;
-    }
-#pragma unroll
-    for (int d = 0; d < HEAD_DIM / 8; ++d) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = warp * kWarpRows + mt * 16 + g + r * 8;
-        *reinterpret_cast<uint32_t*>(s_q + swizzle<HEAD_DIM>(row, d) + 2 * t) =
-            pack_bf16x2(o[mt][d][2 * r] * inv_sum[r], o[mt][d][2 * r + 1] * inv_sum[r]);
-      }
+      const int row = warp * 16 + g + r * 8;
+      *reinterpret_cast<uint32_t*>(s_q + swizzle<HEAD_DIM>(row, d) + 2 * t) =
+          pack_bf16x2(o[d][2 * r] * inv_sum[r], o[d][2 * r + 1] * inv_sum[r]);
     }
   }
   __syncwarp();
   const int out_stride = args.num_q_heads * HEAD_DIM;
 #pragma unroll
-  for (int i = 0; i < kWarpRows * kChunks / 32; ++i) {
+  for (int i = 0; i < 16 * kChunks / 32; ++i) {
     const int idx = i * 32 + lane;
-    const int row = warp * kWarpRows + idx / kChunks;
+    const int row = warp * 16 + idx / kChunks;
     const int chunk = idx % kChunks;
     if (m0 + row < q_len) {
       *reinterpret_cast<uint4*>(args.out + int64_t(q_start + m0 + row) * out_stride +
@@ -434,37 +378,24 @@ void paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream_t stre
   require(args.q_stride % 8 == 0 && args.q_stride >= args.num_q_heads * kv.head_dim,
           "prefill attention: q_stride " + std::to_string(args.q_stride) +
               " must be a multiple of 8 (16-byte rows) and at least num_q_heads * head_dim");
-  const int mtiles = args.max_q_len >= kTwoTilesMinQLen ? 2 : 1;
-  const int rows = block_m<1>() * mtiles;
-  require(args.max_q_len >= 0 && ceil_div(args.max_q_len, rows) <= 65535,
+  require(args.max_q_len >= 0 && ceil_div(args.max_q_len, kBlockM) <= 65535,
           "prefill attention: max_q_len " + std::to_string(args.max_q_len) +
               " out of range; split the prefill into chunks of at most " +
-              std::to_string(65535 * rows) + " tokens");
+              std::to_string(65535 * kBlockM) + " tokens");
   if (args.num_seqs == 0 || args.total_q == 0 || args.max_q_len == 0) return;
 
   const bool fp8 = kv.dtype == KvDtype::kFp8E4m3;
   require_kv_scales("prefill attention", kv.dtype, kv.k_scale, kv.v_scale);
-  auto launch = [&](auto kernel, size_t smem_bytes) {
+  DISPATCH_HEAD_DIM(kv.head_dim, HEAD_DIM, [&] {
+    const size_t smem_bytes =
+        fp8 ? prefill_smem_bytes<HEAD_DIM, true>() : prefill_smem_bytes<HEAD_DIM, false>();
+    auto kernel = fp8 ? prefill_attention_kernel<HEAD_DIM, true>
+                      : prefill_attention_kernel<HEAD_DIM, false>;
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem_bytes)));
-    const dim3 grid(args.num_seqs * args.num_q_heads, ceil_div(args.max_q_len, rows));
+    const dim3 grid(args.num_seqs * args.num_q_heads, ceil_div(args.max_q_len, kBlockM));
     kernel<<<grid, kThreads, smem_bytes, stream>>>(args, args.scale * (fp8 ? kv.k_scale : 1.f) * kLog2e);
     CUDA_CHECK_LAUNCH();
-  };
-  DISPATCH_HEAD_DIM(kv.head_dim, HEAD_DIM, [&] {
-    auto variant = [&](auto m_tiles) {
-      constexpr int M = decltype(m_tiles)::value;
-      if (fp8) {
-        launch(prefill_attention_kernel<HEAD_DIM, true, M>, prefill_smem_bytes<HEAD_DIM, true, M>());
-      } else {
-        launch(prefill_attention_kernel<HEAD_DIM, false, M>, prefill_smem_bytes<HEAD_DIM, false, M>());
-      }
-    };
-    if (mtiles == 2) {
-      variant(std::integral_constant<int, 2>{});
-    } else {
-      variant(std::integral_constant<int, 1>{});
-    }
   });
 }
 
