@@ -1,6 +1,8 @@
 """Paged prefill attention at a long causal prefill: 8 sequences x 2048 tokens, 32 q heads,
-8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks; and the throughput benchmark's
-prefill step: 31 prompts of 100..1,024 tokens (15.7k in all) with Qwen3-0.6B's 16 q heads and 8 kv heads."""
+8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks; the throughput benchmark's
+prefill step: 31 prompts of 100..1,024 tokens (15.7k in all) with Qwen3-0.6B's 16 q heads and 8 kv heads; and a step
+that mixes a 2,048-token chunk with 255 decode rows over 1,024..1,152 tokens of context each (a server's step under
+load, where every row goes through this kernel)."""
 import torch
 
 from nanograph import ops
@@ -13,10 +15,12 @@ def causal_flops(q_lens, context_lens, num_q_heads, head_dim):
     return 4 * head_dim * num_q_heads * pairs
 
 
-def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, lens=None):
-    """num_seqs prompts of seq_len tokens each, or of the lengths in lens (then seq_len is their maximum)."""
+def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, lens=None, contexts=None):
+    """num_seqs prompts of seq_len tokens each, or of the lengths in lens (then seq_len is their maximum), over
+    contexts (default: the prompts alone; else each at least its length, at most seq_len)."""
     dev = "cuda"
     lens = lens or [seq_len] * num_seqs
+    contexts = contexts or lens
     blocks_per_seq = -(-seq_len // block_size)
     num_blocks = num_seqs * blocks_per_seq
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -27,15 +31,15 @@ def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size
     q = torch.randn(total_q, num_q_heads * head_dim, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     cu_seqlens_q = torch.tensor([0] + lens, device=dev, dtype=torch.int32).cumsum(0).to(torch.int32)
-    context_lens = torch.tensor(lens, device=dev, dtype=torch.int32)
+    context_lens = torch.tensor(contexts, device=dev, dtype=torch.int32)
     scale = head_dim ** -0.5
 
     def fn():
         ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                     context_lens, out, num_q_heads, scale, max(lens))
 
-    bytes_moved = 2 * q.numel() * 2 + 2 * total_q * num_kv_heads * head_dim * 2 * 2  # Q + O, K + V (bf16)
-    flops = causal_flops(lens, lens, num_q_heads, head_dim)
+    bytes_moved = 2 * q.numel() * 2 + 2 * sum(contexts) * num_kv_heads * head_dim * 2 * 2  # Q + O, K + V (bf16)
+    flops = causal_flops(lens, contexts, num_q_heads, head_dim)
     return fn, bytes_moved, flops
 
 
@@ -48,3 +52,8 @@ def cases():
     lens = torch.randint(100, 1025, (31,), generator=g).tolist()
     fn, bytes_moved, flops = make_case(len(lens), max(lens), 16, 8, 128, 16, lens)
     yield f"prefill_attention 31x(100-1024) causal q16/kv8 d128 block16", fn, bytes_moved, flops
+    contexts = [2048] + torch.randint(1024, 1153, (255,), generator=g).tolist()
+    lens = [2048] + [1] * 255
+    fn, bytes_moved, flops = make_case(len(lens), 2048, 16, 8, 128, 16, lens, contexts)
+    yield "prefill_attention mixed 2048-token chunk + 255 decode rows (1024-1152) q16/kv8 d128 block16", fn, \
+        bytes_moved, flops
