@@ -311,7 +311,10 @@ def test_a_pooling_engine_sleeps_and_embeds_the_same_after(tmp_path):
     assert [output.outputs.embedding for output in llm.embed(prompts, use_tqdm=False)] == expected
 
 
-def test_reload_weights_reloads_a_classifiers_head(tmp_path):
+@pytest.mark.parametrize("how", ["collective_rpc", "level 2"])
+def test_reload_weights_reloads_a_classifiers_head(tmp_path, how):
+    """collective_rpc("reload_weights"), or the read of the weights that a wake_up after sleep(level=2) makes: the
+    classifier's head is read again with the body, from the checkpoint as it is now."""
     folder = tmp_path / "classifier"
     make_tiny_classifier(folder, "qwen3-tied", num_labels=3, seed=0)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8]}]
@@ -320,10 +323,14 @@ def test_reload_weights_reloads_a_classifiers_head(tmp_path):
         return llm.classify(prompts, use_tqdm=False)[0].outputs.probs
 
     llm = LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True, runner="pooling",
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, enable_sleep_mode=True)
     old = probs(llm)
     make_tiny_classifier(folder, "qwen3-tied", num_labels=3, seed=1)
     new = probs(LLM(str(folder), device="cpu", max_model_len=64, skip_tokenizer_init=True, runner="pooling"))
     assert new != old
-    llm.collective_rpc("reload_weights")
+    if how == "collective_rpc":
+        llm.collective_rpc("reload_weights")
+    else:
+        llm.sleep(2)
+        llm.wake_up()
     assert probs(llm) == new

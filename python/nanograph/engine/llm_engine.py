@@ -336,7 +336,7 @@ class LLMEngine:
                     self._implied.discard(tag)
             if not self._asleep and self.runner.weights_unread:  # slept without a copy, not reloaded since
                 try:
-                    self.runner.reload_weights()
+                    self.reload_weights()  # a classifier's head too: body and head from one checkpoint
                 except BaseException:
                     # Their memory is back, not their values: asleep again as after level 2 (their memory, and what
                     # the runner frees with them, given back), for a wake_up to read them.
