@@ -24,7 +24,9 @@ def forward(manager, seqs, num_new_tokens):
 
 def test_prefill_with_a_cached_prefix_starts_at_its_computed_tokens():
     manager = BlockManager(16, block_size=4)
-    scheduled(manager, [1, 2, 3, 4, 5, 6, 7, 8], 0, 8)  # blocks 0 and 1
+    # Blocks 0 and 1, held by a sequence kept alive (the manager keys its rows by id(): a sequence collected while
+    # it holds blocks could pass its id, and its row, to the next one).
+    first = scheduled(manager, [1, 2, 3, 4, 5, 6, 7, 8], 0, 8)
     fresh = scheduled(manager, [11, 12, 13], 0, 3)
     cached = scheduled(manager, list(range(20, 30)), 8, 2)
     assert fresh.block_table == [2] and cached.block_table == [3, 4, 5]
@@ -35,6 +37,7 @@ def test_prefill_with_a_cached_prefix_starts_at_its_computed_tokens():
     assert batch.cu_seqlens_q.tolist() == [0, 3, 5]
     assert batch.context_lens.tolist() == [3, 10]
     assert batch.block_tables.tolist() == [[2, 0, 0], [3, 4, 5]]
+    assert first.block_table == [0, 1]
     assert not batch.is_decode and batch.num_seqs == 2 and batch.num_tokens == 5
     assert all(a.dtype == np.int32 for a in (batch.input_ids, batch.positions, batch.slot_mapping,
                                              batch.cu_seqlens_q, batch.context_lens, batch.block_tables))
