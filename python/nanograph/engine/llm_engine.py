@@ -308,11 +308,15 @@ class LLMEngine:
             self._in_flight = self._prompt_logprobs_in_flight = None
             if not self.scheduler.block_manager.reset_prefix_cache():
                 raise RuntimeError("sleep: KV blocks are still held with no request unfinished; nothing was freed")
-            # Asleep from here: a runner that fails partway has freed some of its parts, which wake_up() restores.
-            freed = self.runner.tags_freed(wanted) - self._asleep
-            self._implied |= freed - wanted  # freed along with another part, woken with it
-            self._asleep |= freed
-            self.runner.sleep(freed, keep_weights)
+            self._free(wanted, keep_weights)
+
+    def _free(self, wanted: set[str], keep_weights: bool):
+        """The runner frees wanted and what goes with them, asleep from here: a runner that fails partway has freed
+        some of its parts, which wake_up() restores."""
+        freed = self.runner.tags_freed(wanted) - self._asleep
+        self._implied |= freed - wanted  # freed along with another part, woken with it
+        self._asleep |= freed
+        self.runner.sleep(freed, keep_weights)
 
     def wake_up(self, tags: list[str] | None = None):
         """vLLM's: restore what sleep() freed: tags "weights" and "kv_cache" (None: both), the weights first, and
@@ -338,12 +342,8 @@ class LLMEngine:
                 try:
                     self.reload_weights()  # a classifier's head too: body and head from one checkpoint
                 except BaseException:
-                    # Their memory is back, not their values: asleep again as after level 2 (their memory, and what
-                    # the runner frees with them, given back), for a wake_up to read them.
-                    freed = self.runner.tags_freed({"weights"})
-                    self._asleep |= freed
-                    self._implied |= freed - {"weights"}
-                    self.runner.sleep(freed, keep_weights=False)
+                    # Their memory is back, not their values: asleep again as after level 2, for a wake_up to read.
+                    self._free({"weights"}, keep_weights=False)
                     raise
 
     def reload_weights(self):
