@@ -286,8 +286,15 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
     CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
+    // A mixed step's running sequences come first, each decoding one token: count them.
+    const int32_t* cu_seqlens_q = host_meta_ + layout.cu_seqlens_q;
+    int decode_rows = 0;
+    while (!is_decode && decode_rows < num_seqs &&
+           cu_seqlens_q[decode_rows + 1] - cu_seqlens_q[decode_rows] == 1) {
+      ++decode_rows;
+    }
     forward(num_tokens, num_seqs, max_q_len, is_decode,
-            greedy ? host_tokens_mapped_ + slot * limits_.max_num_seqs : nullptr);
+            greedy ? host_tokens_mapped_ + slot * limits_.max_num_seqs : nullptr, decode_rows);
   }
   if (greedy) {
     CUDA_CHECK(cudaEventRecord(tokens_ready_[slot], stream_));
@@ -360,7 +367,8 @@ int Model::decode_plan_seqs(int num_seqs) const {
   return num_seqs;
 }
 
-void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax_host_out) {
+void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax_host_out,
+                    int decode_rows) {
   const ModelConfig& c = config_;
   const StepLayout layout(T, S, block_table_width_);
   const int32_t* input_ids = device_meta_ + layout.input_ids;
@@ -376,12 +384,15 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   cudaStream_t st = stream_;
 
-  // Decode attention runs under its bucket's plan. Grids that take several sequences longest first
-  // get the order once per step (the lengths are the same in every layer).
-  const DecodeAttentionPlan* plan = is_decode ? &decode_plans_[decode_plan_seqs(S)] : nullptr;
-  const bool ordered = plan && plan->reads_order && S > 1 && S <= kOrderMaxSeqs;
-  const bool rope_in_attention = plan && plan->fuse_rope;
-  if (ordered) order_by_length(context_lens, S, seq_order_, st);
+  // Decode attention runs under its bucket's plan, over every row of a decode step and over the
+  // leading one-token rows of a mixed step (the prefill kernel would give each of them a CTA of 64
+  // query rows, and a grid row per query tile of the step's longest chunk). Grids that take several
+  // sequences longest first get the order once per step (the lengths are the same in every layer).
+  const int D = is_decode ? S : decode_rows;
+  const DecodeAttentionPlan* plan = D > 0 ? &decode_plans_[decode_plan_seqs(D)] : nullptr;
+  const bool ordered = plan && plan->reads_order && D > 1 && D <= kOrderMaxSeqs;
+  const bool rope_in_attention = is_decode && plan->fuse_rope;  // a mixed step's is stored first
+  if (ordered) order_by_length(context_lens, D, seq_order_, st);
   // Tokens the previous step sampled on the device are read from sampled_tokens_ (input_src).
   embedding_rmsnorm(input_ids, weights_.embed, c.vocab_size, residual_,
                     weights_.layers[0].input_norm, hidden_, T, H, c.rms_norm_eps, st,
@@ -401,15 +412,19 @@ void Model::forward(int T, int S, int max_q_len, bool is_decode, int32_t* argmax
                context_lens,      limits_.block_size, c.num_kv_heads, hd,
                c.kv_dtype,        w.k_scale,      w.v_scale};
     if (!rope_in_attention) qk_norm_rope_kv_store(rope, st);
-    if (is_decode) {
-      DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, S, c.num_q_heads,
+    if (D > 0) {
+      DecodeAttentionArgs args{qkv_, qkv_width_, kv, attn_, D, c.num_q_heads,
                                limits_.max_model_len, scale, attn_workspace_, attn_arrivals_,
                                ordered ? seq_order_ : nullptr,
                                rope_in_attention ? rope : RopeKvArgs{}};
       paged_decode_attention(args, *plan, st);
-    } else {
-      PrefillAttentionArgs args{qkv_, qkv_width_, kv, cu_seqlens_q, attn_, S, T, max_q_len,
-                                c.num_q_heads, scale};
+    }
+    if (D < S) {  // sequences D .. S - 1 (their offsets in cu_seqlens_q count from token 0)
+      PagedKv rest = kv;
+      rest.block_tables += static_cast<size_t>(D) * block_table_width_;
+      rest.context_lens += D;
+      PrefillAttentionArgs args{qkv_, qkv_width_, rest,          cu_seqlens_q + D, attn_,
+                                S - D, T,         max_q_len, c.num_q_heads,    scale};
       paged_prefill_attention(args, st);
     }
     gemm_.linear(attn_, w.o_proj, nullptr, hidden_, T, H, q_width, st);

@@ -134,8 +134,10 @@ class Model {
  private:
   // argmax_host_out: also take each sequence's argmax into sampled_tokens_ and this pinned
   // host buffer (a greedy decode graph).
+  // decode_rows: a mixed step's leading sequences of one new token each, which decode attention
+  // takes (the rest go through prefill attention); 0 for a decode step.
   void forward(int num_tokens, int num_seqs, int max_q_len, bool is_decode,
-               int32_t* argmax_host_out = nullptr);
+               int32_t* argmax_host_out = nullptr, int decode_rows = 0);
   // A decode graph's body: the metadata staged from the pinned buffer, then the forward.
   void decode_graph_body(int bucket, int32_t* argmax_host_out);
   // The batch size decode attention plans its splits for: the graph bucket of num_seqs (the

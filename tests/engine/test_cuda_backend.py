@@ -1,4 +1,6 @@
 """The CUDA core's forward against HF transformers on random-weight models of real shapes (GPU)."""
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -77,9 +79,11 @@ def test_teacher_forced_logprobs_match_hf(model_pair):
     seqs = [torch.randint(0, runner.model_config.vocab_size, (n + 24,), generator=gen) for n in lengths]
     with torch.no_grad():
         ref = [torch.log_softmax(hf(s[None].cuda()).logits[0].float(), -1) for s in seqs]
-        hf.float()  # an fp32 reference says how far bf16 itself strays
-        exact = [torch.log_softmax(hf(s[None].cuda()).logits[0], -1) for s in seqs]
-        hf.to(torch.bfloat16)
+        # An fp32 reference says how far bf16 itself strays. A copy: a round trip through fp32 would leave hf's
+        # float buffers (RoPE's inverse frequencies) in bf16, a worse reference for the tests after this one.
+        hf32 = copy.deepcopy(hf).float()
+        exact = [torch.log_softmax(hf32(s[None].cuda()).logits[0], -1) for s in seqs]
+        del hf32
 
     tables = Tables()
     # Prefill the prompts in one batch, then decode the teacher tokens one step at a time.
@@ -141,6 +145,46 @@ def test_greedy_generation_matches_hf(model_pair):
                 assert a in hf_top and b in tops[i][t], (
                     f"{name} prompt {i}: diverged at token {t} ({a} vs {b}) outside each other's top 5")
                 break
+
+
+def test_mixed_steps_match_hf(model_pair):
+    """Steps that mix decodes with prompt chunks, as the scheduler lays them out: the running sequences' one-token
+    rows first (decode attention takes them), then a prompt's next chunk, a decode row after it and a new prompt
+    (prefill attention takes those). Each row's logprobs against HF's teacher-forced ones at its position."""
+    name, hf, runner = model_pair
+    gen = torch.Generator().manual_seed(11)
+    # Sequences 0-3 and 6 decode; 4 is prefilled in chunks of 90 tokens; 5 comes in at the second mixed step.
+    lengths = [37, 100, 64, 5, 270, 45, 20]
+    seqs = [torch.randint(0, runner.model_config.vocab_size, (n + 8,), generator=gen) for n in lengths]
+    with torch.no_grad():
+        ref = [torch.log_softmax(hf(s[None].cuda()).logits[0].float(), -1) for s in seqs]
+    decoding = [0, 1, 2, 3, 6]
+    tables = Tables()
+    ids = [700 + i for i in range(len(seqs))]
+    done = {i: lengths[i] for i in decoding}  # tokens each sequence has in the cache
+    logits = runner.run(tables.batch([ids[i] for i in decoding], [0] * len(decoding),
+                                     [seqs[i][:lengths[i]].tolist() for i in decoding]))
+    got, want = [], []
+    for i, row in zip(decoding, logits):
+        got.append(torch.log_softmax(row.float(), -1)); want.append(ref[i][lengths[i] - 1])
+    done[4] = 0
+    for step in range(3):
+        rows = [(i, 1) for i in decoding[:4]] + [(4, 90)] + [(6, 1)] + ([(5, lengths[5])] if step == 1 else [])
+        starts = [done.get(i, 0) for i, _ in rows]
+        batch = tables.batch([ids[i] for i, _ in rows], starts,
+                             [seqs[i][start:start + n].tolist() for (i, n), start in zip(rows, starts)])
+        assert not batch.is_decode
+        logits = runner.run(batch)
+        for (i, n), start, row in zip(rows, starts, logits):
+            got.append(torch.log_softmax(row.float(), -1)); want.append(ref[i][start + n - 1])
+            done[i] = start + n
+    got, want = torch.stack(got), torch.stack(want)
+    err = (got - want).abs()
+    assert torch.isfinite(got).all()
+    assert err.max() < 0.25, f"{name}: max |dlogprob| {err.max():.3f}"
+    assert err.mean(-1).max() < 0.03, f"{name}: mean |dlogprob| of the worst row {err.mean(-1).max():.4f}"
+    top5 = got.topk(5, -1).indices
+    assert (top5 == want.argmax(-1, keepdim=True)).any(-1).all(), f"{name}: top-1 outside top-5"
 
 
 def greedy_seqs(n: int) -> list[Sequence]:
