@@ -2,7 +2,7 @@
 8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks; the throughput benchmark's
 prefill step: 31 prompts of 100..1,024 tokens (15.7k in all) with Qwen3-0.6B's 16 q heads and 8 kv heads; and a step
 that mixes a 2,048-token chunk with 255 decode rows over 1,024..1,152 tokens of context each (a server's step under
-load, where every row goes through this kernel), and its two parts alone."""
+load, where every row went through this kernel), its two parts alone, and the step as the engine runs it."""
 import torch
 
 from nanograph import ops
@@ -58,7 +58,18 @@ def cases():
     yield "prefill_attention mixed 2048-token chunk + 255 decode rows (1024-1152) q16/kv8 d128 block16", fn, \
         bytes_moved, flops
     # Its two parts alone: what the decode rows add to the chunk.
-    fn, bytes_moved, flops = make_case(1, 2048, 16, 8, 128, 16)
-    yield "prefill_attention mixed's 2048-token chunk alone q16/kv8 d128 block16", fn, bytes_moved, flops
+    chunk = make_case(1, 2048, 16, 8, 128, 16)
+    yield "prefill_attention mixed's 2048-token chunk alone q16/kv8 d128 block16", *chunk
     fn, bytes_moved, flops = make_case(255, 2048, 16, 8, 128, 16, lens[1:], contexts[1:])
     yield "prefill_attention mixed's 255 decode rows alone (1024-1152) q16/kv8 d128 block16", fn, bytes_moved, flops
+    # The step as the engine runs it: the leading decode rows through decode attention (longest first, as planned
+    # for a 2,048-token bound), then the chunk through this kernel.
+    from .decode_attention import _case as decode_case
+    _, decode_fn, decode_bytes, _ = decode_case(contexts[1:], 16, 8, 128, 16, 2048, "", ordered=True)
+
+    def split():
+        decode_fn()
+        chunk[0]()
+
+    yield "prefill_attention mixed, the decode rows through decode attention q16/kv8 d128 block16", split, \
+        decode_bytes + chunk[1], chunk[2]
