@@ -211,7 +211,8 @@ def test_the_priority_policy_preempts_the_largest_priority_value(policy, victim)
 
 def test_a_prompt_chunk_leaves_a_token_for_each_sequence_stepped_after_it():
     """Under the priority policy a prompt cut short by the budget may come before decoding sequences (a lower
-    priority value): its chunk leaves each of them its token."""
+    priority value): its chunk leaves each of them its token. The batch's rows put the decodes first (the CUDA core's
+    decode attention takes a step's leading one-token rows)."""
     scheduler = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4, scheduling_policy="priority")
     decoding = prioritized(scheduler, [5, 5], prompt_len=2)
     step(scheduler)  # both prompts computed: they decode from here
@@ -220,8 +221,39 @@ def test_a_prompt_chunk_leaves_a_token_for_each_sequence_stepped_after_it():
     batch = step(scheduler)  # admitted into the 6 tokens the decodes left
     assert batch.seqs[2] is long and batch.num_new_tokens == [1, 1, 6]
     batch = step(scheduler)  # now stepped first, by its priority: 6 tokens, then a token for each decode
-    assert batch.seqs[0] is long and batch.num_new_tokens == [6, 1, 1]
+    assert batch.seqs == [*decoding, long] and batch.num_new_tokens == [1, 1, 6]
+    assert batch.samples == [True, True, False]
     assert batch.num_tokens == 8 and all(n > 0 for n in batch.num_new_tokens)
+    assert build_forward_batch(batch, scheduler.block_manager).cu_seqlens_q.tolist() == [0, 1, 2, 8]
+
+
+def test_under_the_priority_policy_steps_with_decodes_first_end_as_the_reference():
+    """Requests arrive while others decode, the later ones with lower priority values: their prompts' chunks are
+    scheduled before the decodes and laid out after them. Every request ends with its reference output."""
+    engine = fake_engine(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=8,
+                         scheduling_policy="priority")
+    prompts = [[(5 * i + j) % 40 + 1 for j in range(3 + 4 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    laid_out = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        batch = schedule()
+        laid_out.append(list(batch.num_new_tokens))
+        return batch
+
+    engine.scheduler.schedule = recorded
+    ids = [engine.add_request({"prompt_token_ids": prompts[0]}, params, priority=5)]
+    outputs = {}
+    for step_index in range(200):
+        if step_index % 3 == 1 and len(ids) < len(prompts):
+            ids.append(engine.add_request({"prompt_token_ids": prompts[len(ids)]}, params, priority=5 - len(ids)))
+        outputs.update((out.request_id, out) for out in engine.step())
+        if len(outputs) == len(prompts):
+            break
+    assert [outputs[i].outputs[0].token_ids for i in ids] == [reference_completion(p, 12) for p in prompts]
+    mixed = [rows for rows in laid_out if any(n > 1 for n in rows) and 1 in rows]
+    assert mixed and all(rows == sorted(rows, key=lambda n: n > 1) for rows in laid_out)
 
 
 def test_under_the_priority_policy_an_aborted_waiting_request_leaves_the_queue_at_once():

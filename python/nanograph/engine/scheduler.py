@@ -29,6 +29,14 @@ class ScheduledBatch:
         self.num_new_tokens.append(num_new_tokens)
         self.samples.append(num_new_tokens == seq.num_pending_tokens)
 
+    def decodes_first(self):
+        """Rows of one new token first, each kind in its order: the CUDA core sends a step's leading one-token rows
+        through decode attention, the rest through prefill attention."""
+        order = sorted(range(len(self.seqs)), key=lambda row: self.num_new_tokens[row] > 1)
+        self.seqs = [self.seqs[row] for row in order]
+        self.num_new_tokens = [self.num_new_tokens[row] for row in order]
+        self.samples = [self.samples[row] for row in order]
+
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
@@ -118,6 +126,8 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions == num_preemptions:  # after a preemption the cache is full: admit nobody
             self._admit(batch, budget)
+        if self.by_priority:  # under fcfs only the last admitted can be a prompt's chunk: the decodes lead already
+            batch.decodes_first()
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int):
