@@ -115,10 +115,12 @@ size_t decode_attention_workspace_bytes(int num_seqs, int num_q_heads, int head_
 // Ordering (PDL, launch.h): on small grids the kernel reads the lengths, the block tables and
 // each sequence's cached keys and values before it waits for the previous kernel on the stream,
 // all but the newest key and value (position len - 1). So a kernel that runs right before it in
-// the same chain may write that newest position and nothing else of the cache, as the
-// RoPE/KV-store kernel does; lengths and block tables must be in place before this kernel can
-// launch (see DecodeAttentionArgs::rope). With args.rope the kernel stores the newest position
-// itself.
+// the same chain may write that newest position and nothing else of these sequences' cache, as
+// the RoPE/KV-store kernel does. (In a mixed step that kernel also stores the other rows' keys and
+// values, in slots no decode row reads: a block shared through the prefix cache is full, and a
+// step's blocks are offered to it only once the step is queued.) Lengths and block tables must be
+// in place before this kernel can launch (see DecodeAttentionArgs::rope). With args.rope the
+// kernel stores the newest position itself.
 void paged_decode_attention(const DecodeAttentionArgs& args, const DecodeAttentionPlan& plan,
                             cudaStream_t stream);
 

@@ -4,7 +4,8 @@
 //   qkv    = hidden . Wqkv^T (+ bias)                 cuBLASLt
 //   qkv    = qk_norm + rope, K/V stored by slot       one kernel; large decode grids do it inside
 //                                                     attention (q rotated there, qkv left as is)
-//   attn   = paged decode (one token/seq) or prefill attention
+//   attn   = paged decode attention (a decode step; a mixed step's leading one-token rows) and
+//            prefill attention (the rest of a mixed or prefill step)
 //   hidden = attn . Wo^T;  hidden = add_rmsnorm(hidden, residual)
 //   act    = silu(gate) * up of hidden . Wgate_up^T   (where gemv_preferred: one kernel)
 //   hidden = act . Wdown^T
@@ -286,7 +287,8 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
     CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
                                cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
-    // A mixed step's running sequences come first, each decoding one token: count them.
+    // A mixed step's leading rows of one new token (decodes, which the scheduler puts first): count
+    // them.
     const int32_t* cu_seqlens_q = host_meta_ + layout.cu_seqlens_q;
     int decode_rows = 0;
     while (!is_decode && decode_rows < num_seqs &&

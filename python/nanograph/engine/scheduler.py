@@ -126,7 +126,8 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions == num_preemptions:  # after a preemption the cache is full: admit nobody
             self._admit(batch, budget)
-        if self.by_priority:  # under fcfs only the last admitted can be a prompt's chunk: the decodes lead already
+        # Under fcfs only the last admitted can be a prompt's chunk: the decodes lead already.
+        if self.by_priority and batch.is_prefill:
             batch.decodes_first()
         return batch
 
