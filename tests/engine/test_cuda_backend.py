@@ -147,18 +147,23 @@ def test_greedy_generation_matches_hf(model_pair):
                 break
 
 
-def test_mixed_steps_match_hf(model_pair):
-    """Steps that mix decodes with prompt chunks, as the scheduler lays them out: the running sequences' one-token
-    rows first (decode attention takes them), then a prompt's next chunk, a decode row after it and a new prompt
-    (prefill attention takes those). Each row's logprobs against HF's teacher-forced ones at its position."""
+@pytest.mark.parametrize("leading", [4, 12], ids=["4-decodes", "12-decodes"])
+def test_mixed_steps_match_hf(model_pair, leading):
+    """Steps that mix decodes with prompt chunks, as the scheduler lays them out: `leading` one-token rows first
+    (decode attention takes them: 12 of them make a large grid on 8 kv heads, run without the fused RoPE, which
+    decode steps alone use), then a prompt's next chunk, a decode row after it and a new prompt (prefill attention
+    takes those). Each row's logprobs against HF's teacher-forced ones at its position."""
     name, hf, runner = model_pair
     gen = torch.Generator().manual_seed(11)
-    # Sequences 0-3 and 6 decode; 4 is prefilled in chunks of 90 tokens; 5 comes in at the second mixed step.
-    lengths = [37, 100, 64, 5, 270, 45, 20]
+    more = torch.randint(3, 150, (leading - 4,), generator=torch.Generator().manual_seed(12)).tolist()
+    # Sequences before `chunked` and `trailing` decode; `chunked` is prefilled in chunks of 90 tokens; `late` comes
+    # in at the second mixed step.
+    chunked, late, trailing = leading, leading + 1, leading + 2
+    lengths = [37, 100, 64, 5] + more + [270, 45, 20]
     seqs = [torch.randint(0, runner.model_config.vocab_size, (n + 8,), generator=gen) for n in lengths]
     with torch.no_grad():
         ref = [torch.log_softmax(hf(s[None].cuda()).logits[0].float(), -1) for s in seqs]
-    decoding = [0, 1, 2, 3, 6]
+    decoding = list(range(leading)) + [trailing]
     tables = Tables()
     ids = [700 + i for i in range(len(seqs))]
     done = {i: lengths[i] for i in decoding}  # tokens each sequence has in the cache
@@ -167,9 +172,10 @@ def test_mixed_steps_match_hf(model_pair):
     got, want = [], []
     for i, row in zip(decoding, logits):
         got.append(torch.log_softmax(row.float(), -1)); want.append(ref[i][lengths[i] - 1])
-    done[4] = 0
+    done[chunked] = 0
     for step in range(3):
-        rows = [(i, 1) for i in decoding[:4]] + [(4, 90)] + [(6, 1)] + ([(5, lengths[5])] if step == 1 else [])
+        rows = ([(i, 1) for i in range(leading)] + [(chunked, 90), (trailing, 1)]
+                + ([(late, lengths[late])] if step == 1 else []))
         starts = [done.get(i, 0) for i, _ in rows]
         batch = tables.batch([ids[i] for i, _ in rows], starts,
                              [seqs[i][start:start + n].tolist() for (i, n), start in zip(rows, starts)])
