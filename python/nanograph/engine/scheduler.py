@@ -126,7 +126,7 @@ class Scheduler:
                 budget -= num_new
         if self.num_preemptions == num_preemptions:  # after a preemption the cache is full: admit nobody
             self._admit(batch, budget)
-        # Under fcfs only the last admitted can be a prompt's chunk: the decodes lead already.
+        # Under fcfs the decodes lead already: a prompt mid-chunk is the last admitted, and new prompts come after it.
         if self.by_priority and batch.is_prefill:
             batch.decodes_first()
         return batch
