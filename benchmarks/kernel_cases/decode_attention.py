@@ -57,11 +57,9 @@ def cases():
     yield _case(mixed[:128], 16, 8, 128, 16, 2048, "128x(100-2k)", ordered=True)
     yield _case(mixed[:64], 16, 8, 128, 16, 2048, "64x(100-2k)", ordered=True)
     yield _case([1024] * 256, 16, 8, 128, 16, 1024, "256x1024")
-    # The decode rows of prefill_attention's mixed case (the same contexts), through this kernel.
-    g_mixed = torch.Generator().manual_seed(0)
-    torch.randint(100, 1025, (31,), generator=g_mixed)
-    yield _case(torch.randint(1024, 1153, (255,), generator=g_mixed).tolist(), 16, 8, 128, 16, 1152,
-                "255x(1024-1152)", ordered=True)
+    # The decode rows of prefill_attention's mixed case, through this kernel.
+    from .prefill_attention import mixed_decode_contexts
+    yield _case(mixed_decode_contexts(), 16, 8, 128, 16, 1152, "255x(1024-1152)", ordered=True)
     yield _case([32768], 32, 8, 128, 16, 32768, "1x32768")
     yield _case([16384] * 4, 32, 8, 128, 16, 16384, "4x16384")
     # Batch 1 of Qwen3-0.6B's heads under the model's whole context: the work follows the length.

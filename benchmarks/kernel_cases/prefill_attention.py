@@ -43,6 +43,14 @@ def make_case(num_seqs, seq_len, num_q_heads, num_kv_heads, head_dim, block_size
     return fn, bytes_moved, flops
 
 
+def mixed_decode_contexts() -> list[int]:
+    """The contexts of the mixed case's 255 decode rows, 1,024..1,152 tokens (drawn after the throughput step's
+    prompt lengths, from the same generator)."""
+    g = torch.Generator().manual_seed(0)
+    torch.randint(100, 1025, (31,), generator=g)
+    return torch.randint(1024, 1153, (255,), generator=g).tolist()
+
+
 def cases():
     for block_size in (256, 16):
         fn, bytes_moved, flops = make_case(8, 2048, 32, 8, 128, block_size)
@@ -52,7 +60,7 @@ def cases():
     lens = torch.randint(100, 1025, (31,), generator=g).tolist()
     fn, bytes_moved, flops = make_case(len(lens), max(lens), 16, 8, 128, 16, lens)
     yield f"prefill_attention 31x(100-1024) causal q16/kv8 d128 block16", fn, bytes_moved, flops
-    contexts = [2048] + torch.randint(1024, 1153, (255,), generator=g).tolist()
+    contexts = [2048] + mixed_decode_contexts()
     lens = [2048] + [1] * 255
     fn, bytes_moved, flops = make_case(len(lens), 2048, 16, 8, 128, 16, lens, contexts)
     yield "prefill_attention mixed 2048-token chunk + 255 decode rows (1024-1152) q16/kv8 d128 block16", fn, \
