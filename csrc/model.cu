@@ -284,17 +284,17 @@ int Model::step(int num_tokens, int num_seqs, int max_q_len, bool use_graph, boo
     ++stage_issued_;
   } else {
     const StepLayout layout(num_tokens, num_seqs, block_table_width_);
-    CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
-                               cudaMemcpyHostToDevice, stream_));
-    CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
     // A mixed step's leading rows of one new token (decodes, which the scheduler puts first): count
-    // them.
+    // them, before the host metadata is handed to the copy.
     const int32_t* cu_seqlens_q = host_meta_ + layout.cu_seqlens_q;
     int decode_rows = 0;
     while (!is_decode && decode_rows < num_seqs &&
            cu_seqlens_q[decode_rows + 1] - cu_seqlens_q[decode_rows] == 1) {
       ++decode_rows;
     }
+    CUDA_CHECK(cudaMemcpyAsync(device_meta_, host_meta_, layout.total * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaEventRecord(meta_copied_, stream_));
     forward(num_tokens, num_seqs, max_q_len, is_decode,
             greedy ? host_tokens_mapped_ + slot * limits_.max_num_seqs : nullptr, decode_rows);
   }

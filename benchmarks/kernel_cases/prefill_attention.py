@@ -2,7 +2,8 @@
 8 kv heads, head_dim 128, with the cache in 256-token blocks and in 16-token blocks; the throughput benchmark's
 prefill step: 31 prompts of 100..1,024 tokens (15.7k in all) with Qwen3-0.6B's 16 q heads and 8 kv heads; and a step
 that mixes a 2,048-token chunk with 255 decode rows over 1,024..1,152 tokens of context each (a server's step under
-load, where every row went through this kernel), its two parts alone, and the step as the engine runs it."""
+load, where every row went through this kernel), its two parts alone, and the step as the engine runs it; and steps
+of the same chunk beside 1 or 4 decode rows, both ways."""
 import torch
 
 from nanograph import ops
@@ -81,3 +82,18 @@ def cases():
 
     yield "prefill_attention mixed, the decode rows through decode attention q16/kv8 d128 block16", split, \
         decode_bytes + chunk[1], chunk[2]
+    # A step with only a few decode rows beside the chunk (a lightly loaded server): the extra decode-attention
+    # launch against the rows' few CTAs in the prefill grid.
+    for rows in (1, 4):
+        few = contexts[1:rows + 1]
+        fn, bytes_moved, flops = make_case(rows + 1, 2048, 16, 8, 128, 16, [2048] + [1] * rows, [2048] + few)
+        yield f"prefill_attention mixed {rows} decode rows + chunk, one prefill launch q16/kv8 d128 block16", fn, \
+            bytes_moved, flops
+        _, few_fn, few_bytes, _ = decode_case(few, 16, 8, 128, 16, 2048, "", ordered=True)
+
+        def few_split(few_fn=few_fn):
+            few_fn()
+            chunk[0]()
+
+        yield f"prefill_attention mixed {rows} decode rows + chunk, split as the engine runs it q16/kv8 d128 " \
+            "block16", few_split, few_bytes + chunk[1], chunk[2]
