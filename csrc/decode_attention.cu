@@ -332,9 +332,10 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   constexpr int kTilesPerStep = warp_step_tiles(HD, kWideStep);  // tiles loaded together
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
-  // A step's K and V requested apart, each as soon as the last one's math is done (see the loop);
-  // a large grid of a bf16 cache, at 168 registers, would spill the addresses.
-  constexpr bool kSplitLoads = kEarlyKv || kFp8;
+  // Large grids of an e4m3 cache request a step's K and V apart, each as soon as the math has read
+  // the step before's (see the loop). A large grid of a bf16 cache, at 168 registers, would spill
+  // the addresses; small grids, whose warps have their next step in L2 already, gain nothing.
+  constexpr bool kSplitLoads = !kEarlyKv && kFp8;
 
   __shared__ float s_out[kWarps][kMaxGroup][kRowPad];
   __shared__ float s_max[kWarps][kMaxGroup];
@@ -433,13 +434,11 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     v = static_cast<const Element*>(kv.v_cache) + slot * key_stride + kv_head * HD;
   };
   // The fragments of one tile's keys (those below `below`; zeros for the rest, and for keys past
-  // end: 0 * NaN is NaN) in block `block`: its K (load_k) and its V (load_v), loaded apart so that
+  // end: 0 * NaN is NaN) from its rows k and v (tile_rows): its K (load_k) and its V (load_v), apart so that
   // the loop asks for the next step's K as soon as the current step's K has gone into S = Q K^T,
   // and for its V once O += P V has read the current V, and each half's round trip overlaps the
   // other half's math.
-  auto load_k = [&](int tile, int tile_start, int below, int64_t block) {
-    const Element *k, *v;
-    tile_rows(tile_start, block, k, v);
+  auto load_k = [&](int tile, int tile_start, int below, const Element* k) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const bool valid = tile_start + g + 8 * h < below;
@@ -450,9 +449,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       }
     }
   };
-  auto load_v = [&](int tile, int tile_start, int below, int64_t block) {
-    const Element *k, *v;
-    tile_rows(tile_start, block, k, v);
+  auto load_v = [&](int tile, int tile_start, int below, const Element* v) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int key = 2 * t + (j & 1) + 8 * (j >> 1);
@@ -464,42 +461,47 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
       }
     }
   };
-  // After a tile's K and V of `step` are requested, its block id in `blocks` becomes that of the
-  // warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request that next step's K and
-  // V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that while this
-  // step is computed the warp has twice its fragments' bytes in flight without more registers; so
-  // do large grids of an e4m3 cache with the fused RoPE (layout.prefetch; the engine's large grids
-  // all fuse it), whose tile is half a bf16 tile's bytes. Large grids of a bf16 cache, 12 warps
-  // per SM loading 8 KB each, go without it, and so does the e4m3 variant without the RoPE, whose
-  // registers the prefetch's addresses would spill.
-  auto advance = [&](int tile, int step, int32_t (&blocks)[kTilesPerStep]) {
-    const int tile_start = step + warp_stride + tile * kTileKeys;
-    blocks[tile] = block_of(tile_start);
+  // Small grids (kEarlyKv: 8 warps per SM) request the K and V rows of the warp's step after
+  // `step` (its block ids in `blocks`) into L2, one 128-byte line (or a row shorter than one) per
+  // prefetch, so that while this step is computed the warp has twice its fragments' bytes in
+  // flight without more registers; so do large grids of an e4m3 cache with the fused RoPE
+  // (layout.prefetch; the engine's large grids all fuse it), whose tile is half a bf16 tile's
+  // bytes. Large grids of a bf16 cache, 12 warps per SM loading 8 KB each, go without it, and so
+  // does the e4m3 variant without the RoPE, whose registers the prefetch's addresses would spill.
+  auto prefetch_next_step = [&](int step, const int32_t (&blocks)[kTilesPerStep]) {
     if constexpr (!kEarlyKv) {
       if (!kFp8 || !kRope || !layout.prefetch) return;
     }
-    if (tile_start >= end) return;
     constexpr int kLinesPerRow = HD * int(sizeof(Element)) > 128 ? HD * int(sizeof(Element)) / 128 : 1;
     constexpr int kLinesPerLane = 2 * kTileKeys * kLinesPerRow / 32;
-    const Element *k, *v;
-    tile_rows(tile_start, blocks[tile], k, v);
 #pragma unroll
-    for (int i = 0; i < kLinesPerLane; ++i) {
-      const int line = lane + 32 * i;  // key, then K or V, then the line of the row
-      const int key = line % kTileKeys, part = line / kTileKeys;
-      prefetch_l2((part % 2 ? v : k) + key * key_stride + part / 2 * (128 / int(sizeof(Element))));
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + warp_stride + tile * kTileKeys;
+      if (tile_start >= end) break;
+      const Element *k, *v;
+      tile_rows(tile_start, blocks[tile], k, v);
+#pragma unroll
+      for (int i = 0; i < kLinesPerLane; ++i) {
+        const int line = lane + 32 * i;  // key, then K or V, then the line of the row
+        const int key = line % kTileKeys, part = line / kTileKeys;
+        prefetch_l2((part % 2 ? v : k) + key * key_stride + part / 2 * (128 / int(sizeof(Element))));
+      }
     }
   };
-  // A whole step, from the step's block ids in `blocks`.
+  // A whole step, from the step's block ids in `blocks`, which then become the block ids of the
+  // warp's next step.
   auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
-      load_k(tile, tile_start, below, blocks[tile]);
-      load_v(tile, tile_start, below, blocks[tile]);
+      const int64_t block = blocks[tile];
+      blocks[tile] = block_of(tile_start + warp_stride);
+      const Element *k, *v;
+      tile_rows(tile_start, block, k, v);
+      load_k(tile, tile_start, below, k);
+      load_v(tile, tile_start, below, v);
     }
-#pragma unroll
-    for (int tile = 0; tile < kTilesPerStep; ++tile) advance(tile, step, blocks);
+    prefetch_next_step(step, blocks);
   };
   int32_t first_blocks[kTilesPerStep];  // the first step's block ids, kept for a reload
   // kRope: the token's position and cache slot are step metadata, in place before the chain, so
@@ -560,9 +562,10 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
   // kSplitLoads: the step's fragments are in flight; each tile asks for its next step's K once S
-  // is computed and for its V once O is. Otherwise each step is asked for whole at its start.
+  // is computed and for its V once O is. Otherwise each step is asked for whole at its start (but
+  // for a small grid's first step, in flight since before the wait).
   for (int step = first_step; step < end; step += warp_stride) {
-    if constexpr (!kSplitLoads) load_step(step, end, next_block);
+    if (!kSplitLoads && (!kEarlyKv || step != first_step)) load_step(step, end, next_block);
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
@@ -583,7 +586,11 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
           }
         }
       }
-      if (kSplitLoads && next_start < end) load_k(tile, next_start, end, next_block[tile]);
+      if (kSplitLoads && next_start < end) {
+        const Element *k, *v;
+        tile_rows(next_start, next_block[tile], k, v);
+        load_k(tile, next_start, end, k);
+      }
 
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -637,10 +644,13 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         }
       }
       if (kSplitLoads && next_start < end) {
-        load_v(tile, next_start, end, next_block[tile]);
-        advance(tile, step + warp_stride, next_block);
+        const Element *k, *v;
+        tile_rows(next_start, next_block[tile], k, v);
+        load_v(tile, next_start, end, v);
+        next_block[tile] = block_of(next_start + warp_stride);
       }
     }
+    if constexpr (kSplitLoads) prefetch_next_step(step + warp_stride, next_block);
   }
 
   // Merge the warps: each publishes its running max, sum and unnormalised output rows.
