@@ -332,10 +332,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   constexpr int kTilesPerStep = warp_step_tiles(HD, kWideStep);  // tiles loaded together
   constexpr int kStepKeys = kTilesPerStep * kTileKeys;
   constexpr int kRowPad = HD + 4;      // spreads the lanes' shared-memory stores over the banks
-  // Large grids of an e4m3 cache request a step's K and V apart, each as soon as the math has read
-  // the step before's (see the loop). A large grid of a bf16 cache, at 168 registers, would spill
-  // the addresses; small grids, whose warps have their next step in L2 already, gain nothing.
-  constexpr bool kSplitLoads = !kEarlyKv && kFp8;
 
   __shared__ float s_out[kWarps][kMaxGroup][kRowPad];
   __shared__ float s_max[kWarps][kMaxGroup];
@@ -433,42 +429,43 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     k = static_cast<const Element*>(kv.k_cache) + slot * key_stride + kv_head * HD;
     v = static_cast<const Element*>(kv.v_cache) + slot * key_stride + kv_head * HD;
   };
-  // The fragments of one tile's keys (those below `below`; zeros for the rest, and for keys past
-  // end: 0 * NaN is NaN) from its rows k and v (tile_rows): its K (load_k) and its V (load_v), apart so that
-  // the loop asks for the next step's K as soon as the current step's K has gone into S = Q K^T,
-  // and for its V once O += P V has read the current V, and each half's round trip overlaps the
-  // other half's math.
-  auto load_k = [&](int tile, int tile_start, int below, const Element* k) {
+  // The fragments of one step's keys (those below `below`; zeros for the rest, and for keys past
+  // end: 0 * NaN is NaN), from the step's block ids in `blocks`, which then become the block ids
+  // of the warp's next step. Small grids (kEarlyKv: 8 warps per SM) then request the next step's
+  // K and V rows into L2, one 128-byte line (or a row shorter than one) per prefetch, so that
+  // while this step is computed the warp has twice its fragments' bytes in flight without more
+  // registers; so do large grids of an e4m3 cache with the fused RoPE (layout.prefetch; the
+  // engine's large grids all fuse it), whose tile is half a bf16 tile's bytes. Large grids of a
+  // bf16 cache, 12 warps per SM loading 8 KB each, go without it, and so does the e4m3 variant
+  // without the RoPE, whose registers the prefetch's addresses would spill.
+  auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const bool valid = tile_start + g + 8 * h < below;
+    for (int tile = 0; tile < kTilesPerStep; ++tile) {
+      const int tile_start = step + tile * kTileKeys;
+      const int64_t block = blocks[tile];
+      blocks[tile] = block_of(tile_start + warp_stride);
+      const Element *k, *v;
+      tile_rows(tile_start, block, k, v);
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        k_frag[tile][h][c] =
-            valid ? load_streaming<kFp8>(k + (g + 8 * h) * key_stride + c * 32 + t * 8) : Fragment{};
+      for (int h = 0; h < 2; ++h) {
+        const bool valid = tile_start + g + 8 * h < below;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          k_frag[tile][h][c] =
+              valid ? load_streaming<kFp8>(k + (g + 8 * h) * key_stride + c * 32 + t * 8) : Fragment{};
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int key = 2 * t + (j & 1) + 8 * (j >> 1);
+        const bool valid = tile_start + key < below;
+#pragma unroll
+        for (int hc = 0; hc < kHalves; ++hc) {
+          v_frag[tile][hc][j] =
+              valid ? load_streaming<kFp8>(v + key * key_stride + hc * 64 + g * 8) : Fragment{};
+        }
       }
     }
-  };
-  auto load_v = [&](int tile, int tile_start, int below, const Element* v) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int key = 2 * t + (j & 1) + 8 * (j >> 1);
-      const bool valid = tile_start + key < below;
-#pragma unroll
-      for (int hc = 0; hc < kHalves; ++hc) {
-        v_frag[tile][hc][j] =
-            valid ? load_streaming<kFp8>(v + key * key_stride + hc * 64 + g * 8) : Fragment{};
-      }
-    }
-  };
-  // Small grids (kEarlyKv: 8 warps per SM) request the K and V rows of the warp's step after
-  // `step` (its block ids in `blocks`) into L2, one 128-byte line (or a row shorter than one) per
-  // prefetch, so that while this step is computed the warp has twice its fragments' bytes in
-  // flight without more registers; so do large grids of an e4m3 cache with the fused RoPE
-  // (layout.prefetch; the engine's large grids all fuse it), whose tile is half a bf16 tile's
-  // bytes. Large grids of a bf16 cache, 12 warps per SM loading 8 KB each, go without it, and so
-  // does the e4m3 variant without the RoPE, whose registers the prefetch's addresses would spill.
-  auto prefetch_next_step = [&](int step, const int32_t (&blocks)[kTilesPerStep]) {
     if constexpr (!kEarlyKv) {
       if (!kFp8 || !kRope || !layout.prefetch) return;
     }
@@ -487,21 +484,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
         prefetch_l2((part % 2 ? v : k) + key * key_stride + part / 2 * (128 / int(sizeof(Element))));
       }
     }
-  };
-  // A whole step, from the step's block ids in `blocks`, which then become the block ids of the
-  // warp's next step.
-  auto load_step = [&](int step, int below, int32_t (&blocks)[kTilesPerStep]) {
-#pragma unroll
-    for (int tile = 0; tile < kTilesPerStep; ++tile) {
-      const int tile_start = step + tile * kTileKeys;
-      const int64_t block = blocks[tile];
-      blocks[tile] = block_of(tile_start + warp_stride);
-      const Element *k, *v;
-      tile_rows(tile_start, block, k, v);
-      load_k(tile, tile_start, below, k);
-      load_v(tile, tile_start, below, v);
-    }
-    prefetch_next_step(step, blocks);
   };
   int32_t first_blocks[kTilesPerStep];  // the first step's block ids, kept for a reload
   // kRope: the token's position and cache slot are step metadata, in place before the chain, so
@@ -537,8 +519,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     if (first_step <= newest && newest < min(end, first_step + kStepKeys)) {
       load_step(first_step, end, first_blocks);
     }
-  } else if (kSplitLoads && first_step < end) {
-    load_step(first_step, end, next_block);
   }
   uint4 q_lo[kChunks], q_hi[kChunks];  // q heads g and g + 8
   const bf16* q = kRope ? &s_q[0][0]
@@ -561,16 +541,13 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
 #pragma unroll
   for (int i = 0; i < kNTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
-  // kSplitLoads: the step's fragments are in flight; each tile asks for its next step's K once S
-  // is computed and for its V once O is. Otherwise each step is asked for whole at its start (but
-  // for a small grid's first step, in flight since before the wait).
   for (int step = first_step; step < end; step += warp_stride) {
-    if (!kSplitLoads && (!kEarlyKv || step != first_step)) load_step(step, end, next_block);
+    if (!kEarlyKv || step != first_step) load_step(step, end, next_block);
+
 #pragma unroll
     for (int tile = 0; tile < kTilesPerStep; ++tile) {
       const int tile_start = step + tile * kTileKeys;
       if (tile_start >= end) break;
-      const int next_start = tile_start + warp_stride;
 
       float s[2][4] = {};  // [key n-tile][head g: keys 2t, 2t+1; head g+8: keys 2t, 2t+1]
 #pragma unroll
@@ -585,11 +562,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
             mma_16816<kFp8>(s[n], a, word(k_ops, 2 * half), word(k_ops, 2 * half + 1));
           }
         }
-      }
-      if (kSplitLoads && next_start < end) {
-        const Element *k, *v;
-        tile_rows(next_start, next_block[tile], k, v);
-        load_k(tile, next_start, end, k);
       }
 
       float tile_max[2] = {-INFINITY, -INFINITY};
@@ -643,14 +615,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
           mma_16816<kFp8>(acc[hc * 8 + j], p, b0, b1);
         }
       }
-      if (kSplitLoads && next_start < end) {
-        const Element *k, *v;
-        tile_rows(next_start, next_block[tile], k, v);
-        load_v(tile, next_start, end, v);
-        next_block[tile] = block_of(next_start + warp_stride);
-      }
     }
-    if constexpr (kSplitLoads) prefetch_next_step(step + warp_stride, next_block);
   }
 
   // Merge the warps: each publishes its running max, sum and unnormalised output rows.
