@@ -85,9 +85,9 @@ def cases():
     # A step with only a few decode rows beside the chunk (a lightly loaded server): the extra decode-attention
     # launch against the rows' few CTAs in the prefill grid.
     for rows in (1, 4):
-        few = contexts[1:rows + 1]
+        few, what = contexts[1:rows + 1], f"{rows} decode row" + ("s" if rows > 1 else "")
         fn, bytes_moved, flops = make_case(rows + 1, 2048, 16, 8, 128, 16, [2048] + [1] * rows, [2048] + few)
-        yield f"prefill_attention mixed {rows} decode rows + chunk, one prefill launch q16/kv8 d128 block16", fn, \
+        yield f"prefill_attention mixed {what} + chunk, one prefill launch q16/kv8 d128 block16", fn, \
             bytes_moved, flops
         _, few_fn, few_bytes, _ = decode_case(few, 16, 8, 128, 16, 2048, "", ordered=True)
 
@@ -95,5 +95,5 @@ def cases():
             few_fn()
             chunk[0]()
 
-        yield f"prefill_attention mixed {rows} decode rows + chunk, split as the engine runs it q16/kv8 d128 " \
+        yield f"prefill_attention mixed {what} + chunk, split as the engine runs it q16/kv8 d128 " \
             "block16", few_split, few_bytes + chunk[1], chunk[2]
