@@ -74,14 +74,19 @@ def cases():
     # The step as the engine runs it: the leading decode rows through decode attention (longest first, as planned
     # for a 2,048-token bound), then the chunk through this kernel.
     from .decode_attention import _case as decode_case
-    _, decode_fn, decode_bytes, _ = decode_case(contexts[1:], 16, 8, 128, 16, 2048, "", ordered=True)
 
-    def split():
-        decode_fn()
-        chunk[0]()
+    def as_the_engine_runs_it(decode_contexts):
+        """The decode rows through decode attention, then the chunk: (fn, bytes, flops)."""
+        _, decode_fn, decode_bytes, _ = decode_case(decode_contexts, 16, 8, 128, 16, 2048, "", ordered=True)
 
-    yield "prefill_attention mixed, the decode rows through decode attention q16/kv8 d128 block16", split, \
-        decode_bytes + chunk[1], chunk[2]
+        def fn():
+            decode_fn()
+            chunk[0]()
+
+        return fn, decode_bytes + chunk[1], chunk[2]
+
+    yield "prefill_attention mixed, the decode rows through decode attention q16/kv8 d128 block16", \
+        *as_the_engine_runs_it(contexts[1:])
     # A step with only a few decode rows beside the chunk (a lightly loaded server): the extra decode-attention
     # launch against the rows' few CTAs in the prefill grid.
     for rows in (1, 4):
@@ -89,11 +94,5 @@ def cases():
         fn, bytes_moved, flops = make_case(rows + 1, 2048, 16, 8, 128, 16, [2048] + [1] * rows, [2048] + few)
         yield f"prefill_attention mixed {what} + chunk, one prefill launch q16/kv8 d128 block16", fn, \
             bytes_moved, flops
-        _, few_fn, few_bytes, _ = decode_case(few, 16, 8, 128, 16, 2048, "", ordered=True)
-
-        def few_split(few_fn=few_fn):
-            few_fn()
-            chunk[0]()
-
-        yield f"prefill_attention mixed {what} + chunk, split as the engine runs it q16/kv8 d128 " \
-            "block16", few_split, few_bytes + chunk[1], chunk[2]
+        yield f"prefill_attention mixed {what} + chunk, split as the engine runs it q16/kv8 d128 block16", \
+            *as_the_engine_runs_it(few)
