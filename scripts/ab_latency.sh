@@ -8,9 +8,12 @@
 # a config in tests/hf_models.py (random weights made under /tmp/models), with ":fp8" appended for
 # --quantization fp8. Defaults: MODELS="qwen3-0.6b", ROUNDS=2, LATENCY_ARGS="".
 # Each run prints "model tree ms/token"; the summary gives each tree's best and B's time over A's.
+# KERNELS='decode_attention -k 1x32768 -k "of 40960"' also times kernel cases (benchmarks/bench_kernels.py with
+# those arguments, split as a shell would; this checkout's cases) on each tree in turn, $ROUNDS times, before the
+# models; the summary gives each case's best time per tree and B's over A's. MODELS="" skips the models.
 # Logs go to /tmp/ab/logs.
 set -uo pipefail
-[ $# -eq 2 ] || { sed -n 2,10p "$0"; exit 2; }
+[ $# -eq 2 ] || { sed -n 2,14p "$0"; exit 2; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 tree_a=$(cd "$1" && pwd) && tree_b=$(cd "$2" && pwd) || exit 2
 logs=/tmp/ab/logs
@@ -31,7 +34,37 @@ print(make_random_model('/tmp/models/$1', '$1'))" | tail -1)
 }
 
 summary=()
-for spec in ${MODELS:-qwen3-0.6b}; do
+if [ -n "${KERNELS:-}" ]; then
+  # Split as a shell would, so that a filter may hold spaces: KERNELS='decode_attention -k "of 40960"'.
+  mapfile -t kernel_args < <(python3 -c 'import shlex, sys; print("\n".join(shlex.split(sys.argv[1])))' "$KERNELS")
+  for round in $(seq "${ROUNDS:-2}"); do
+    for side in a b; do
+      log="$logs/kernels_${side}_$round.log"
+      # From the checkout's root, so that its kernel cases are imported; nanograph from the built tree.
+      (cd "$root" && PYTHONPATH="/tmp/ab/$side" timeout 900 python3 benchmarks/bench_kernels.py "${kernel_args[@]}") > "$log" 2>&1 ||
+        { echo "kernels $side: failed"; tail -20 "$log"; exit 1; }
+      grep -E '[0-9.]+us ' "$log" | sed "s/^/$side /"
+    done
+  done
+  mapfile -t kernel_summary < <(python3 - "$logs" "${ROUNDS:-2}" <<'PY'
+import re, sys
+logs, rounds = sys.argv[1], int(sys.argv[2])
+best = {}  # label -> {side: us}
+for side in "ab":
+    for r in range(1, rounds + 1):
+        for line in open(f"{logs}/kernels_{side}_{r}.log"):
+            m = re.match(r"(.*?)\s+([0-9.]+)us\s", line)
+            if m:
+                times = best.setdefault(m.group(1), {})
+                times[side] = min(times.get(side, float("inf")), float(m.group(2)))
+for label, t in best.items():
+    if "a" in t and "b" in t:
+        print(f"{label}: a {t['a']:.1f} us, b {t['b']:.1f} us, b/a {t['b'] / t['a']:.3f}")
+PY
+  )
+  summary+=("${kernel_summary[@]}")
+fi
+for spec in ${MODELS-qwen3-0.6b}; do
   name=${spec%:fp8}
   extra=()
   [ "$spec" != "$name" ] && extra=(--quantization fp8)
