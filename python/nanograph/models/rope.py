@@ -1,26 +1,35 @@
-"""The RoPE cos/sin table, with inverse frequencies from transformers' own initialisers so every rope type is right."""
+"""The RoPE cos/sin table: the original RoPE's frequencies, the scaled types' from transformers' initialisers."""
 from __future__ import annotations
 
 import torch
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..model_config import ModelConfig, rope_type
+from ..model_config import ModelConfig, rope_parameters, rope_type
 
 
 def rope_cos_sin(model_config: ModelConfig, max_positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """float32 [max_positions, head_dim]: row p holds cos(p * inv_freq) then sin(p * inv_freq), each head_dim / 2
     wide and multiplied by the rope type's attention scaling, as transformers' rotary embeddings compute them."""
-    inv_freq, attention_scaling = _rope_init_fn(model_config.hf_config)(model_config.hf_config)
+    hf = model_config.hf_config
+    if rope_type(hf) == "default":
+        inv_freq, attention_scaling = _default_inv_freq(hf, model_config.head_dim), 1.0
+    else:
+        inv_freq, attention_scaling = _rope_init_fn(hf)(hf)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling).to(device)
+
+
+def _default_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> torch.Tensor:
+    """The original RoPE's inverse frequencies, theta^(-2i / head_dim), computed as transformers' default rotary
+    embedding does (float32). Written here because transformers 5 keeps that initialiser on its modeling classes,
+    whose import alone takes seconds."""
+    theta = rope_parameters(hf_config).get("rope_theta") or getattr(hf_config, "rope_theta", None) or 10000.0
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
 def _rope_init_fn(hf_config: PretrainedConfig):
     kind = rope_type(hf_config)
     if kind in ROPE_INIT_FUNCTIONS:
         return ROPE_INIT_FUNCTIONS[kind]
-    if kind == "default":  # transformers 5 moved the default initialiser onto the rotary embedding classes
-        return LlamaRotaryEmbedding.compute_default_rope_parameters
     raise ValueError(f"unsupported rope_type {kind!r}; transformers knows {sorted(ROPE_INIT_FUNCTIONS)}")
