@@ -71,7 +71,7 @@ def sm90_functions():
     result = subprocess.run([cuobjdump, "-sass", "-arch", "sm_90", core], capture_output=True, text=True, env=env,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    # cuobjdump prints one section per cubin; keep sm_90's.
+    # cuobjdump prints one section per fatbin entry (cubin or PTX); none: the core has no sm_90 code.
     sections = re.split(r"\n(?=\s*arch = )", result.stdout)
     sm90 = "\n".join(s for s in sections if re.search(r"arch = sm_90", s))
     if not sm90:
