@@ -15,7 +15,7 @@ def rope_cos_sin(model_config: ModelConfig, max_positions: int, device: torch.de
     if rope_type(hf) == "default":
         inv_freq, attention_scaling = _default_inv_freq(hf, model_config.head_dim), 1.0
     else:
-        inv_freq, attention_scaling = _rope_init_fn(hf)(hf)
+        inv_freq, attention_scaling = _rope_init_fn(hf)(hf, None)  # device: positional in transformers 4
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
     return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling).to(device)
 
