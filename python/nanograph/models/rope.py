@@ -23,7 +23,7 @@ def rope_cos_sin(model_config: ModelConfig, max_positions: int, device: torch.de
 def _default_inv_freq(hf_config: PretrainedConfig, head_dim: int) -> torch.Tensor:
     """The original RoPE's inverse frequencies, theta^(-2i / head_dim), computed as transformers' default rotary
     embedding does (float32, partial_rotary_factor ignored as there). Written here because transformers 5 keeps that
-    initialiser on the rotary embedding classes, whose modeling modules take 1.7 s to import. theta: the config's
+    initialiser on the rotary embedding classes, whose modeling modules are slow to import. theta: the config's
     rope_theta attribute where it has one (transformers 4's place, and an override's), else rope_parameters'."""
     theta = vars(hf_config).get("rope_theta") or rope_parameters(hf_config).get("rope_theta") or 10000.0
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
