@@ -698,10 +698,14 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   // Through the workspace: the last of the row's parts to arrive merges them.
   __shared__ int s_parts[kMaxSplits];
   __shared__ bool s_last;
-  __threadfence();  // this CTA's part is visible on the device before it is counted
-  __syncthreads();
+  __syncthreads();  // every thread's rows are stored
   if (threadIdx.x == 0) {
-    s_last = atomicAdd(arrivals, 1u) + 1 == static_cast<unsigned>(row_parts);
+    // Release: the count follows the stores of the whole CTA (ordered before it by the barrier);
+    // acquire: the CTA that counts last then reads every part counted before it.
+    unsigned before;
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+                 : "=r"(before) : "l"(arrivals) : "memory");
+    s_last = before + 1 == static_cast<unsigned>(row_parts);
     if (s_last) {
       *arrivals = 0;  // no other CTA of this launch counts here again
       int n = 0;
@@ -712,7 +716,6 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
   for (int item = threadIdx.x; item < group * kColumns; item += kThreads) {
     const int head = item / kColumns, column = item % kColumns;
     const size_t row = out_row + head;
