@@ -51,7 +51,7 @@ def functions(sass: str) -> dict[str, list[str]]:
         if m:
             current = out.setdefault(m.group(1), [])
             continue
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(.*?)\s*;", line)
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)  # 5 digits from 0x10000 on
         if m and current is not None:
             current.append(m.group(1))
     return out
@@ -86,8 +86,11 @@ def test_functions_parser():
         /*0010*/                   ACQBULK ;                               /* 0x0000000000007b1d */
         Function : _Z3barv
         /*0000*/                   EXIT ;                                  /* 0x000000000000794d */
+        /*fff0*/                   NOP ;                                   /* 0x0000000000007918 */
+        /*10000*/                  STL [R1], R2 ;                          /* 0x0000000201007387 */
     """
-    assert functions(text) == {"_Z3fooPi": ["LDC R1, c[0x0][0x28]", "ACQBULK"], "_Z3barv": ["EXIT"]}
+    assert functions(text) == {"_Z3fooPi": ["LDC R1, c[0x0][0x28]", "ACQBULK"],
+                               "_Z3barv": ["EXIT", "NOP", "STL [R1], R2"]}
 
 
 def _opcode(instruction):
@@ -242,3 +245,19 @@ def test_small_grid_decode_attention_reloads_the_newest_keys_step_before_reading
         reloaded = sum(wait < i < q[0] for i in kv)
         assert reloaded == early, (
             f"{name}: {reloaded} of the step's {early} K/V loads come between the wait ({wait}) and q ({q[0]})")
+
+
+def test_decode_attention_counts_its_parts_without_a_sequentially_consistent_fence(sm90_functions):
+    """Every split_kernel variant that merges through the workspace counts its CTA's part with one acquire-release
+    atomic (atom.add.acq_rel.gpu: MEMBAR.ALL.GPU then ATOMG), by one thread after the CTA's barrier. A
+    __threadfence() (fence.sc.gpu: MEMBAR.SC.GPU) on that path, in every thread before the count or in the merging
+    CTA after it, lengthens the chain that the step waits for."""
+    found = {name: ins for name, ins in sm90_functions.items() if "split_kernel" in name}
+    assert len(found) >= 16, f"expected decode attention's variants, found {sorted(found)}"
+    for name, ins in found.items():
+        atomics = [i for i, x in enumerate(ins) if _opcode(x).startswith("ATOMG")]
+        assert atomics, f"{name}: no arrival count (ATOMG)"
+        assert not any("MEMBAR.SC" in x for x in ins), f"{name}: a sequentially consistent fence (MEMBAR.SC)"
+        for a in atomics:
+            assert any("MEMBAR.ALL.GPU" in x for x in ins[max(a - 8, 0):a]), \
+                f"{name}: the count at {a} has no release fence before it"
