@@ -703,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, kEarlyKv ? kEarlyKvCtasPerSm : kLarg
     // Release: the count follows the stores of the whole CTA (ordered before it by the barrier);
     // acquire: the CTA that counts last then reads every part counted before it.
     unsigned before;
-    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
                  : "=r"(before) : "l"(arrivals) : "memory");
     s_last = before + 1 == static_cast<unsigned>(row_parts);
     if (s_last) {
