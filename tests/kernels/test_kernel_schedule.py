@@ -250,9 +250,8 @@ def test_small_grid_decode_attention_reloads_the_newest_keys_step_before_reading
 def test_decode_attention_counts_its_parts_without_a_sequentially_consistent_fence(sm90_functions):
     """Every split_kernel variant that merges through the workspace counts its CTA's part with one acquire-release
     atomic (atom.acq_rel.gpu.add: MEMBAR.ALL.GPU, ATOMG, then CCTL.IVALL, L1 invalidated for the acquire), by one
-    thread after the CTA's barrier. A
-    __threadfence() (fence.sc.gpu: MEMBAR.SC.GPU) on that path, in every thread before the count or in the merging
-    CTA after it, lengthens the chain that the step waits for."""
+    thread after the CTA's barrier. A __threadfence() (fence.sc.gpu: MEMBAR.SC.GPU) on that path, in every thread
+    before the count or in the merging CTA after it, lengthens the chain that the step waits for."""
     found = {name: ins for name, ins in sm90_functions.items() if "split_kernel" in name}
     assert len(found) >= 16, f"expected decode attention's variants, found {sorted(found)}"
     for name, ins in found.items():
